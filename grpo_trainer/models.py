@@ -1,0 +1,103 @@
+"""Model loading, PEFT wrapping, the reference model and reward models.
+
+Decisions:
+
+1. The reference model is None when `beta == 0`. Under PEFT it is the policy itself with the adapter disabled
+   (no second copy in memory). Otherwise it is a frozen copy, prepared for DeepSpeed like the policy.
+2. A model given by id is loaded in float32 unless `model_init_kwargs['dtype']` says otherwise (as TRL does);
+   `trust_remote_code` stays False unless the user sets it.
+3. Optional dependencies (peft, deepspeed) are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          PreTrainedModel)
+
+__all__ = ["disable_dropout", "is_peft_model", "load_policy", "load_reward_model", "make_reference_model",
+           "reference_context", "wrap_peft"]
+
+
+def _init_kwargs(model_init_kwargs: dict | None) -> dict:
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    kwargs["dtype"] = torch.float32 if dtype is None else dtype
+    return kwargs
+
+
+def load_policy(model_id: str, model_init_kwargs: dict | None, quantization_config: Any = None) -> PreTrainedModel:
+    """A causal LM from a Hub id or a local path."""
+    kwargs = _init_kwargs(model_init_kwargs)
+    if quantization_config is not None:
+        if not torch.cuda.is_available():
+            raise ValueError("quantization_config (QLoRA / 4-bit) needs a CUDA GPU, and none is available; drop "
+                             "quantization_config to train in full precision with LoRA.")
+        kwargs["quantization_config"] = quantization_config
+    return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+
+
+def load_reward_model(model_id: str, model_init_kwargs: dict | None) -> tuple[nn.Module, Any]:
+    """A sequence-classification reward model (one label) and its tokenizer."""
+    model = AutoModelForSequenceClassification.from_pretrained(model_id, num_labels=1,
+                                                               **_init_kwargs(model_init_kwargs))
+    return model, AutoTokenizer.from_pretrained(model_id)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:
+    """Wrap `model` with a fresh adapter; only the adapter trains."""
+    from peft import get_peft_model
+
+    if is_peft_model(model):
+        raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
+    targets = getattr(peft_config, "target_modules", None) or []
+    if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
+        raise ValueError("peft_config adapts lm_head; log-probs read the LM head directly, so leave lm_head out "
+                         "of target_modules and modules_to_save.")
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return get_peft_model(model, peft_config)
+
+
+def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:
+    """The frozen reference policy, or None when it is not needed (beta == 0) or is the adapter-free policy."""
+    if beta == 0.0 or is_peft_model(model):
+        return None
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@contextlib.contextmanager
+def reference_context(policy: nn.Module) -> Iterator[None]:
+    """Under PEFT, run the policy as the reference model by disabling its adapter."""
+    while hasattr(policy, "module") and not is_peft_model(policy):  # DDP / DeepSpeed wrappers
+        policy = policy.module
+    with policy.disable_adapter():
+        yield
+
+
+def disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0

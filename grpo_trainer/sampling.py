@@ -1,0 +1,55 @@
+"""Which prompt goes to which process and micro-step.
+
+`per_device_train_batch_size` counts completions (as in TRL). The sampler yields each prompt index `G` times in a
+row, takes prompts in chunks that fill one generation round, and yields each chunk `repeat_count` times
+(`steps_per_generation x num_iterations`): the Trainer's step accounting stays right while the trainer generates
+once per round and serves the other micro-steps from its buffer. Every process draws the same permutation
+(seeded by `seed + epoch`), so all agree on which prompts form each round and each group; accelerate then hands
+each process its own slice.
+
+    G=3, prompts per round=2, repeat_count=2, permutation [4, 1, 7, 0, ...]:
+    4 4 4 1 1 1 | 4 4 4 1 1 1 | 7 7 7 0 0 0 | 7 7 7 0 0 0 | ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["RepeatSampler"]
+
+
+class RepeatSampler(Sampler[int]):
+    """Indices of `data_source`, grouped and repeated as described in the module docstring.
+
+    An incomplete trailing chunk of prompts is dropped (it could not fill a generation round).
+    """
+
+    def __init__(self, data_source: Sized, mini_repeat_count: int, batch_size: int = 1, repeat_count: int = 1,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        self.num_samples = len(data_source)
+        self.mini_repeat_count, self.batch_size, self.repeat_count = mini_repeat_count, batch_size, repeat_count
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the Trainer at each epoch: a new, reproducible permutation (exact resume needs this)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        chunks = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        for chunk in chunks:
+            if len(chunk) < self.batch_size:
+                return
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    yield from [index] * self.mini_repeat_count
+
+    def __len__(self) -> int:
+        return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count

@@ -1,0 +1,415 @@
+"""`GRPOTrainer`: a `transformers.Trainer` that trains a causal LM with GRPO, RLOO or any advantage estimator.
+
+What this trainer does, and how it differs from the papers and from TRL:
+
+1. One generation round serves `steps_per_generation x num_iterations` micro-steps. The sampler repeats each
+   prompt G times inside one round, in the same order on every process; rewards are gathered across processes
+   before advantages are computed, so a group may span processes, and each process keeps its slice.
+2. Advantages come from a pluggable estimator (`advantage_estimator`: a registry name, an `Advantage`, or any
+   callable with its signature). RLOO is `advantage_estimator="rloo"`, not a second trainer. Missing rewards
+   (None) are left out of the baselines.
+3. Loss = surrogate then aggregation (+ beta * k3 KL), chosen by `loss_type` (see `losses`). The loss already
+   includes gradient-accumulation scaling (`loss_is_scaled_for_ga = True`).
+4. Old log-probs are computed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
+   more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()).
+5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
+6. Each micro-batch is trimmed to its own longest prompt and completion before the forward pass, and
+   log-probs never materialise float32 `[B, T, V]` logits (`logprobs`).
+
+Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object, set_seed
+from torch import Tensor, nn
+from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
+from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
+
+from grpo_trainer import generation, losses, models, rewards
+from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
+from grpo_trainer.completions import CompletionLog
+from grpo_trainer.config import GRPOConfig
+from grpo_trainer.logprobs import completion_logprobs
+from grpo_trainer.sampling import RepeatSampler
+from grpo_trainer.validation import check_dataset, check_reward_setup, is_conversational
+
+__all__ = ["GRPOTrainer"]
+
+ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards barely differ from being amplified 1e8-fold
+
+
+def _identity(features: list[dict]) -> list[dict]:
+    return features
+
+
+class GRPOTrainer(Trainer):
+    """Group Relative Policy Optimization (Shao et al. 2024) through `transformers.Trainer`.
+
+    Same constructor as `trl.GRPOTrainer`; `reward_funcs` takes callables (TRL's contract), reward models or
+    model ids. `args.advantage_estimator` may also be given here as `advantage_estimator=`.
+    """
+
+    _tag_names = ["grpo_trainer", "grpo"]
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | nn.Module,
+        reward_funcs: Any,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: Any = None,
+        quantization_config: Any = None,
+        advantage_estimator: str | Advantage | Any = None,
+    ) -> None:
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        check_reward_setup(reward_funcs, args, reward_processing_classes)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id, padding_side="left", truncation_side="left")
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        check_dataset(train_dataset, "train_dataset", processing_class)
+        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
+            check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+        if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
+            raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
+                             "model, which never changes. Set sync_ref_model=False.")
+        self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+
+        if isinstance(model, str):
+            model = models.load_policy(model, args.model_init_kwargs, quantization_config)
+        if peft_config is not None:
+            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
+        if args.disable_dropout:
+            models.disable_dropout(model)
+        self.ref_model = models.make_reference_model(model, args.beta)
+        self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
+
+        super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers)
+        self._prepare_auxiliary_models()
+        self._buffer: list[dict[str, Any]] | None = None
+        self._micro_step = 0
+        self._nonfinite_in_a_row = 0
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print)
+        self._num_tokens = 0
+        set_seed(args.seed, device_specific=True)  # processes must sample different completions
+
+    # ----------------------------------------------------------------------------------------------- set-up
+
+    def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
+        """Every reward as a callable with the reward-function contract; reward models are loaded here."""
+        if not isinstance(processing_classes, (list, tuple)):
+            processing_classes = [processing_classes] * len(funcs)
+        batch_size = args.reward_model_batch_size or args.per_device_train_batch_size
+        built = []
+        for func, tokenizer in zip(funcs, processing_classes):
+            if isinstance(func, str):
+                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs)
+                tokenizer = tokenizer or loaded_tokenizer
+            if isinstance(func, nn.Module):
+                if tokenizer is None:
+                    tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
+                func = rewards.RewardModel(func, tokenizer, batch_size)
+            built.append(func)
+        return built, [rewards.reward_name(f) for f in built]
+
+    def _prepare_auxiliary_models(self) -> None:
+        """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
+        deepspeed = self.is_deepspeed_enabled
+
+        def prepare(module: nn.Module) -> nn.Module:
+            if deepspeed:
+                return prepare_deepspeed(module, self.accelerator)
+            return self.accelerator.prepare_model(module, evaluation_mode=True)
+
+        if self.ref_model is not None:
+            self.ref_model = prepare(self.ref_model)
+            if self.args.sync_ref_model:
+                from trl import SyncRefModelCallback
+
+                self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
+        for func in self.reward_funcs:
+            if isinstance(func, rewards.RewardModel):
+                func.model = prepare(func.model)
+
+    # -------------------------------------------------------------------------------------------- sampling
+
+    def get_train_dataloader(self):
+        # One dataloader batch is one local generation round (steps_per_generation micro-batches).
+        return self._get_dataloader(self.train_dataset, "Training",
+                                    self._train_batch_size * self.args.steps_per_generation,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
+    def _get_train_sampler(self, dataset: Any = None) -> RepeatSampler:
+        dataset = self.train_dataset if dataset is None else dataset
+        args = self.args
+        return RepeatSampler(dataset, mini_repeat_count=args.num_generations,
+                             batch_size=args.generation_batch_size // args.num_generations,
+                             repeat_count=args.num_iterations * args.steps_per_generation,
+                             shuffle=args.shuffle_dataset, seed=args.seed)
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
+        G = self._num_generations("eval")
+        return RepeatSampler(eval_dataset, mini_repeat_count=G, shuffle=False, seed=self.args.seed)
+
+    def _num_generations(self, mode: str) -> int:
+        return (self.args.num_generations_eval or self.args.num_generations) if mode == "eval" \
+            else self.args.num_generations
+
+    # ------------------------------------------------------------------------------------ rollout + scoring
+
+    def _prepare_inputs(self, generation_batch: list[dict]) -> dict[str, Any]:
+        """Generate once per round; serve the round's slices on the following micro-steps."""
+        if not self.model.training:
+            return self._generate_and_score(generation_batch, "eval")
+        args = self.args
+        if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
+            round_ = self._generate_and_score(generation_batch, "train")
+            self._buffer = _split_rows(round_, args.steps_per_generation)
+        inputs = self._buffer[self._micro_step % args.steps_per_generation]
+        self._micro_step += 1
+        return inputs
+
+    def _generate_and_score(self, batch: list[dict], mode: str) -> dict[str, Any]:
+        args, device = self.args, self.accelerator.device
+        prompts = [row["prompt"] for row in batch]
+        prompt_ids, prompt_mask = generation.tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
+                                                              args.chat_template_kwargs)
+        rollout = self._sample(prompt_ids.to(device), prompt_mask.to(device))
+        completions = self._decode(rollout, prompts)
+        columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
+                                                                            "completion_ids")}
+        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
+                                                  completion_ids, columns, args.reward_error_policy,
+                                                  trainer_state=self.state).to(device)  # [B, F]
+        all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
+        G = self._num_generations(mode)
+        weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
+        advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
+                                       reward_weights=weights)
+        start = self.accelerator.process_index * len(prompts)
+        advantages = advantages[start:start + len(prompts)].to(device)  # [B]
+        loss_mask = rollout.completion_mask * (~rollout.is_truncated).unsqueeze(1) \
+            if args.mask_truncated_completions else rollout.completion_mask
+        round_ = {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
+                  "completion_ids": rollout.completion_ids, "completion_mask": loss_mask.int(),
+                  "advantages": advantages}
+        round_.update(self._reference_and_old_logps(round_, mode))
+        round_["window_tokens"] = self._window_tokens(loss_mask, mode)
+        self._record_rollout_metrics(mode, rollout, all_rewards, weights, G)
+        if args.log_completions and mode == "train":
+            self._completions.add(gather_object(_as_text(prompts)), gather_object(completions),
+                                  all_rewards.cpu(), gather(advantages).cpu())
+        return round_
+
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor) -> generation.Rollout:
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
+            config = generation.make_generation_config(self.args, model.generation_config, self.processing_class,
+                                                       self.args.max_completion_length)
+            with torch.no_grad():
+                return generation.sample(model, prompt_ids, prompt_mask, config)
+
+    def _decode(self, rollout: generation.Rollout, prompts: list) -> list:
+        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        if is_conversational(prompts[0]):
+            return [[{"role": "assistant", "content": text}] for text in texts]
+        return texts
+
+    def _reference_and_old_logps(self, round_: dict[str, Any], mode: str) -> dict[str, Tensor | None]:
+        """Old log-probs only when the round is used after an optimizer step; reference ones when beta != 0."""
+        args = self.args
+        needs_old = mode == "train" and args.gradient_accumulation_steps % (
+            args.steps_per_generation * args.num_iterations) != 0
+        out: dict[str, Tensor | None] = {"old_logps": None, "ref_logps": None}
+        with torch.no_grad():
+            if needs_old:
+                out["old_logps"] = self._batched_logps(self.model, round_)
+            if args.beta != 0.0:
+                if self.ref_model is not None:
+                    out["ref_logps"] = self._batched_logps(self.ref_model, round_)
+                else:
+                    with models.reference_context(self.model):
+                        out["ref_logps"] = self._batched_logps(self.model, round_)
+        return out
+
+    def _batched_logps(self, model: nn.Module, round_: dict[str, Any]) -> Tensor:
+        """No-grad log-probs of a whole round, one micro-batch at a time: `[B, T]`."""
+        size = self.args.per_device_train_batch_size
+        pieces = [self._logps(model, _rows(round_, slice(i, i + size)))[0]
+                  for i in range(0, round_["completion_ids"].shape[0], size)]
+        width = round_["completion_ids"].shape[1]
+        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
+
+    def _window_tokens(self, loss_mask: Tensor, mode: str) -> Tensor:
+        """The `dapo` normaliser: active tokens per process per gradient-accumulation window."""
+        args = self.args
+        if mode == "eval":  # evaluation: each batch on its own
+            return loss_mask.sum().float()
+        global_tokens = gather(loss_mask.sum().reshape(1).float()).sum()
+        return global_tokens / self.accelerator.num_processes * args.gradient_accumulation_steps \
+            / args.steps_per_generation
+
+    # ---------------------------------------------------------------------------------------------- loss
+
+    def _logps(self, model: nn.Module, inputs: dict[str, Any], with_entropy: bool = False):
+        """Log-probs of a micro-batch trimmed to its own longest prompt and completion."""
+        prompt_ids, prompt_mask, completion_ids, completion_mask = _trim(inputs)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logps, entropy = completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1],
+                                             self.args.temperature, self.args.logprob_chunk_size, with_entropy)
+        return logps, entropy, completion_mask
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Tensor:
+        args = self.args
+        mode = "train" if model.training else "eval"
+        logps, entropy, mask = self._logps(model, inputs, with_entropy=True)  # [B, T] each
+        width = mask.shape[1]
+        old = inputs["old_logps"][:, :width] if inputs.get("old_logps") is not None else None
+        ref = inputs["ref_logps"][:, :width] if inputs.get("ref_logps") is not None else None
+        loss_mask = mask.float()
+        if args.top_entropy_quantile < 1.0:
+            loss_mask = loss_mask * _high_entropy_mask(entropy, mask, args.top_entropy_quantile)
+        norm = losses.LossNorm(args.gradient_accumulation_steps if mode == "train" else 1,
+                               inputs["window_tokens"], args.max_completion_length)
+        out = losses.policy_loss(logps, inputs["advantages"], loss_mask, norm, loss_type=args.loss_type,
+                                 old_logps=old, ref_logps=ref, beta=args.beta, epsilon_low=args.epsilon,
+                                 epsilon_high=args.epsilon_high, delta=args.delta,
+                                 importance_sampling_level=args.importance_sampling_level)
+        metrics = self._metrics[mode]
+        for key, value in out.metrics.items():
+            metrics[key].append(value)
+        metrics["entropy"].append((entropy * mask).sum() / mask.sum().clamp(min=1))
+        return (out.loss, None) if return_outputs else out.loss
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+        if finite:
+            self._nonfinite_in_a_row = 0
+            return loss
+        self._nonfinite_in_a_row += 1
+        self._metrics["train"]["nonfinite_steps"].append(1.0)
+        warnings.warn(f"non-finite loss or gradient at step {self.state.global_step}; its gradients are dropped.")
+        if self._nonfinite_in_a_row > self.args.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self._nonfinite_in_a_row} micro-steps in a row had a non-finite loss or gradient. Check the "
+                "rewards for huge values, lower learning_rate, set max_grad_norm, or use fp32 instead of fp16.")
+        for p in model.parameters():
+            p.grad = None  # an optimizer skips parameters without a gradient
+        return loss.new_zeros(())
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.mean().detach(), None, None
+
+    # ------------------------------------------------------------------------------------------- metrics
+
+    def _record_rollout_metrics(self, mode: str, rollout: generation.Rollout, all_rewards: Tensor,
+                                weights: Tensor, G: int) -> None:
+        metrics = self._metrics[mode]
+        lengths = gather(rollout.completion_mask.sum(1))  # [B_global]
+        truncated = gather(rollout.is_truncated.int())
+        total = torch.nansum(all_rewards * weights.to(all_rewards), dim=1)  # [B_global]
+        stds = group_std(total.cpu(), G)
+        self._num_tokens += int(gather(rollout.prompt_mask.sum() + rollout.completion_mask.sum()).sum())
+        metrics["num_tokens"].append(self._num_tokens)
+        metrics["completions/mean_length"].append(lengths.float().mean())
+        metrics["completions/min_length"].append(lengths.min())
+        metrics["completions/max_length"].append(lengths.max())
+        metrics["completions/clipped_ratio"].append(truncated.float().mean())
+        terminated = lengths[truncated == 0].float()
+        metrics["completions/mean_terminated_length"].append(terminated.mean() if terminated.numel() else 0.0)
+        for i, name in enumerate(self.reward_names):
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(all_rewards[:, i]))
+            metrics[f"rewards/{name}/std"].append(_nanstd(all_rewards[:, i]))
+        metrics["reward"].append(total.mean())
+        metrics["reward_std"].append(torch.nanmean(stds))
+        metrics["frac_reward_zero_std"].append((torch.nan_to_num(stds, nan=0.0) < 1e-6).float().mean())
+        if mode == "eval":
+            for k, value in rewards.pass_at_k(total.cpu(), G).items():
+                metrics[k].append(value)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        keys = sorted(self._metrics[mode])
+        local = torch.tensor([_nanmean(self._metrics[mode][k]) for k in keys], device=self.accelerator.device)
+        reduced = self.accelerator.reduce(local, "mean").tolist() if keys else []  # one collective per log
+        averaged = {prefix + k: v for k, v in zip(keys, reduced)}
+        if "nonfinite_steps" in self._metrics[mode]:
+            averaged[prefix + "nonfinite_steps"] = float(len(self._metrics[mode]["nonfinite_steps"]))
+        super().log({**logs, **averaged}, start_time)
+        self._metrics[mode].clear()
+        if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
+            self._completions.flush(self.state.global_step)
+
+
+def _nanmean(values: list) -> float:
+    finite = [float(v) for v in values if not math.isnan(float(v))]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def _nanstd(x: Tensor) -> Tensor:
+    valid = x[~torch.isnan(x)]
+    return valid.std() if valid.numel() > 1 else x.new_zeros(())
+
+
+def _as_text(prompts: list) -> list[str]:
+    return [p[-1]["content"] if is_conversational(p) else p for p in prompts]
+
+
+def _rows(round_: dict[str, Any], index: slice | Tensor) -> dict[str, Any]:
+    return {k: (v[index] if isinstance(v, Tensor) and v.dim() > 0 else v) for k, v in round_.items()}
+
+
+def _split_rows(round_: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Shuffle the round's rows (groups are done: advantages are known) and cut `parts` equal slices."""
+    rows = round_["completion_ids"].shape[0]
+    order = torch.randperm(rows, device=round_["completion_ids"].device)
+    size = rows // parts
+    return [_rows(round_, order[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+def _trim(inputs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Drop prompt columns that are padding in every row (left) and completion columns after the longest
+    completion (right): padding per micro-batch, not per generation round."""
+    prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+    first = int(prompt_mask.any(0).int().argmax())
+    last = max(int(completion_mask.sum(1).max()), 1)
+    return (inputs["prompt_ids"][:, first:], prompt_mask[:, first:], inputs["completion_ids"][:, :last],
+            completion_mask[:, :last])
+
+
+def _high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """1 for tokens whose entropy is in the top `quantile` of this micro-batch's valid tokens ("80/20" rule,
+    Wang et al. 2025)."""
+    valid = entropy[mask.bool()]
+    if valid.numel() == 0:
+        return mask.float()
+    threshold = torch.quantile(valid.float(), 1.0 - quantile)
+    return (entropy >= threshold).float()
