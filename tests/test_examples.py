@@ -1,0 +1,55 @@
+"""Every example runs offline (`--smoke`: tiny models, two optimizer steps) and its task-specific rewards are right."""
+
+import importlib.util
+import os
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trained_two_steps(trainer) -> list[dict]:
+    rows = [h for h in trainer.state.log_history if "reward" in h]
+    assert trainer.state.global_step == 2 and [r["step"] for r in rows] == [1, 2]
+    return rows
+
+
+@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer"])
+def test_example_smoke(name, tmp_path):
+    trainer = load(name).main(["--smoke", "--output_dir", str(tmp_path)])
+    rows = _trained_two_steps(trainer)
+    saved = {"model.safetensors", "adapter_model.safetensors"} & set(os.listdir(tmp_path))
+    assert saved == ({"adapter_model.safetensors"} if name == "reward_model_lora" else {"model.safetensors"})
+    if name != "migrate_from_trainer":  # the migration example stays a plain Trainer script
+        assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.png").exists()
+        assert len(os.listdir(tmp_path / "completions")) == 2
+    if name == "reward_model_lora":
+        assert "kl" in rows[0]  # beta=0.04: the adapter-free policy is the reference
+    if name == "rloo":
+        assert trainer.args.advantage_estimator == "rloo"
+
+
+def test_gsm8k_rows_carry_the_number_after_the_marks():
+    example = load("gsm8k_grpo")
+    row = example.to_grpo_rows({"question": "q?", "answer": "12 * 100 = 1,200\n#### 1,200"})
+    assert row["solution"] == "1200"
+    assert row["prompt"][0]["role"] == "system" and row["prompt"][1] == {"role": "user", "content": "q?"}
+
+
+def test_rloo_reward_reads_the_last_integer():
+    example = load("rloo")
+    completions = [[{"content": "12 + 30 = 42"}], [{"content": "41"}], [{"content": "none"}]]
+    assert example.exact_sum_reward(completions, target=[42, 42, 42]) == [1.0, 0.0, 0.0]
+
+
+def test_migration_reward_prefers_the_bare_answer():
+    example = load("migrate_from_trainer")
+    completions = [[{"content": "Paris."}], [{"content": "It is Paris"}], [{"content": "Lyon"}]]
+    assert example.answer_matches(completions, answer=["Paris"] * 3) == [1.0, 0.5, 0.0]
