@@ -22,6 +22,7 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -29,15 +30,16 @@ from typing import Any
 import torch
 from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
+from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
-from grpo_trainer import generation, losses, models, rewards
+from grpo_trainer import checkpoints, generation, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.logprobs import completion_logprobs
-from grpo_trainer.sampling import RepeatSampler
+from grpo_trainer.sampling import RepeatSampler, repeat_iterable
 from grpo_trainer.validation import check_dataset, check_reward_setup, is_conversational
 
 __all__ = ["GRPOTrainer"]
@@ -85,6 +87,11 @@ class GRPOTrainer(Trainer):
         check_dataset(train_dataset, "train_dataset", processing_class)
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
             check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+        if isinstance(train_dataset, IterableDataset):
+            if args.max_steps <= 0:
+                raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
+            # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
+            args.accelerator_config.dispatch_batches = False
         if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
             raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                              "model, which never changes. Set sync_ref_model=False.")
@@ -153,7 +160,11 @@ class GRPOTrainer(Trainer):
 
     def get_train_dataloader(self):
         # One dataloader batch is one local generation round (steps_per_generation micro-batches).
-        return self._get_dataloader(self.train_dataset, "Training",
+        dataset, args = self.train_dataset, self.args
+        if isinstance(dataset, IterableDataset):  # no sampler: repeat the stream the way RepeatSampler would
+            dataset = repeat_iterable(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
+                                      args.num_iterations * args.steps_per_generation)
+        return self._get_dataloader(dataset, "Training",
                                     self._train_batch_size * self.args.steps_per_generation,
                                     sampler_fn=self._get_train_sampler, is_training=True)
 
@@ -164,6 +175,14 @@ class GRPOTrainer(Trainer):
                              batch_size=args.generation_batch_size // args.num_generations,
                              repeat_count=args.num_iterations * args.steps_per_generation,
                              shuffle=args.shuffle_dataset, seed=args.seed)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable(dataset, self._num_generations("eval"), 1, 1)
+        return super().get_eval_dataloader(dataset)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         G = self._num_generations("eval")
@@ -321,6 +340,33 @@ class GRPOTrainer(Trainer):
             p.grad = None  # an optimizer skips parameters without a gradient
         return loss.new_zeros(())
 
+    # --------------------------------------------------------------------------------- checkpoints, resume
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """RNG states, plus the generation buffer and its position: a resumed run replays the same micro-steps.
+        Written before `trainer_state.json`, whose presence marks a checkpoint as complete."""
+        super()._save_rng_state(output_dir)
+        state = {"buffer": self._buffer, "micro_step": self._micro_step, "num_tokens": self._num_tokens}
+        torch.save(state, os.path.join(output_dir, f"grpo_state_{self.accelerator.process_index}.pt"))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
+        if checkpoint is not None and os.path.isfile(path):
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+        """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM
+        saves a checkpoint and stops training cleanly."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = checkpoints.latest_complete(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
+                                 "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
+        with checkpoints.save_on_sigterm(self):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -363,7 +409,8 @@ class GRPOTrainer(Trainer):
         averaged = {prefix + k: v for k, v in zip(keys, reduced)}
         if "nonfinite_steps" in self._metrics[mode]:
             averaged[prefix + "nonfinite_steps"] = float(len(self._metrics[mode]["nonfinite_steps"]))
-        super().log({**logs, **averaged}, start_time)
+        logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
+        super().log(logs, start_time)
         self._metrics[mode].clear()
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
             self._completions.flush(self.state.global_step)
