@@ -220,6 +220,9 @@ class GRPOTrainer(Trainer):
                                                   completion_ids, columns, args.reward_error_policy,
                                                   trainer_state=self.state).to(device)  # [B, F]
         all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
+        if torch.isnan(all_rewards).all(dim=1).any():
+            warnings.warn("every reward function returned None (or failed) for some completions; they get "
+                          "advantage 0. A group with no reward at all teaches nothing.")
         G = self._num_generations(mode)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
