@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          PreTrainedModel)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 __all__ = ["disable_dropout", "is_peft_model", "load_policy", "load_reward_model", "make_reference_model",
            "reference_context", "wrap_peft"]

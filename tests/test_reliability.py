@@ -11,7 +11,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 from transformers import TrainerCallback
 
 from grpo_trainer import GRPOConfig, GRPOTrainer

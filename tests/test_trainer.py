@@ -10,7 +10,6 @@ from unittest import mock
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from grpo_trainer import GRPOConfig, GRPOTrainer, RLOOAdvantage
