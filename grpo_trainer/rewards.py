@@ -53,7 +53,11 @@ def _to_floats(values: Any, name: str, count: int) -> list[float]:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise ValueError(f"reward function {name!r} returned {got} values for {count} completions; it must return "
                          "a list with one float (or None) per completion.")
-    return [math.nan if v is None else float(v) for v in values]
+    floats = [math.nan if v is None else float(v) for v in values]
+    bad = next((f for v, f in zip(values, floats) if v is not None and not math.isfinite(f)), None)
+    if bad is not None:  # None means "not applicable"; a NaN or inf that the function computed is a bug
+        raise ValueError(f"returned {bad}")
+    return floats
 
 
 def _run_coroutines(coroutines: list) -> list:
@@ -82,8 +86,6 @@ def _locate_failure(func: Callable, name: str, kwargs: dict[str, Any], count: in
         single = {k: ([v[i]] if isinstance(v, list) and len(v) == count else v) for k, v in kwargs.items()}
         try:
             value = _to_floats(_call(func, single), name, 1)[0]
-            if math.isinf(value):
-                raise ValueError(f"returned {value}")
         except Exception as exc:  # noqa: BLE001 - user code may raise anything
             if policy == "raise":
                 raise RewardError(f"reward function {name!r} failed on sample {i} ({type(exc).__name__}: {exc}); "
@@ -118,8 +120,6 @@ def score_completions(
             if isinstance(result, BaseException):
                 raise result
             values = _to_floats(result, name, count)
-            if any(math.isinf(v) for v in values):
-                raise ValueError("returned inf")
         except Exception as exc:  # noqa: BLE001
             values = _locate_failure(func, name, kwargs, count, policy, exc)
         columns_out.append(values)

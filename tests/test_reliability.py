@@ -32,17 +32,8 @@ def make_trainer(tmp_path, model, tokenizer, dataset, reward_funcs=varied_reward
                        processing_class=tokenizer)
 
 
-def fails_on_third(prompts, completions, **kwargs):
-    if len(completions) > 2:  # the batch call: fail like user code with a bug on one sample would
-        raise ZeroDivisionError("division by zero")
-    return [1.0 / (0 if "3" in prompts[0] else 1)]
-
-
 def test_failing_reward_names_function_sample_and_prompt(tmp_path, tiny_model, tokenizer, toy_dataset):
-    def broken(prompts, completions, **kwargs):
-        return [1.0 / 0 if i == 2 else 0.0 for i in range(len(completions))]
-
-    # A batch call fails; one-at-a-time calls pin it on sample 2 (index 2 of the batch, any prompt).
+    # The batch call fails; one-at-a-time calls pin the failure on sample 2 of the batch.
     def broken_on_index_2(prompts, completions, **kwargs):
         if len(completions) > 1:
             raise ZeroDivisionError("division by zero")
@@ -79,6 +70,7 @@ def test_failing_reward_as_missing_with_policy_none(tmp_path, tiny_model, tokeni
 @pytest.mark.parametrize("bad, message", [
     (lambda completions, **kw: [1.0], "returned 1 values for 4 completions"),
     (lambda completions, **kw: [math.inf] * len(completions), "failed on sample 0 (ValueError: returned inf)"),
+    (lambda completions, **kw: [math.nan] * len(completions), "failed on sample 0 (ValueError: returned nan)"),
 ])
 def test_reward_of_wrong_length_or_infinite(tmp_path, tiny_model, tokenizer, toy_dataset, bad, message):
     trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, bad)
