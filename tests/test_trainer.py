@@ -226,3 +226,43 @@ def test_a_random_model_learns_the_toy_task(tmp_path, tokenizer):
     trainer.train()
     rewards = logged(trainer, "reward")
     assert rewards[-1] > rewards[0] + 0.4, rewards
+
+
+def test_sync_ref_model_pulls_the_reference_towards_the_policy(tmp_path, tiny_model, tokenizer, toy_dataset):
+    # alpha = 1 and a sync every step: after training the reference must equal the policy exactly.
+    trainer, _ = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, beta=0.1, sync_ref_model=True,
+                       ref_model_sync_steps=1, ref_model_mixup_alpha=1.0)
+    reference = dict(trainer.ref_model.named_parameters())
+    assert all(torch.equal(p, reference[n]) for n, p in tiny_model.named_parameters())
+
+
+def test_sequence_level_importance_sampling_trains(tmp_path, tiny_model, tokenizer, toy_dataset):
+    trainer, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, loss_type="grpo",
+                             importance_sampling_level="sequence", num_iterations=2, max_steps=2)
+    assert all(changed.values())
+    assert logged(trainer, "clip_ratio/region_mean")[1] > 0.0  # the sequence ratio left the band on pass 2
+
+
+def test_top_entropy_quantile_keeps_only_high_entropy_tokens():
+    from grpo_trainer.trainer import _high_entropy_mask
+
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])  # the 7.0 and 9.0 are padding: never in the quantile
+    # Valid entropies sorted: 0.1 0.2 0.3 0.5 0.7 0.9; the 1 - 0.5 quantile (linear) is 0.3 + 0.5*(0.5-0.3) = 0.4
+    kept = _high_entropy_mask(entropy, mask, 0.5) * mask
+    assert kept.tolist() == [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_entropy_quantile_trains(tmp_path, tiny_model, tokenizer, toy_dataset):
+    _, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, top_entropy_quantile=0.2)
+    assert all(changed.values())
+
+
+def test_disable_dropout(tmp_path, tokenizer, toy_dataset):
+    from grpo_trainer.tiny import make_tiny_model
+
+    model = make_tiny_model(tokenizer)
+    model.dropout = torch.nn.Dropout(0.3)  # a model with a dropout layer
+    GRPOTrainer(model, varied_reward, args=make_args(tmp_path, disable_dropout=True), train_dataset=toy_dataset,
+                processing_class=tokenizer)
+    assert model.dropout.p == 0.0
