@@ -29,6 +29,7 @@ __all__ = [
     "LossNorm",
     "LossOutput",
     "clipped_surrogate",
+    "high_entropy_mask",
     "cispo_surrogate",
     "kl_k3",
     "log_importance_ratio",
@@ -222,3 +223,14 @@ def policy_loss(
     low, high = _masked_mean(clip["low"].to(mask), mask), _masked_mean(clip["high"].to(mask), mask)
     metrics.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high})
     return LossOutput(loss, metrics)
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """1 for tokens whose entropy is in the top `quantile` of the valid (`mask`) tokens, else 0: the "80/20"
+    rule of Wang et al. 2025 (arXiv:2506.01939), where only high-entropy forking tokens carry the gradient.
+    Args: entropy, mask `[B, T]`. Returns `[B, T]` float."""
+    valid = entropy[mask.bool()]
+    if valid.numel() == 0:
+        return mask.float()
+    threshold = torch.quantile(valid.float(), 1.0 - quantile)
+    return (entropy >= threshold).float()

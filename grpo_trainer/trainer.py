@@ -13,7 +13,7 @@ What this trainer does, and how it differs from the papers and from TRL:
 4. Old log-probs are computed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
    more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
-6. Each micro-batch is trimmed to its own longest prompt and completion before the forward pass, and
+6. Each micro-batch is trimmed to its own longest prompt and completion before the forward pass (`buffer`), and
    log-probs never materialise float32 `[B, T, V]` logits (`logprobs`).
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
-from grpo_trainer import checkpoints, generation, losses, models, rewards
+from grpo_trainer import buffer, checkpoints, generation, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -112,7 +112,7 @@ class GRPOTrainer(Trainer):
         self._prepare_auxiliary_models()
         self._buffer: list[dict[str, Any]] | None = None
         self._micro_step = 0
-        self._nonfinite_in_a_row = 0
+        self._nonfinite_in_a_row = self._nonfinite_since_log = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print)
         self._num_tokens = 0
@@ -201,7 +201,7 @@ class GRPOTrainer(Trainer):
         args = self.args
         if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
             round_ = self._generate_and_score(generation_batch, "train")
-            self._buffer = _split_rows(round_, args.steps_per_generation)
+            self._buffer = buffer.split_round(round_, args.steps_per_generation)
         inputs = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         return inputs
@@ -276,7 +276,7 @@ class GRPOTrainer(Trainer):
     def _batched_logps(self, model: nn.Module, round_: dict[str, Any]) -> Tensor:
         """No-grad log-probs of a whole round, one micro-batch at a time: `[B, T]`."""
         size = self.args.per_device_train_batch_size
-        pieces = [self._logps(model, _rows(round_, slice(i, i + size)))[0]
+        pieces = [self._logps(model, buffer.select_rows(round_, slice(i, i + size)))[0]
                   for i in range(0, round_["completion_ids"].shape[0], size)]
         width = round_["completion_ids"].shape[1]
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
@@ -294,7 +294,7 @@ class GRPOTrainer(Trainer):
 
     def _logps(self, model: nn.Module, inputs: dict[str, Any], with_entropy: bool = False):
         """Log-probs of a micro-batch trimmed to its own longest prompt and completion."""
-        prompt_ids, prompt_mask, completion_ids, completion_mask = _trim(inputs)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = buffer.trim_padding(inputs)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logps, entropy = completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1],
@@ -311,7 +311,7 @@ class GRPOTrainer(Trainer):
         ref = inputs["ref_logps"][:, :width] if inputs.get("ref_logps") is not None else None
         loss_mask = mask.float()
         if args.top_entropy_quantile < 1.0:
-            loss_mask = loss_mask * _high_entropy_mask(entropy, mask, args.top_entropy_quantile)
+            loss_mask = loss_mask * losses.high_entropy_mask(entropy, mask, args.top_entropy_quantile)
         norm = losses.LossNorm(args.gradient_accumulation_steps if mode == "train" else 1,
                                inputs["window_tokens"], args.max_completion_length)
         out = losses.policy_loss(logps, inputs["advantages"], loss_mask, norm, loss_type=args.loss_type,
@@ -333,7 +333,7 @@ class GRPOTrainer(Trainer):
             self._nonfinite_in_a_row = 0
             return loss
         self._nonfinite_in_a_row += 1
-        self._metrics["train"]["nonfinite_steps"].append(1.0)
+        self._nonfinite_since_log += 1
         warnings.warn(f"non-finite loss or gradient at step {self.state.global_step}; its gradients are dropped.")
         if self._nonfinite_in_a_row > self.args.max_nonfinite_steps:
             raise RuntimeError(
@@ -406,12 +406,13 @@ class GRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        keys = sorted(self._metrics[mode])
+        if mode == "train":  # skipped micro-steps since the last log, summed over processes below
+            self._metrics[mode]["nonfinite_steps"] = [self._nonfinite_since_log * self.accelerator.num_processes]
+            self._nonfinite_since_log = 0
+        keys = sorted(self._metrics[mode])  # the same keys on every process, so one collective is safe
         local = torch.tensor([_nanmean(self._metrics[mode][k]) for k in keys], device=self.accelerator.device)
-        reduced = self.accelerator.reduce(local, "mean").tolist() if keys else []  # one collective per log
+        reduced = self.accelerator.reduce(local, "mean").tolist() if keys else []
         averaged = {prefix + k: v for k, v in zip(keys, reduced)}
-        if "nonfinite_steps" in self._metrics[mode]:
-            averaged[prefix + "nonfinite_steps"] = float(len(self._metrics[mode]["nonfinite_steps"]))
         logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
         self._metrics[mode].clear()
@@ -431,35 +432,3 @@ def _nanstd(x: Tensor) -> Tensor:
 
 def _as_text(prompts: list) -> list[str]:
     return [p[-1]["content"] if is_conversational(p) else p for p in prompts]
-
-
-def _rows(round_: dict[str, Any], index: slice | Tensor) -> dict[str, Any]:
-    return {k: (v[index] if isinstance(v, Tensor) and v.dim() > 0 else v) for k, v in round_.items()}
-
-
-def _split_rows(round_: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Shuffle the round's rows (groups are done: advantages are known) and cut `parts` equal slices."""
-    rows = round_["completion_ids"].shape[0]
-    order = torch.randperm(rows, device=round_["completion_ids"].device)
-    size = rows // parts
-    return [_rows(round_, order[i * size:(i + 1) * size]) for i in range(parts)]
-
-
-def _trim(inputs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Drop prompt columns that are padding in every row (left) and completion columns after the longest
-    completion (right): padding per micro-batch, not per generation round."""
-    prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
-    first = int(prompt_mask.any(0).int().argmax())
-    last = max(int(completion_mask.sum(1).max()), 1)
-    return (inputs["prompt_ids"][:, first:], prompt_mask[:, first:], inputs["completion_ids"][:, :last],
-            completion_mask[:, :last])
-
-
-def _high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
-    """1 for tokens whose entropy is in the top `quantile` of this micro-batch's valid tokens ("80/20" rule,
-    Wang et al. 2025)."""
-    valid = entropy[mask.bool()]
-    if valid.numel() == 0:
-        return mask.float()
-    threshold = torch.quantile(valid.float(), 1.0 - quantile)
-    return (entropy >= threshold).float()

@@ -244,12 +244,12 @@ def test_sequence_level_importance_sampling_trains(tmp_path, tiny_model, tokeniz
 
 
 def test_top_entropy_quantile_keeps_only_high_entropy_tokens():
-    from grpo_trainer.trainer import _high_entropy_mask
+    from grpo_trainer.losses import high_entropy_mask
 
     entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 9.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])  # the 7.0 and 9.0 are padding: never in the quantile
     # Valid entropies sorted: 0.1 0.2 0.3 0.5 0.7 0.9; the 1 - 0.5 quantile (linear) is 0.3 + 0.5*(0.5-0.3) = 0.4
-    kept = _high_entropy_mask(entropy, mask, 0.5) * mask
+    kept = high_entropy_mask(entropy, mask, 0.5) * mask
     assert kept.tolist() == [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
