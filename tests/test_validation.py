@@ -122,3 +122,10 @@ def test_iterable_dataset_needs_max_steps(args, tokenizer):
 def test_unknown_estimator_object_is_rejected(args, tokenizer):
     with pytest.raises(ValueError, match="advantage_estimator must be a name, an Advantage or a callable"):
         make(args, tokenizer, advantage_estimator=42)
+
+
+def test_checkpointing_defaults_on_like_trl_and_either_name_turns_it_off():
+    assert GRPOConfig(**BASE).gradient_checkpointing is True
+    assert GRPOConfig(**BASE, activation_checkpointing=False).gradient_checkpointing is False
+    with pytest.warns(FutureWarning):  # transformers' deprecated alias still works, as TRL scripts use it
+        assert GRPOConfig(**BASE, gradient_checkpointing=False).activation_checkpointing is False
