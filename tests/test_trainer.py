@@ -266,3 +266,14 @@ def test_disable_dropout(tmp_path, tokenizer, toy_dataset):
     GRPOTrainer(model, varied_reward, args=make_args(tmp_path, disable_dropout=True), train_dataset=toy_dataset,
                 processing_class=tokenizer)
     assert model.dropout.p == 0.0
+
+
+def test_reward_model_given_as_a_path(tmp_path, tiny_model, tokenizer, toy_conversational_dataset):
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")  # the reward tokenizer (with its chat template) is loaded from here
+    trainer, changed = train(tmp_path / "run", tiny_model, tokenizer, toy_conversational_dataset,
+                             str(tmp_path / "rm"))
+    assert trainer.reward_names == ["rm"] and all(changed.values())
+    assert trainer.reward_funcs[0].model.config.pad_token_id == tokenizer.pad_token_id  # set for batched scoring
