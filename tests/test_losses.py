@@ -340,7 +340,7 @@ def test_dapo_invariant_to_micro_batch_split(split, loss_type):
     lengths = [5, 1, 3, 4]  # ragged: a token mean is not a mean of micro-batch means
     mask = (torch.arange(5)[None] < torch.tensor(lengths)[:, None]).to(F64)
     whole = LossNorm(accumulation_steps=1, window_tokens=float(sum(lengths)), max_completion_length=5)
-    kwargs = dict(loss_type=loss_type, old_logps=old, epsilon_high=1.28)
+    kwargs = {"loss_type": loss_type, "old_logps": old, "epsilon_high": 1.28}
 
     full_logps = logps.clone().requires_grad_(True)
     full = policy_loss(full_logps, advantages, mask, whole, **kwargs).loss
