@@ -117,7 +117,9 @@ def sapo_surrogate(
     """SAPO (arXiv:2511.20347): a soft sigmoid gate instead of a hard clip, -(4/tau) sigma(tau (rho-1)) A, with
     tau = tau_pos for A > 0 else tau_neg. Its gradient at rho = 1 equals the unclipped surrogate's."""
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    # torch.where on two Python floats gives the default dtype (float32); keep the inputs' precision.
+    dtype = torch.promote_types(ratio.dtype, advantages.dtype)
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(dtype)
     loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
     shape = torch.broadcast_shapes(logps.shape, ratio.shape)
     none = torch.zeros(shape, dtype=torch.bool, device=logps.device)

@@ -6,9 +6,9 @@ applicable") per completion. `async def` functions run concurrently. A reward mo
 `AutoModelForSequenceClassification` or a model id) scores `prompt + completion` in micro-batches, taking
 `logits[:, 0]`.
 
-A function that raises, returns the wrong number of values, or returns NaN/inf is reported by name with the
+A function that raises, returns the wrong number of values, or returns +/-inf is reported by name with the
 sample index and prompt (`reward_error_policy='raise'`), or its bad values become missing rewards
-(`reward_error_policy='none'`).
+(`reward_error_policy='none'`). NaN, like None, already means "missing".
 """
 
 from __future__ import annotations
@@ -74,7 +74,11 @@ def _run_coroutines(coroutines: list) -> list:
 
 def _call(func: Callable, kwargs: dict[str, Any]) -> Any:
     result = func(**kwargs)
-    return _run_coroutines([result])[0] if inspect.isawaitable(result) else result
+    if inspect.isawaitable(result):
+        result = _run_coroutines([result])[0]
+        if isinstance(result, BaseException):  # gather(return_exceptions=True) hands the exception back
+            raise result
+    return result
 
 
 def _locate_failure(func: Callable, name: str, kwargs: dict[str, Any], count: int, policy: str,
@@ -122,6 +126,13 @@ def score_completions(
             values = _to_floats(result, name, count)
         except Exception as exc:  # noqa: BLE001
             values = _locate_failure(func, name, kwargs, count, policy, exc)
+        infinite = [j for j, v in enumerate(values) if math.isinf(v)]
+        if infinite and policy == "raise":  # the batch result already names the sample: no need to re-call
+            j = infinite[0]
+            raise RewardError(f"reward function {name!r} failed on sample {j} (returned {values[j]}); prompt: "
+                              f"{str(prompts[j])[:200]!r}. Rewards must be finite; fix the function, or set "
+                              "reward_error_policy='none' to treat such values as missing rewards.")
+        values = [math.nan if math.isinf(v) else v for v in values]
         columns_out.append(values)
     return torch.tensor(columns_out, dtype=torch.float32).T.reshape(count, len(funcs))
 
