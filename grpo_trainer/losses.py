@@ -195,6 +195,8 @@ def policy_loss(
     epsilon_high: float | None = None,
     delta: float | None = None,
     importance_sampling_level: ImportanceLevel = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> LossOutput:
     """The GRPO objective for one micro-batch.
 
@@ -213,7 +215,9 @@ def policy_loss(
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     log_ratio = log_importance_ratio(logps, old_logps, mask, importance_sampling_level)
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    per_token, clip = SURROGATES[surrogate_name](log_ratio, adv, logps, epsilon_low, eps_high, delta)
+    gate = {"temperature_pos": sapo_temperature_pos, "temperature_neg": sapo_temperature_neg}
+    per_token, clip = SURROGATES[surrogate_name](log_ratio, adv, logps, epsilon_low, eps_high, delta,
+                                                 **(gate if surrogate_name == "sapo" else {}))
     metrics: dict[str, Tensor] = {}
     if beta != 0.0:
         if ref_logps is None:

@@ -317,7 +317,9 @@ class GRPOTrainer(Trainer):
         out = losses.policy_loss(logps, inputs["advantages"], loss_mask, norm, loss_type=args.loss_type,
                                  old_logps=old, ref_logps=ref, beta=args.beta, epsilon_low=args.epsilon,
                                  epsilon_high=args.epsilon_high, delta=args.delta,
-                                 importance_sampling_level=args.importance_sampling_level)
+                                 importance_sampling_level=args.importance_sampling_level,
+                                 sapo_temperature_pos=args.sapo_temperature_pos,
+                                 sapo_temperature_neg=args.sapo_temperature_neg)
         metrics = self._metrics[mode]
         for key, value in out.metrics.items():
             metrics[key].append(value)

@@ -365,3 +365,13 @@ def test_bnpo_is_not_split_invariant():
     close(AGGREGATIONS["bnpo"](loss, mask, LossNorm()), 1.75)
     norm = LossNorm(accumulation_steps=2)
     close(AGGREGATIONS["bnpo"](loss[:1], mask[:1], norm) + AGGREGATIONS["bnpo"](loss[1:], mask[1:], norm), 2.5)
+
+
+def test_policy_loss_passes_the_sapo_temperatures():
+    # One token, rho = e^0.5, A = 1, tau_pos = 2: per-token loss -(4/2) * sigmoid(2 * (e^0.5 - 1)) * 1, and the
+    # `grpo` aggregation of a single token is that token's value.
+    logps, old = torch.tensor([[0.0]]), torch.tensor([[-0.5]])
+    out = policy_loss(logps, torch.tensor([1.0]), torch.ones(1, 1), LossNorm(), loss_type="sapo", old_logps=old,
+                      sapo_temperature_pos=2.0)
+    expected = -(4 / 2) * torch.sigmoid(torch.tensor(2 * (math.exp(0.5) - 1)))
+    assert out.loss.item() == pytest.approx(expected.item(), abs=1e-6)

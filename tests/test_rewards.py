@@ -121,15 +121,15 @@ def test_policy_none_turns_only_the_failing_sample_into_nan():
     assert out[:, 1].tolist() == [1.0, 2.0, 3.0]  # the other function is untouched
 
 
-@pytest.mark.parametrize("bad", [math.inf, -math.inf])
-def test_infinite_reward_is_an_error(bad):
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_computed_nan_or_inf_reward_is_an_error(bad):
     calls = []
 
     def explodes(completions, **kwargs):
         calls.append(len(completions))
         return [0.0, bad, 0.5]  # a batch-level score: it would change if the function were re-called per sample
 
-    with pytest.raises(RewardError, match=r"'explodes' failed on sample 1 \(returned -?inf\); prompt: 'p1'"):
+    with pytest.raises(RewardError, match=r"'explodes' failed on sample 1 \(returned (-?inf|nan)\); prompt: 'p1'"):
         score([explodes])
     out = score([explodes], policy="none")
     assert out[0, 0].item() == 0.0 and math.isnan(out[1, 0].item()) and out[2, 0].item() == 0.5
@@ -142,7 +142,7 @@ def test_infinite_reward_found_while_locating_another_failure():
             raise RuntimeError("batch failed")
         return [math.inf if completions[0] == "ccc" else 1.0]
 
-    with pytest.raises(RewardError, match=r"'fragile' failed on sample 2 \(ValueError: returned inf\)"):
+    with pytest.raises(RewardError, match=r"'fragile' failed on sample 2 \(ValueError: returned NaN or inf\)"):
         score([fragile])
     out = score([fragile], policy="none")
     assert out[:2, 0].tolist() == [1.0, 1.0] and math.isnan(out[2, 0].item())
