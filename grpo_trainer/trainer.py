@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
-from grpo_trainer import generation, losses, models, rewards
+from grpo_trainer import generation, hub, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -367,6 +367,28 @@ class GRPOTrainer(Trainer):
         self._metrics[mode].clear()
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
             self._completions.flush(self.state.global_step)
+
+    # -------------------------------------------------------------------------------------- saving + Hub
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (only the adapter and tokenizer for a PeftModel), then the run's model card: every
+        `save_model` and every checkpoint folder gets a README.md."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            hub.write_model_card(self, output_dir or self.args.output_dir)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Write `output_dir/README.md` (`push_to_hub` calls this before uploading `output_dir`)."""
+        if self.is_world_process_zero():
+            hub.write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name,
+                                 tags=tags)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies a checkpoint's weights into output_dir and uploads output_dir; the card goes with them.
+        if self.is_world_process_zero():
+            self.create_model_card()
+        super()._push_from_checkpoint(checkpoint_folder)
 
 
 def _nanmean(values: list) -> float:
