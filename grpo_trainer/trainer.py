@@ -390,6 +390,11 @@ class GRPOTrainer(Trainer):
             self.create_model_card()
         super()._push_from_checkpoint(checkpoint_folder)
 
+    def save_merged_model(self, output_dir: str) -> str:
+        """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
+        peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
+        return hub.save_merged_model(self, output_dir)
+
 
 def _nanmean(values: list) -> float:
     finite = [float(v) for v in values if not math.isnan(float(v))]
