@@ -37,8 +37,12 @@ def _init_kwargs(model_init_kwargs: dict | None) -> dict:
 def load_policy(model_id: str, model_init_kwargs: dict | None, quantization_config: Any = None) -> PreTrainedModel:
     """A causal LM from a Hub id or a local path."""
     kwargs = _init_kwargs(model_init_kwargs)
+    if quantization_config is not None and kwargs.get("quantization_config") is not None:
+        raise ValueError("quantization_config is set both as a trainer argument and in args.model_init_kwargs; "
+                         "set it in one place (the trainer argument).")
+    quantization_config = quantization_config or kwargs.get("quantization_config")
     if quantization_config is not None:
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available():  # checked before any weight is read
             raise ValueError("quantization_config (QLoRA / 4-bit) needs a CUDA GPU, and none is available; drop "
                              "quantization_config to train in full precision with LoRA.")
         kwargs["quantization_config"] = quantization_config
