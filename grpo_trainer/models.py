@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,7 +86,13 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
 
 def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:
     """The frozen reference policy, or None when it is not needed (beta == 0) or is the adapter-free policy."""
-    if beta == 0.0 or is_peft_model(model):
+    if beta == 0.0:
+        return None
+    if is_peft_model(model):
+        if any(p.any() for name, p in model.named_parameters() if "lora_B" in name):
+            warnings.warn("the PeftModel's adapter is already trained (non-zero lora_B), but the KL reference is "
+                          "the base model with the adapter disabled, not this starting point. To measure KL from "
+                          "it, merge it (merge_and_unload()) and pass the merged model with peft_config.")
         return None
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
