@@ -18,7 +18,7 @@ from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel, TrainerCallback
 
 from grpo_trainer import GRPOConfig, GRPOTrainer, models
 from grpo_trainer.logprobs import completion_logprobs
@@ -193,6 +193,24 @@ def test_reloaded_adapter_reproduces_the_trained_policy(run, tokenizer):
     torch.testing.assert_close(sequence_logps(reloaded, tokenizer), trained, rtol=0, atol=1e-6)
     # The comparison is not vacuous: the adapter moved the log-probs away from the base model's.
     assert (trained - sequence_logps(base_model(tokenizer), tokenizer)).abs().max() > 1e-3
+
+
+def test_resume_from_an_adapter_checkpoint_restores_the_adapter(run, tokenizer, tmp_path):
+    trainer, out = run[0], run[3]  # checkpoint-2 is the run's final state
+
+    class Snapshot(TrainerCallback):  # the weights right after the checkpoint is loaded, before any step
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    snapshot = Snapshot()
+    resumed = GRPOTrainer(base_model(tokenizer), copy_digits_reward, args=config(tmp_path, max_steps=3),
+                          train_dataset=copy_digits_dataset(32), processing_class=tokenizer, peft_config=lora(),
+                          callbacks=[snapshot])
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 3
+    trained = dict(trainer.model.named_parameters())
+    assert snapshot.weights.keys() == trained.keys()
+    assert all(torch.equal(p, trained[n]) for n, p in snapshot.weights.items())
 
 
 def test_save_merged_model_writes_a_full_model_with_the_same_logprobs(run, tokenizer, tmp_path):
