@@ -35,8 +35,14 @@ def _init_kwargs(model_init_kwargs: dict | None) -> dict:
     return kwargs
 
 
-def load_policy(model_id: str, model_init_kwargs: dict | None, quantization_config: Any = None) -> PreTrainedModel:
-    """A causal LM from a Hub id or a local path."""
+def load_policy(model: str | nn.Module, model_init_kwargs: dict | None,
+                quantization_config: Any = None) -> nn.Module:
+    """A causal LM from a Hub id or a local path; a model that is already loaded is returned as it is."""
+    if not isinstance(model, str):
+        if quantization_config is not None:
+            raise ValueError("quantization_config applies only when `model` is a Hub id or a local path; this model "
+                             "is already loaded. Pass its id/path, or load it with quantization_config yourself.")
+        return model
     kwargs = _init_kwargs(model_init_kwargs)
     if quantization_config is not None and kwargs.get("quantization_config") is not None:
         raise ValueError("quantization_config is set both as a trainer argument and in args.model_init_kwargs; "
@@ -47,7 +53,7 @@ def load_policy(model_id: str, model_init_kwargs: dict | None, quantization_conf
             raise ValueError("quantization_config (QLoRA / 4-bit) needs a CUDA GPU, and none is available; drop "
                              "quantization_config to train in full precision with LoRA.")
         kwargs["quantization_config"] = quantization_config
-    return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
 def load_reward_model(model_id: str, model_init_kwargs: dict | None) -> tuple[nn.Module, Any]:

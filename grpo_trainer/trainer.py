@@ -90,11 +90,7 @@ class GRPOTrainer(Trainer):
                              "model, which never changes. Set sync_ref_model=False.")
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
 
-        if isinstance(model, str):
-            model = models.load_policy(model, args.model_init_kwargs, quantization_config)
-        elif quantization_config is not None:
-            raise ValueError("quantization_config applies only when `model` is a Hub id or a local path; this model "
-                             "is already loaded. Pass its id/path, or load it with quantization_config yourself.")
+        model = models.load_policy(model, args.model_init_kwargs, quantization_config)
         if peft_config is not None:
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:
