@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
-from grpo_trainer import buffer, checkpoints, generation, losses, models, rewards
+from grpo_trainer import buffer, checkpoints, generation, hub, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -97,8 +97,7 @@ class GRPOTrainer(Trainer):
                              "model, which never changes. Set sync_ref_model=False.")
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
 
-        if isinstance(model, str):
-            model = models.load_policy(model, args.model_init_kwargs, quantization_config)
+        model = models.load_policy(model, args.model_init_kwargs, quantization_config)
         if peft_config is not None:
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:
@@ -420,6 +419,33 @@ class GRPOTrainer(Trainer):
         self._metrics[mode].clear()
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
             self._completions.flush(self.state.global_step)
+
+    # -------------------------------------------------------------------------------------- saving + Hub
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (only the adapter and tokenizer for a PeftModel), then the run's model card: every
+        `save_model` and every checkpoint folder gets a README.md."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            hub.write_model_card(self, output_dir or self.args.output_dir)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Write `output_dir/README.md` (`push_to_hub` calls this before uploading `output_dir`)."""
+        if self.is_world_process_zero():
+            hub.write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name,
+                                 tags=tags)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies a checkpoint's weights into output_dir and uploads output_dir; the card goes with them.
+        if self.is_world_process_zero():
+            self.create_model_card()
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def save_merged_model(self, output_dir: str) -> str:
+        """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
+        peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
+        return hub.save_merged_model(self, output_dir)
 
 
 def _nanmean(values: list) -> float:
