@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 
-from grpo_trainer import generation, losses, models, rewards
+from grpo_trainer import distributed, generation, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -112,6 +112,10 @@ class GRPOTrainer(Trainer):
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
     # ----------------------------------------------------------------------------------------------- set-up
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
     def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
         """Every reward as a callable with the reward-function contract; reward models are loaded here."""
