@@ -96,7 +96,7 @@ class GRPOTrainer(Trainer):
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:
             models.disable_dropout(model)
-        self.ref_model = models.make_reference_model(model, args.beta)
+        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
         self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
