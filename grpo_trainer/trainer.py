@@ -30,7 +30,7 @@ import torch
 from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
-from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
+from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from grpo_trainer import distributed, generation, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
@@ -138,13 +138,16 @@ class GRPOTrainer(Trainer):
         """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
         deepspeed = self.is_deepspeed_enabled
 
-        def prepare(module: nn.Module) -> nn.Module:
+        def prepare(module: nn.Module, shard_under_fsdp: bool = False) -> nn.Module:
             if deepspeed:
                 return prepare_deepspeed(module, self.accelerator)
-            return self.accelerator.prepare_model(module, evaluation_mode=True)
+            if shard_under_fsdp and self.is_fsdp_enabled:
+                return prepare_fsdp(module, self.accelerator)
+            # device_placement: accelerate does not move models under FSDP by default
+            return self.accelerator.prepare_model(module, evaluation_mode=True, device_placement=True)
 
         if self.ref_model is not None:
-            self.ref_model = prepare(self.ref_model)
+            self.ref_model = prepare(self.ref_model, shard_under_fsdp=True)
             if self.args.sync_ref_model:
                 from trl import SyncRefModelCallback
 
