@@ -282,8 +282,10 @@ class GRPOTrainer(Trainer):
         prompt_ids, prompt_mask, completion_ids, completion_mask = _trim(inputs)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1],
-                                             self.args.temperature, self.args.logprob_chunk_size, with_entropy)
+        logprobs_fn = distributed.fsdp_completion_logprobs if self.is_fsdp_enabled and \
+            distributed.is_fsdp_module(model) else completion_logprobs
+        logps, entropy = logprobs_fn(model, input_ids, attention_mask, completion_ids.shape[1],
+                                     self.args.temperature, self.args.logprob_chunk_size, with_entropy)
         return logps, entropy, completion_mask
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
