@@ -49,9 +49,9 @@ def check_processes(accelerator: Accelerator) -> None:
         fix = ("without a GPU, set the environment variable ACCELERATE_USE_CPU=true (or GRPOConfig(use_cpu=True)) "
                "so that accelerate syncs the processes over gloo")
     raise RuntimeError(
-        f"{launched} processes were launched (WORLD_SIZE={launched}), but accelerate runs "
-        f"{accelerator.num_processes} with distributed_type={state.distributed_type.value}: each process would "
-        f"train alone and the run would look successful. Fix: {fix}. See docs/DISTRIBUTED.md.")
+        f"{launched} processes were launched (WORLD_SIZE={launched}), but accelerate sees "
+        f"{accelerator.num_processes} with distributed_type={state.distributed_type.value}, so they would not "
+        f"train together (and might still exit 0). Fix: {fix}. See docs/DISTRIBUTED.md.")
 
 
 def enable_fsdp2_on_cpu(trainer: object) -> None:

@@ -96,7 +96,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def run_mode(model_dir, tmp_path_factory):
     """`run_mode(name)` -> (result dict, output dir): one launch per mode per session."""
-    cache: dict[str, tuple[dict, Path]] = {}
+    cache: dict[str, tuple[dict, Path] | str] = {}  # a failed launch is kept as its message: no relaunch
 
     def run(name: str) -> tuple[dict, Path]:
         if name not in cache:
@@ -105,12 +105,14 @@ def run_mode(model_dir, tmp_path_factory):
             code, wall = accelerate_launch(mode.config, ["--out", str(out), "--model-dir", str(model_dir),
                                                          *mode.args], launch_env(mode.env), out / "launch.log")
             if code != 0 or not (out / "result.json").exists():
-                pytest.fail(f"{name}: accelerate launch exited {code} after {wall:.0f}s (timeout "
-                            f"{LAUNCH_TIMEOUT_S}s); last lines of its output:\n{_tail(out / 'launch.log')}")
-            result = json.loads((out / "result.json").read_text())
-            result["launch_seconds"] = wall
-            print(f"\n[distributed] {name}: launch {wall:.1f}s, train {result['train_seconds']:.1f}s")
-            cache[name] = (result, out)
+                cache[name] = (f"{name}: accelerate launch exited {code} after {wall:.0f}s (timeout "
+                               f"{LAUNCH_TIMEOUT_S}s); last lines of its output:\n{_tail(out / 'launch.log')}")
+            else:
+                result = json.loads((out / "result.json").read_text())
+                print(f"\n[distributed] {name}: launch {wall:.1f}s, train {result['train_seconds']:.1f}s")
+                cache[name] = (result, out)
+        if isinstance(cache[name], str):
+            pytest.fail(cache[name])
         return cache[name]
 
     return run

@@ -168,7 +168,7 @@ def _probe_generation(trainer, zero3: bool) -> dict:
 
 
 def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
-        ds3_gather: bool = True) -> dict:
+        ds3_gather: bool = True, per_device_batch: int | None = None) -> dict:
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from transformers import set_seed
@@ -181,7 +181,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     processes = launched_world_size()
     set_seed(0)  # LoRA's random A matrices are drawn before the trainer seeds; start every run from one state
     args = GRPOConfig(
-        output_dir=str(out_dir / "run"), per_device_train_batch_size=ROUND_ROWS // (processes * ACCUMULATION),
+        output_dir=str(out_dir / "run"), per_device_train_batch_size=per_device_batch or ROUND_ROWS // (processes * ACCUMULATION),
         gradient_accumulation_steps=ACCUMULATION, num_generations=G, max_completion_length=MAX_COMPLETION,
         max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
@@ -251,6 +251,7 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--ddp-backend", default=None)
     parser.add_argument("--no-ds3-gather", action="store_true")
+    parser.add_argument("--per-device-batch", type=int, default=None)
     cli = parser.parse_args()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (2-3 min on 2 cores) the
@@ -258,7 +259,8 @@ def main() -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather)
+    run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
+        per_device_batch=cli.per_device_batch)
 
 
 if __name__ == "__main__":
