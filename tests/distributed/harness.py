@@ -181,12 +181,12 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     processes = launched_world_size()
     set_seed(0)  # LoRA's random A matrices are drawn before the trainer seeds; start every run from one state
     args = GRPOConfig(
-        output_dir=str(out_dir / "run"), per_device_train_batch_size=per_device_batch or ROUND_ROWS // (processes * ACCUMULATION),
+        output_dir=str(out_dir / "run"),
+        per_device_train_batch_size=per_device_batch or ROUND_ROWS // (processes * ACCUMULATION),
         gradient_accumulation_steps=ACCUMULATION, num_generations=G, max_completion_length=MAX_COMPLETION,
         max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
-        seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
-        gradient_checkpointing=os.environ.get("HARNESS_GC", "1") == "1")
+        seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True)
     peft_config = None
     if lora:
         from peft import LoraConfig
