@@ -62,7 +62,8 @@ def enable_fsdp2_on_cpu(trainer: object) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin()  # fsdp_version, wrap policy, ... from the FSDP_* environment
+    # TrainingArguments(fsdp=..., fsdp_config=...) if given, else the FSDP_* variables `accelerate launch` exports
+    plugin = FullyShardedDataParallelPlugin(**(getattr(trainer.args, "fsdp_plugin_args", None) or {}))
     if plugin.fsdp_version != 2:
         raise RuntimeError("FSDP1 cannot run without a GPU (accelerate refuses a CPU device); set "
                            "fsdp_version: 2 in the accelerate config, or use DDP or DeepSpeed on CPU.")

@@ -7,6 +7,7 @@ reference runs in this pytest process (no start-up cost), with the same harness.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -99,8 +100,10 @@ def run_mode(model_dir, tmp_path_factory):
     cache: dict[str, tuple[dict, Path] | str] = {}  # a failed launch is kept as its message: no relaunch
 
     def run(name: str) -> tuple[dict, Path]:
+        mode = MODES[name]
+        if "deepspeed" in mode.config and importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("deepspeed is not installed (pip install '.[deepspeed]')")
         if name not in cache:
-            mode = MODES[name]
             out = tmp_path_factory.mktemp(f"dist_{name}")
             code, wall = accelerate_launch(mode.config, ["--out", str(out), "--model-dir", str(model_dir),
                                                          *mode.args], launch_env(mode.env), out / "launch.log")
