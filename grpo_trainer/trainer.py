@@ -32,9 +32,9 @@ from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
-from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
+from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
-from grpo_trainer import buffer, checkpoints, generation, hub, losses, models, rewards
+from grpo_trainer import buffer, checkpoints, distributed, generation, hub, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -102,7 +102,7 @@ class GRPOTrainer(Trainer):
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:
             models.disable_dropout(model)
-        self.ref_model = models.make_reference_model(model, args.beta)
+        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
         self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
@@ -118,6 +118,10 @@ class GRPOTrainer(Trainer):
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
     # ----------------------------------------------------------------------------------------------- set-up
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
     def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
         """Every reward as a callable with the reward-function contract; reward models are loaded here."""
@@ -140,13 +144,16 @@ class GRPOTrainer(Trainer):
         """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
         deepspeed = self.is_deepspeed_enabled
 
-        def prepare(module: nn.Module) -> nn.Module:
+        def prepare(module: nn.Module, shard_under_fsdp: bool = False) -> nn.Module:
             if deepspeed:
                 return prepare_deepspeed(module, self.accelerator)
-            return self.accelerator.prepare_model(module, evaluation_mode=True)
+            if shard_under_fsdp and self.is_fsdp_enabled:
+                return prepare_fsdp(module, self.accelerator)
+            # device_placement: accelerate does not move models under FSDP by default
+            return self.accelerator.prepare_model(module, evaluation_mode=True, device_placement=True)
 
         if self.ref_model is not None:
-            self.ref_model = prepare(self.ref_model)
+            self.ref_model = prepare(self.ref_model, shard_under_fsdp=True)
             if self.args.sync_ref_model:
                 from trl import SyncRefModelCallback
 
@@ -296,8 +303,10 @@ class GRPOTrainer(Trainer):
         prompt_ids, prompt_mask, completion_ids, completion_mask = buffer.trim_padding(inputs)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1],
-                                             self.args.temperature, self.args.logprob_chunk_size, with_entropy)
+        logprobs_fn = distributed.fsdp_completion_logprobs if self.is_fsdp_enabled and \
+            distributed.is_fsdp_module(model) else completion_logprobs
+        logps, entropy = logprobs_fn(model, input_ids, attention_mask, completion_ids.shape[1],
+                                     self.args.temperature, self.args.logprob_chunk_size, with_entropy)
         return logps, entropy, completion_mask
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
