@@ -99,6 +99,7 @@ class GRPOTrainer(Trainer):
 
         model = models.load_policy(model, args.model_init_kwargs, quantization_config)
         if peft_config is not None:
+            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:
             models.disable_dropout(model)
