@@ -72,7 +72,8 @@ def as_reward_vector(rewards: RewardsLike, reward_weights: Sequence[float] | Ten
 
 
 def _nones_to_nan(rewards: Sequence) -> list:
-    return [_nones_to_nan(r) if isinstance(r, (list, tuple)) else (math.nan if r is None else float(r)) for r in rewards]
+    return [_nones_to_nan(r) if isinstance(r, (list, tuple)) else (math.nan if r is None else float(r))
+            for r in rewards]
 
 
 def _check(values: Tensor, num_generations: int, scale: str, min_generations: int) -> None:

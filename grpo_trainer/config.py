@@ -37,7 +37,6 @@ class GRPOConfig(TrainingArguments):
     # Defaults TRL changes on TrainingArguments.
     learning_rate: float = _opt(1e-6, "Initial AdamW learning rate.")
     logging_steps: float = _opt(10, "Log every X optimizer steps (a float in [0, 1) is a ratio of all steps).")
-    gradient_checkpointing: bool = _opt(True, "Recompute activations in the backward pass to save memory.")
     bf16: bool | None = _opt(None, "bf16 mixed precision. None: on where the GPU runs bf16 natively, else off.")
     remove_unused_columns: bool | None = _opt(False, "Keep extra dataset columns: reward functions receive them.")
 
@@ -106,6 +105,8 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and _bf16_is_fast()
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default (its deprecated alias gradient_checkpointing=True)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size is not supported: shrinking the batch would split prompt groups. "

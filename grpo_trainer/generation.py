@@ -89,6 +89,7 @@ def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, generation_confi
     """Generate one completion per prompt row with `model.generate` (rows are already repeated G times)."""
     output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config)
     completion_ids = output[:, prompt_ids.shape[1]:]
-    mask, truncated = completion_mask(completion_ids, generation_config.eos_token_id)
+    eos = generation_config.eos_token_id
+    mask, truncated = completion_mask(completion_ids, eos if isinstance(eos, (list, tuple)) else [eos])
     completion_ids = completion_ids.masked_fill(mask == 0, generation_config.pad_token_id)
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)

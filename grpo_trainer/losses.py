@@ -29,6 +29,7 @@ __all__ = [
     "LossNorm",
     "LossOutput",
     "clipped_surrogate",
+    "high_entropy_mask",
     "cispo_surrogate",
     "kl_k3",
     "log_importance_ratio",
@@ -116,7 +117,9 @@ def sapo_surrogate(
     """SAPO (arXiv:2511.20347): a soft sigmoid gate instead of a hard clip, -(4/tau) sigma(tau (rho-1)) A, with
     tau = tau_pos for A > 0 else tau_neg. Its gradient at rho = 1 equals the unclipped surrogate's."""
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    # torch.where on two Python floats gives the default dtype (float32); keep the inputs' precision.
+    dtype = torch.promote_types(ratio.dtype, advantages.dtype)
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(dtype)
     loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
     shape = torch.broadcast_shapes(logps.shape, ratio.shape)
     none = torch.zeros(shape, dtype=torch.bool, device=logps.device)
@@ -192,6 +195,8 @@ def policy_loss(
     epsilon_high: float | None = None,
     delta: float | None = None,
     importance_sampling_level: ImportanceLevel = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> LossOutput:
     """The GRPO objective for one micro-batch.
 
@@ -210,7 +215,9 @@ def policy_loss(
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     log_ratio = log_importance_ratio(logps, old_logps, mask, importance_sampling_level)
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    per_token, clip = SURROGATES[surrogate_name](log_ratio, adv, logps, epsilon_low, eps_high, delta)
+    gate = {"temperature_pos": sapo_temperature_pos, "temperature_neg": sapo_temperature_neg}
+    per_token, clip = SURROGATES[surrogate_name](log_ratio, adv, logps, epsilon_low, eps_high, delta,
+                                                 **(gate if surrogate_name == "sapo" else {}))
     metrics: dict[str, Tensor] = {}
     if beta != 0.0:
         if ref_logps is None:
@@ -222,3 +229,14 @@ def policy_loss(
     low, high = _masked_mean(clip["low"].to(mask), mask), _masked_mean(clip["high"].to(mask), mask)
     metrics.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high})
     return LossOutput(loss, metrics)
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """1 for tokens whose entropy is in the top `quantile` of the valid (`mask`) tokens, else 0: the "80/20"
+    rule of Wang et al. 2025 (arXiv:2506.01939), where only high-entropy forking tokens carry the gradient.
+    Args: entropy, mask `[B, T]`. Returns `[B, T]` float."""
+    valid = entropy[mask.bool()]
+    if valid.numel() == 0:
+        return mask.float()
+    threshold = torch.quantile(valid.float(), 1.0 - quantile)
+    return (entropy >= threshold).float()

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          PreTrainedModel)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 __all__ = ["disable_dropout", "is_peft_model", "load_policy", "load_reward_model", "make_reference_model",
            "reference_context", "wrap_peft"]
@@ -34,15 +34,25 @@ def _init_kwargs(model_init_kwargs: dict | None) -> dict:
     return kwargs
 
 
-def load_policy(model_id: str, model_init_kwargs: dict | None, quantization_config: Any = None) -> PreTrainedModel:
-    """A causal LM from a Hub id or a local path."""
+def load_policy(model: str | nn.Module, model_init_kwargs: dict | None,
+                quantization_config: Any = None) -> nn.Module:
+    """A causal LM from a Hub id or a local path; a model that is already loaded is returned as it is."""
+    if not isinstance(model, str):
+        if quantization_config is not None:
+            raise ValueError("quantization_config applies only when `model` is a Hub id or a local path; this model "
+                             "is already loaded. Pass its id/path, or load it with quantization_config yourself.")
+        return model
     kwargs = _init_kwargs(model_init_kwargs)
+    if quantization_config is not None and kwargs.get("quantization_config") is not None:
+        raise ValueError("quantization_config is set both as a trainer argument and in args.model_init_kwargs; "
+                         "set it in one place (the trainer argument).")
+    quantization_config = quantization_config or kwargs.get("quantization_config")
     if quantization_config is not None:
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available():  # checked before any weight is read
             raise ValueError("quantization_config (QLoRA / 4-bit) needs a CUDA GPU, and none is available; drop "
                              "quantization_config to train in full precision with LoRA.")
         kwargs["quantization_config"] = quantization_config
-    return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
 def load_reward_model(model_id: str, model_init_kwargs: dict | None) -> tuple[nn.Module, Any]:
@@ -81,7 +91,13 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
 
 def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:
     """The frozen reference policy, or None when it is not needed (beta == 0) or is the adapter-free policy."""
-    if beta == 0.0 or is_peft_model(model):
+    if beta == 0.0:
+        return None
+    if is_peft_model(model):
+        if any(p.any() for name, p in model.named_parameters() if "lora_B" in name):
+            warnings.warn("the PeftModel's adapter is already trained (non-zero lora_B), but the KL reference is "
+                          "the base model with the adapter disabled, not this starting point. To measure KL from "
+                          "it, merge it (merge_and_unload()) and pass the merged model with peft_config.")
         return None
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)

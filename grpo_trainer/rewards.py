@@ -6,9 +6,9 @@ applicable") per completion. `async def` functions run concurrently. A reward mo
 `AutoModelForSequenceClassification` or a model id) scores `prompt + completion` in micro-batches, taking
 `logits[:, 0]`.
 
-A function that raises, returns the wrong number of values, or returns NaN/inf is reported by name with the
+A function that raises, returns the wrong number of values, or computes NaN or inf is reported by name with the
 sample index and prompt (`reward_error_policy='raise'`), or its bad values become missing rewards
-(`reward_error_policy='none'`).
+(`reward_error_policy='none'`). `None` is how a function says "not applicable"; a NaN it computed is a bug.
 """
 
 from __future__ import annotations
@@ -46,14 +46,18 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def _to_floats(values: Any, name: str, count: int) -> list[float]:
+def _to_floats(values: Any, name: str, count: int) -> tuple[list[float], list[int]]:
+    """Floats with None -> NaN ("not applicable"), and the indices of values the function computed as NaN or
+    inf, which are bugs rather than abstentions."""
     if isinstance(values, Tensor):
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != count:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise ValueError(f"reward function {name!r} returned {got} values for {count} completions; it must return "
                          "a list with one float (or None) per completion.")
-    return [math.nan if v is None else float(v) for v in values]
+    floats = [math.nan if v is None else float(v) for v in values]
+    bad = [i for i, (v, f) in enumerate(zip(values, floats)) if v is not None and not math.isfinite(f)]
+    return [math.nan if i in bad else f for i, f in enumerate(floats)], bad
 
 
 def _run_coroutines(coroutines: list) -> list:
@@ -70,25 +74,32 @@ def _run_coroutines(coroutines: list) -> list:
 
 def _call(func: Callable, kwargs: dict[str, Any]) -> Any:
     result = func(**kwargs)
-    return _run_coroutines([result])[0] if inspect.isawaitable(result) else result
+    if inspect.isawaitable(result):
+        result = _run_coroutines([result])[0]
+        if isinstance(result, BaseException):  # gather(return_exceptions=True) hands the exception back
+            raise result
+    return result
+
+
+def _failure(name: str, index: int, prompt: Any, reason: str) -> RewardError:
+    return RewardError(f"reward function {name!r} failed on sample {index} ({reason}); prompt: {str(prompt)[:200]!r}. "
+                       "Fix the function, or set reward_error_policy='none' to treat such failures as missing rewards.")
 
 
 def _locate_failure(func: Callable, name: str, kwargs: dict[str, Any], count: int, policy: str,
                     error: BaseException) -> list[float]:
-    """Re-run `func` one sample at a time to name the failing sample (policy 'raise') or to keep the samples
-    that do score (policy 'none')."""
+    """The batch call failed: re-run `func` one sample at a time to name the failing sample (policy 'raise') or
+    to keep the samples that do score (policy 'none')."""
     values = []
     for i in range(count):
         single = {k: ([v[i]] if isinstance(v, list) and len(v) == count else v) for k, v in kwargs.items()}
         try:
-            value = _to_floats(_call(func, single), name, 1)[0]
-            if math.isinf(value):
-                raise ValueError(f"returned {value}")
+            (value,), bad = _to_floats(_call(func, single), name, 1)
+            if bad:
+                raise ValueError("returned NaN or inf")
         except Exception as exc:  # noqa: BLE001 - user code may raise anything
             if policy == "raise":
-                raise RewardError(f"reward function {name!r} failed on sample {i} ({type(exc).__name__}: {exc}); "
-                                  f"prompt: {str(kwargs['prompts'][i])[:200]!r}. Fix the function, or set "
-                                  "reward_error_policy='none' to treat such failures as missing rewards.") from exc
+                raise _failure(name, i, kwargs["prompts"][i], f"{type(exc).__name__}: {exc}") from exc
             value = math.nan
         values.append(value)
     if policy == "raise":  # every sample passed alone: the batch call itself is broken
@@ -117,11 +128,11 @@ def score_completions(
             result = async_results[i] if i in async_results else func(**kwargs)
             if isinstance(result, BaseException):
                 raise result
-            values = _to_floats(result, name, count)
-            if any(math.isinf(v) for v in values):
-                raise ValueError("returned inf")
+            values, bad = _to_floats(result, name, count)
         except Exception as exc:  # noqa: BLE001
-            values = _locate_failure(func, name, kwargs, count, policy, exc)
+            values, bad = _locate_failure(func, name, kwargs, count, policy, exc), []
+        if bad and policy == "raise":  # the batch result already names the sample: no need to call again
+            raise _failure(name, bad[0], prompts[bad[0]], f"returned {result[bad[0]]}")
         columns_out.append(values)
     return torch.tensor(columns_out, dtype=torch.float32).T.reshape(count, len(funcs))
 

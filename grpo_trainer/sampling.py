@@ -13,12 +13,12 @@ each process its own slice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler
 
-__all__ = ["RepeatSampler"]
+__all__ = ["RepeatSampler", "repeat_iterable"]
 
 
 class RepeatSampler(Sampler[int]):
@@ -53,3 +53,27 @@ class RepeatSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+class _RepeatedStream(IterableDataset):
+    def __init__(self, rows: Iterable[dict], mini_repeat_count: int, batch_size: int, repeat_count: int) -> None:
+        self.rows, self.mini_repeat_count, self.batch_size, self.repeat_count = (
+            rows, mini_repeat_count, batch_size, repeat_count)
+
+    def __iter__(self) -> Iterator[dict]:
+        chunk: list[dict] = []
+        for row in self.rows:
+            chunk.append(row)
+            if len(chunk) < self.batch_size:
+                continue
+            for _ in range(self.repeat_count):
+                for kept in chunk:
+                    yield from [kept] * self.mini_repeat_count
+            chunk = []
+
+
+def repeat_iterable(rows: Iterable[dict], mini_repeat_count: int, batch_size: int = 1,
+                    repeat_count: int = 1) -> IterableDataset:
+    """The `RepeatSampler` order for a stream (an `IterableDataset` has no indices to sample): each row
+    `mini_repeat_count` times, chunks of `batch_size` rows `repeat_count` times, incomplete last chunk dropped."""
+    return _RepeatedStream(rows, mini_repeat_count, batch_size, repeat_count)

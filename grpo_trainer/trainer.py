@@ -13,7 +13,7 @@ What this trainer does, and how it differs from the papers and from TRL:
 4. Old log-probs are computed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
    more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
-6. Each micro-batch is trimmed to its own longest prompt and completion before the forward pass, and
+6. Each micro-batch is trimmed to its own longest prompt and completion before the forward pass (`buffer`), and
    log-probs never materialise float32 `[B, T, V]` logits (`logprobs`).
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
@@ -22,6 +22,7 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -29,15 +30,16 @@ from typing import Any
 import torch
 from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
+from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
-from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
+from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
-from grpo_trainer import generation, losses, models, rewards
+from grpo_trainer import buffer, checkpoints, distributed, generation, hub, losses, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.logprobs import completion_logprobs
-from grpo_trainer.sampling import RepeatSampler
+from grpo_trainer.sampling import RepeatSampler, repeat_iterable
 from grpo_trainer.validation import check_dataset, check_reward_setup, is_conversational
 
 __all__ = ["GRPOTrainer"]
@@ -85,18 +87,23 @@ class GRPOTrainer(Trainer):
         check_dataset(train_dataset, "train_dataset", processing_class)
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
             check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+        if isinstance(train_dataset, IterableDataset):
+            if args.max_steps <= 0:
+                raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
+            # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
+            args.accelerator_config.dispatch_batches = False
         if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
             raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                              "model, which never changes. Set sync_ref_model=False.")
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
 
-        if isinstance(model, str):
-            model = models.load_policy(model, args.model_init_kwargs, quantization_config)
+        model = models.load_policy(model, args.model_init_kwargs, quantization_config)
         if peft_config is not None:
+            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
         if args.disable_dropout:
             models.disable_dropout(model)
-        self.ref_model = models.make_reference_model(model, args.beta)
+        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
         self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
@@ -105,13 +112,17 @@ class GRPOTrainer(Trainer):
         self._prepare_auxiliary_models()
         self._buffer: list[dict[str, Any]] | None = None
         self._micro_step = 0
-        self._nonfinite_in_a_row = 0
+        self._nonfinite_in_a_row = self._nonfinite_since_log = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print)
         self._num_tokens = 0
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
     # ----------------------------------------------------------------------------------------------- set-up
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
     def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
         """Every reward as a callable with the reward-function contract; reward models are loaded here."""
@@ -134,13 +145,16 @@ class GRPOTrainer(Trainer):
         """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
         deepspeed = self.is_deepspeed_enabled
 
-        def prepare(module: nn.Module) -> nn.Module:
+        def prepare(module: nn.Module, shard_under_fsdp: bool = False) -> nn.Module:
             if deepspeed:
                 return prepare_deepspeed(module, self.accelerator)
-            return self.accelerator.prepare_model(module, evaluation_mode=True)
+            if shard_under_fsdp and self.is_fsdp_enabled:
+                return prepare_fsdp(module, self.accelerator)
+            # device_placement: accelerate does not move models under FSDP by default
+            return self.accelerator.prepare_model(module, evaluation_mode=True, device_placement=True)
 
         if self.ref_model is not None:
-            self.ref_model = prepare(self.ref_model)
+            self.ref_model = prepare(self.ref_model, shard_under_fsdp=True)
             if self.args.sync_ref_model:
                 from trl import SyncRefModelCallback
 
@@ -153,7 +167,11 @@ class GRPOTrainer(Trainer):
 
     def get_train_dataloader(self):
         # One dataloader batch is one local generation round (steps_per_generation micro-batches).
-        return self._get_dataloader(self.train_dataset, "Training",
+        dataset, args = self.train_dataset, self.args
+        if isinstance(dataset, IterableDataset):  # no sampler: repeat the stream the way RepeatSampler would
+            dataset = repeat_iterable(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
+                                      args.num_iterations * args.steps_per_generation)
+        return self._get_dataloader(dataset, "Training",
                                     self._train_batch_size * self.args.steps_per_generation,
                                     sampler_fn=self._get_train_sampler, is_training=True)
 
@@ -164,6 +182,14 @@ class GRPOTrainer(Trainer):
                              batch_size=args.generation_batch_size // args.num_generations,
                              repeat_count=args.num_iterations * args.steps_per_generation,
                              shuffle=args.shuffle_dataset, seed=args.seed)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable(dataset, self._num_generations("eval"), 1, 1)
+        return super().get_eval_dataloader(dataset)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         G = self._num_generations("eval")
@@ -182,7 +208,7 @@ class GRPOTrainer(Trainer):
         args = self.args
         if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
             round_ = self._generate_and_score(generation_batch, "train")
-            self._buffer = _split_rows(round_, args.steps_per_generation)
+            self._buffer = buffer.split_round(round_, args.steps_per_generation)
         inputs = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         return inputs
@@ -201,6 +227,9 @@ class GRPOTrainer(Trainer):
                                                   completion_ids, columns, args.reward_error_policy,
                                                   trainer_state=self.state).to(device)  # [B, F]
         all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
+        if torch.isnan(all_rewards).all(dim=1).any():
+            warnings.warn("every reward function returned None (or failed) for some completions; they get "
+                          "advantage 0. A group with no reward at all teaches nothing.")
         G = self._num_generations(mode)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
@@ -254,7 +283,7 @@ class GRPOTrainer(Trainer):
     def _batched_logps(self, model: nn.Module, round_: dict[str, Any]) -> Tensor:
         """No-grad log-probs of a whole round, one micro-batch at a time: `[B, T]`."""
         size = self.args.per_device_train_batch_size
-        pieces = [self._logps(model, _rows(round_, slice(i, i + size)))[0]
+        pieces = [self._logps(model, buffer.select_rows(round_, slice(i, i + size)))[0]
                   for i in range(0, round_["completion_ids"].shape[0], size)]
         width = round_["completion_ids"].shape[1]
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
@@ -272,11 +301,13 @@ class GRPOTrainer(Trainer):
 
     def _logps(self, model: nn.Module, inputs: dict[str, Any], with_entropy: bool = False):
         """Log-probs of a micro-batch trimmed to its own longest prompt and completion."""
-        prompt_ids, prompt_mask, completion_ids, completion_mask = _trim(inputs)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = buffer.trim_padding(inputs)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1],
-                                             self.args.temperature, self.args.logprob_chunk_size, with_entropy)
+        logprobs_fn = distributed.fsdp_completion_logprobs if self.is_fsdp_enabled and \
+            distributed.is_fsdp_module(model) else completion_logprobs
+        logps, entropy = logprobs_fn(model, input_ids, attention_mask, completion_ids.shape[1],
+                                     self.args.temperature, self.args.logprob_chunk_size, with_entropy)
         return logps, entropy, completion_mask
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -289,13 +320,15 @@ class GRPOTrainer(Trainer):
         ref = inputs["ref_logps"][:, :width] if inputs.get("ref_logps") is not None else None
         loss_mask = mask.float()
         if args.top_entropy_quantile < 1.0:
-            loss_mask = loss_mask * _high_entropy_mask(entropy, mask, args.top_entropy_quantile)
+            loss_mask = loss_mask * losses.high_entropy_mask(entropy, mask, args.top_entropy_quantile)
         norm = losses.LossNorm(args.gradient_accumulation_steps if mode == "train" else 1,
                                inputs["window_tokens"], args.max_completion_length)
         out = losses.policy_loss(logps, inputs["advantages"], loss_mask, norm, loss_type=args.loss_type,
                                  old_logps=old, ref_logps=ref, beta=args.beta, epsilon_low=args.epsilon,
                                  epsilon_high=args.epsilon_high, delta=args.delta,
-                                 importance_sampling_level=args.importance_sampling_level)
+                                 importance_sampling_level=args.importance_sampling_level,
+                                 sapo_temperature_pos=args.sapo_temperature_pos,
+                                 sapo_temperature_neg=args.sapo_temperature_neg)
         metrics = self._metrics[mode]
         for key, value in out.metrics.items():
             metrics[key].append(value)
@@ -311,7 +344,7 @@ class GRPOTrainer(Trainer):
             self._nonfinite_in_a_row = 0
             return loss
         self._nonfinite_in_a_row += 1
-        self._metrics["train"]["nonfinite_steps"].append(1.0)
+        self._nonfinite_since_log += 1
         warnings.warn(f"non-finite loss or gradient at step {self.state.global_step}; its gradients are dropped.")
         if self._nonfinite_in_a_row > self.args.max_nonfinite_steps:
             raise RuntimeError(
@@ -320,6 +353,33 @@ class GRPOTrainer(Trainer):
         for p in model.parameters():
             p.grad = None  # an optimizer skips parameters without a gradient
         return loss.new_zeros(())
+
+    # --------------------------------------------------------------------------------- checkpoints, resume
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """RNG states, plus the generation buffer and its position: a resumed run replays the same micro-steps.
+        Written before `trainer_state.json`, whose presence marks a checkpoint as complete."""
+        super()._save_rng_state(output_dir)
+        state = {"buffer": self._buffer, "micro_step": self._micro_step, "num_tokens": self._num_tokens}
+        torch.save(state, os.path.join(output_dir, f"grpo_state_{self.accelerator.process_index}.pt"))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
+        if checkpoint is not None and os.path.isfile(path):
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+        """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM
+        saves a checkpoint and stops training cleanly."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = checkpoints.latest_complete(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
+                                 "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
+        with checkpoints.save_on_sigterm(self):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -357,16 +417,45 @@ class GRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        keys = sorted(self._metrics[mode])
+        if mode == "train":  # skipped micro-steps since the last log, summed over processes below
+            self._metrics[mode]["nonfinite_steps"] = [self._nonfinite_since_log * self.accelerator.num_processes]
+            self._nonfinite_since_log = 0
+        keys = sorted(self._metrics[mode])  # the same keys on every process, so one collective is safe
         local = torch.tensor([_nanmean(self._metrics[mode][k]) for k in keys], device=self.accelerator.device)
-        reduced = self.accelerator.reduce(local, "mean").tolist() if keys else []  # one collective per log
+        reduced = self.accelerator.reduce(local, "mean").tolist() if keys else []
         averaged = {prefix + k: v for k, v in zip(keys, reduced)}
-        if "nonfinite_steps" in self._metrics[mode]:
-            averaged[prefix + "nonfinite_steps"] = float(len(self._metrics[mode]["nonfinite_steps"]))
-        super().log({**logs, **averaged}, start_time)
+        logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
+        super().log(logs, start_time)
         self._metrics[mode].clear()
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
             self._completions.flush(self.state.global_step)
+
+    # -------------------------------------------------------------------------------------- saving + Hub
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (only the adapter and tokenizer for a PeftModel), then the run's model card: every
+        `save_model` and every checkpoint folder gets a README.md."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            hub.write_model_card(self, output_dir or self.args.output_dir)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Write `output_dir/README.md` (`push_to_hub` calls this before uploading `output_dir`)."""
+        if self.is_world_process_zero():
+            hub.write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name,
+                                 tags=tags)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies a checkpoint's weights into output_dir and uploads output_dir; the card goes with them.
+        if self.is_world_process_zero():
+            self.create_model_card()
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def save_merged_model(self, output_dir: str) -> str:
+        """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
+        peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
+        return hub.save_merged_model(self, output_dir)
 
 
 def _nanmean(values: list) -> float:
@@ -381,35 +470,3 @@ def _nanstd(x: Tensor) -> Tensor:
 
 def _as_text(prompts: list) -> list[str]:
     return [p[-1]["content"] if is_conversational(p) else p for p in prompts]
-
-
-def _rows(round_: dict[str, Any], index: slice | Tensor) -> dict[str, Any]:
-    return {k: (v[index] if isinstance(v, Tensor) and v.dim() > 0 else v) for k, v in round_.items()}
-
-
-def _split_rows(round_: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Shuffle the round's rows (groups are done: advantages are known) and cut `parts` equal slices."""
-    rows = round_["completion_ids"].shape[0]
-    order = torch.randperm(rows, device=round_["completion_ids"].device)
-    size = rows // parts
-    return [_rows(round_, order[i * size:(i + 1) * size]) for i in range(parts)]
-
-
-def _trim(inputs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Drop prompt columns that are padding in every row (left) and completion columns after the longest
-    completion (right): padding per micro-batch, not per generation round."""
-    prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
-    first = int(prompt_mask.any(0).int().argmax())
-    last = max(int(completion_mask.sum(1).max()), 1)
-    return (inputs["prompt_ids"][:, first:], prompt_mask[:, first:], inputs["completion_ids"][:, :last],
-            completion_mask[:, :last])
-
-
-def _high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
-    """1 for tokens whose entropy is in the top `quantile` of this micro-batch's valid tokens ("80/20" rule,
-    Wang et al. 2025)."""
-    valid = entropy[mask.bool()]
-    if valid.numel() == 0:
-        return mask.float()
-    threshold = torch.quantile(valid.float(), 1.0 - quantile)
-    return (entropy >= threshold).float()

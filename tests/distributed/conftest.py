@@ -1,0 +1,140 @@
+"""Launch each distributed mode once per test session and hand its recorded result to every test that asks.
+
+Each launch is `accelerate launch --config_file accelerate_configs/cpu/<mode>.yaml tests/distributed/harness.py`
+with 2 processes over gloo, under a timeout; on a hang the whole process group is killed. The 1-process
+reference runs in this pytest process (no start-up cost), with the same harness.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).with_name("harness.py")
+LAUNCH_TIMEOUT_S = 300
+sys.path.insert(0, str(HARNESS.parent))
+
+import harness  # noqa: E402 - found through the sys.path entry above
+
+
+@dataclass(frozen=True)
+class Mode:
+    config: str  # file in accelerate_configs/cpu/
+    distributed_type: str  # what accelerate must report
+    wrapper: str  # a class name in the MRO of trainer.model_wrapped
+    args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+    lora: bool = False
+
+
+CPU = {"ACCELERATE_USE_CPU": "true"}
+MODES = {
+    "ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", env=CPU),
+    "zero2": Mode("deepspeed_zero2.yaml", "DEEPSPEED", "DeepSpeedEngine", ("--ddp-backend", "gloo")),
+    # Sharded generation (no gather): the processes must step together while their completions differ in length.
+    "zero3": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
+                  ("--ddp-backend", "gloo", "--no-ds3-gather")),
+    "fsdp2": Mode("fsdp2.yaml", "FSDP", "FSDPModule", env=CPU),
+    "lora_ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--lora",), env=CPU, lora=True),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "RANK", "WORLD_SIZE"))}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DS_BUILD_OPS": "0", **extra})
+    return env
+
+
+def accelerate_launch(config: str, script_args: list[str], env: dict, log: Path) -> tuple[int, float]:
+    """Run `accelerate launch` to completion or timeout (then kill every process it started); returns the exit
+    code and the wall time. Output goes to `log`."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               f"accelerate_configs/cpu/{config}", "--main_process_port", str(_free_port()), str(HARNESS),
+               *script_args]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = -9
+    return code, time.perf_counter() - start
+
+
+def _tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("dist_models")
+    harness.save_tiny_models(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def run_mode(model_dir, tmp_path_factory):
+    """`run_mode(name)` -> (result dict, output dir): one launch per mode per session."""
+    cache: dict[str, tuple[dict, Path] | str] = {}  # a failed launch is kept as its message: no relaunch
+
+    def run(name: str) -> tuple[dict, Path]:
+        mode = MODES[name]
+        if "deepspeed" in mode.config and importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("deepspeed is not installed (pip install '.[deepspeed]')")
+        if name not in cache:
+            out = tmp_path_factory.mktemp(f"dist_{name}")
+            code, wall = accelerate_launch(mode.config, ["--out", str(out), "--model-dir", str(model_dir),
+                                                         *mode.args], launch_env(mode.env), out / "launch.log")
+            if code != 0 or not (out / "result.json").exists():
+                cache[name] = (f"{name}: accelerate launch exited {code} after {wall:.0f}s (timeout "
+                               f"{LAUNCH_TIMEOUT_S}s); last lines of its output:\n{_tail(out / 'launch.log')}")
+            else:
+                result = json.loads((out / "result.json").read_text())
+                print(f"\n[distributed] {name}: launch {wall:.1f}s, train {result['train_seconds']:.1f}s")
+                cache[name] = (result, out)
+        if isinstance(cache[name], str):
+            pytest.fail(cache[name])
+        return cache[name]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def run_reference(model_dir, tmp_path_factory):
+    """`run_reference(lora)` -> (result, output dir) of the 1-process run over the same global batch."""
+    cache: dict[bool, tuple[dict, Path]] = {}
+
+    def run(lora: bool) -> tuple[dict, Path]:
+        if lora not in cache:
+            out = tmp_path_factory.mktemp(f"dist_reference_{'lora' if lora else 'full'}")
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # like each launched process; 2 threads on a busy 2-core CI box crawl
+            try:
+                cache[lora] = (harness.run(out, model_dir, lora=lora), out)
+            finally:
+                torch.set_num_threads(threads)
+        return cache[lora]
+
+    return run

@@ -1,0 +1,267 @@
+"""One small GRPO run, as `accelerate launch` runs it in the distributed tests, or in-process (1 process) as
+their reference. It records what each process saw and writes `result.json`, `params.pt` (full parameters) and
+the saved model under `--out`; the tests in this folder only read those files.
+
+The run: 3 optimizer steps, each one generation round of 12 completions (3 prompts x G=4) over all processes,
+2 gradient-accumulation micro-steps, beta > 0 (a reference model), dapo loss, two rewards (a function and a
+reward model loaded by path), the policy loaded by path.
+
+Sampling is Gumbel-max with noise seeded by (round, global row, position): every completion is a sample from
+the policy at temperature 1, yet a row's completion does not depend on which process generates it. So a
+2-process run and a 1-process run over the same global batch get the same rollouts, and their weights can be
+compared. Global row r stops at a fixed step, and rows 6-11 (process 1 of 2) are longer than rows 0-5, so
+the processes finish generating at different times (ZeRO-3 and FSDP2 must keep stepping together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+ROUND_ROWS = 12  # completions per generation round over all processes: 3 prompts x G
+G = 4
+ACCUMULATION = 2
+STEPS = 3
+MAX_COMPLETION = 10
+PROBE_PROMPT = "copy 123:"
+
+
+def stop_step(round_: int, row: int) -> int:
+    """Step at which global row `row` emits EOS: 0-3 for rows 0-5, 5-8 for rows 6-11."""
+    return (7 * row + 3 * round_) % 4 + 5 * (row // (ROUND_ROWS // 2))
+
+
+class RowSeededGumbel(LogitsProcessor):
+    """Gumbel-max sampling (argmax of logits + Gumbel noise samples from softmax(logits)) with per-row noise."""
+
+    def __init__(self, round_: int, first_row: int, prompt_len: int, eos_ids: list[int]) -> None:
+        self.round_, self.first_row, self.prompt_len, self.eos_ids = round_, first_row, prompt_len, eos_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_len
+        out = torch.empty_like(scores)
+        for i in range(scores.shape[0]):
+            row = self.first_row + i
+            if step == stop_step(self.round_, row):
+                out[i] = -torch.inf
+                out[i, self.eos_ids[0]] = 0.0
+                continue
+            generator = torch.Generator().manual_seed(1_000_003 * self.round_ + 1009 * row + step)
+            uniform = torch.rand(scores.shape[1], generator=generator, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+            out[i] = scores[i] - torch.log(-torch.log(uniform)).to(scores.dtype)
+            out[i, self.eos_ids] = -torch.inf  # the length comes from stop_step only
+        return out
+
+
+class RowSeededSampling:
+    """Stands in for `grpo_trainer.generation.sample` while installed; the trainer's own `_sample` (unwrapping,
+    ZeRO-3 gathering, generation config) still runs around it."""
+
+    def __init__(self) -> None:
+        from grpo_trainer import generation
+
+        self.generation, self.original, self.round_ = generation, generation.sample, 0
+
+    def __call__(self, model, prompt_ids, prompt_mask, config):
+        from accelerate import PartialState
+
+        first_row = PartialState().process_index * prompt_ids.shape[0]
+        processor = RowSeededGumbel(self.round_, first_row, prompt_ids.shape[1], list(config.eos_token_id))
+        self.round_ += 1
+        greedy = config.__class__(**{**config.to_dict(), "do_sample": False, "temperature": None, "top_p": None,
+                                     "top_k": None, "min_p": None})
+        model.generate = functools.partial(model.generate, logits_processor=LogitsProcessorList([processor]))
+        try:
+            return self.original(model, prompt_ids, prompt_mask, greedy)
+        finally:
+            del model.generate
+
+    def __enter__(self):
+        self.generation.sample = self
+        return self
+
+    def __exit__(self, *exc):
+        self.generation.sample = self.original
+
+
+def save_tiny_models(directory: Path) -> None:
+    """Policy and reward model (+ tokenizer) on disk, so every process loads the same weights by path."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    policy = make_tiny_model(tokenizer, seed=0)
+    policy.save_pretrained(directory / "policy")
+    tokenizer.save_pretrained(directory / "policy")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(1)
+    Qwen2ForSequenceClassification(config).save_pretrained(directory / "reward")
+    tokenizer.save_pretrained(directory / "reward")
+
+
+class Recorder:
+    """A reward function with weight 0: records the prompts and completions this process scores."""
+
+    __name__ = "recorder"
+
+    def __init__(self) -> None:
+        self.rounds: list[dict] = []
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.rounds.append({"prompts": list(prompts), "completions": list(completions)})
+        return [0.0] * len(completions)
+
+
+def _finite_mean(values: list) -> float:
+    finite = [float(v) for v in values if float(v) == float(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def _sharding_facts(model: torch.nn.Module) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    facts = {"params": len(params), "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+             "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)}
+    if any(hasattr(p, "ds_id") for p in params):
+        facts["zero3_not_available"] = sum(p.ds_status.name == "NOT_AVAILABLE" for p in params)
+        facts["zero3_partition_numel"] = sum(p.ds_tensor.numel() for p in params)
+    return facts
+
+
+def _probe_generation(trainer, zero3: bool) -> dict:
+    """Generation after training, with the trainer's own (unpatched) sampling. Same prompt on every process:
+    first with the trainer's RNG state (processes are seeded differently, so samples differ), then with rank-
+    dependent lengths (rank r makes 3 + 5r tokens) and, under ZeRO-3, gathered and sharded weights alike."""
+    from grpo_trainer import generation
+
+    rank = trainer.accelerator.process_index
+    ids, mask = generation.tokenize_prompts(trainer.processing_class, [PROBE_PROMPT] * 2, None)
+    args = trainer.args
+    saved = args.generation_kwargs, args.ds3_gather_for_generation
+    out = {}
+    args.generation_kwargs = {"min_new_tokens": 4, "max_new_tokens": 4}
+    out["same_prompt"] = trainer._sample(ids, mask).completion_ids.tolist()
+    args.generation_kwargs = {"min_new_tokens": 3 + 5 * rank, "max_new_tokens": 3 + 5 * rank}
+    for gather in ([True, False] if zero3 else [args.ds3_gather_for_generation]):
+        args.ds3_gather_for_generation = gather
+        torch.manual_seed(1234 + rank)
+        out[f"uneven_gather_{gather}"] = trainer._sample(ids, mask).completion_ids.tolist()
+    args.generation_kwargs, args.ds3_gather_for_generation = saved
+    return out
+
+
+def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
+        ds3_gather: bool = True, per_device_batch: int | None = None) -> dict:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+    from transformers import set_seed
+
+    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from grpo_trainer.distributed import full_parameters, launched_world_size, parameter_digest
+    from grpo_trainer.tiny import copy_digits_dataset, copy_digits_reward
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    processes = launched_world_size()
+    set_seed(0)  # LoRA's random A matrices are drawn before the trainer seeds; start every run from one state
+    args = GRPOConfig(
+        output_dir=str(out_dir / "run"),
+        per_device_train_batch_size=per_device_batch or ROUND_ROWS // (processes * ACCUMULATION),
+        gradient_accumulation_steps=ACCUMULATION, num_generations=G, max_completion_length=MAX_COMPLETION,
+        max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
+        logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
+        seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    recorder = Recorder()
+    trainer = GRPOTrainer(str(model_dir / "policy"), [copy_digits_reward, str(model_dir / "reward"), recorder],
+                          args=args, train_dataset=copy_digits_dataset(num_prompts=16), peft_config=peft_config)
+    # Instrumentation: which process writes the completion log, and each process's own metric means before
+    # `log` averages them over processes.
+    flushes, local_metrics = [], []
+    flush, log = trainer._completions.flush, trainer.log
+    trainer._completions.flush = lambda step: flushes.append(step) or flush(step)
+
+    def log_and_record(logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs:
+            local_metrics.append({k: _finite_mean(v) for k, v in trainer._metrics["train"].items()})
+        log(logs, start_time)
+
+    trainer.log = log_and_record
+
+    start = time.perf_counter()
+    with RowSeededSampling():
+        trainer.train()
+    train_seconds = time.perf_counter() - start
+
+    state = PartialState()
+    zero3 = trainer.is_deepspeed_enabled and \
+        trainer.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"] == 3
+    sharding = _sharding_facts(trainer.model)
+    params = full_parameters(trainer.model)
+    probe = _probe_generation(trainer, zero3)
+    trainer.save_model(str(out_dir / "saved"))
+    reward_model = trainer.reward_funcs[1].model
+    mine = {"rank": state.process_index, "rounds": recorder.rounds, "flushes": flushes, "local_metrics": local_metrics,
+            "digest": parameter_digest(params), "sharding": sharding, "probe": probe}
+    every = gather_object([mine])
+    if state.is_main_process:
+        torch.save(params, out_dir / "params.pt")
+        wrapped = trainer.model_wrapped
+        result = {
+            "num_processes": trainer.accelerator.num_processes,
+            "distributed_type": trainer.accelerator.distributed_type.value,
+            "wrapped_mro": [c.__name__ for c in type(wrapped).__mro__],
+            "model_class": type(trainer.model).__name__,
+            "ref_model_mro": [c.__name__ for c in type(trainer.ref_model).__mro__] if trainer.ref_model else None,
+            "reward_model_mro": [c.__name__ for c in type(reward_model).__mro__],
+            "zero3": zero3,
+            "log_history": trainer.state.log_history,
+            "train_seconds": train_seconds,
+            "ranks": sorted(every, key=lambda r: r["rank"]),
+        }
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+        return result
+    return {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--ddp-backend", default=None)
+    parser.add_argument("--no-ds3-gather", action="store_true")
+    parser.add_argument("--per-device-batch", type=int, default=None)
+    cli = parser.parse_args()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (2-3 min on 2 cores) the
+        # first time a process group starts; gloo does the same job for a tiny model.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
+        per_device_batch=cli.per_device_batch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
