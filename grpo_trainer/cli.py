@@ -2,7 +2,7 @@
 
     grpo-train                                   # the offline demo (same as --demo)
     grpo-train --config run.yaml --learning_rate 1e-6
-    accelerate launch -m grpo_trainer.cli --config run.yaml
+    accelerate launch -m grpo_trainer.cli --config run.yaml   # on CPU: ACCELERATE_USE_CPU=true
 
 Decisions:
 
@@ -47,7 +47,7 @@ DEMO: dict[str, Any] = {
     "output_dir": "outputs/demo", "max_steps": 600, "learning_rate": 1e-3, "lr_scheduler_type": "constant",
     "per_device_train_batch_size": 128, "num_generations": 16, "max_completion_length": 3, "beta": 0.001,
     "logging_steps": 10, "save_steps": 300, "save_total_limit": 2, "log_completions": True,
-    "num_completions_to_print": 2, "gradient_checkpointing": False, "report_to": "none", "seed": 0,
+    "num_completions_to_print": 2, "activation_checkpointing": False, "report_to": "none", "seed": 0,
 }
 
 
@@ -103,7 +103,7 @@ def _suggest(name: str, known: list[str]) -> str:
     return f"did you mean {', '.join(close)}? " if close else ""
 
 
-def _read_yaml(path: str, known: list[str]) -> dict[str, Any]:
+def _read_yaml(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]:
     import yaml
 
     if not os.path.isfile(path):
@@ -115,24 +115,26 @@ def _read_yaml(path: str, known: list[str]) -> dict[str, Any]:
         raise UsageError(f"cannot read config file {path!r}: {' '.join(str(exc).split())}") from None
     if not isinstance(values, dict):
         raise UsageError(f"config file {path!r} must hold 'field: value' pairs, not a {type(values).__name__}.")
-    for key in values:
-        if key not in known:
-            raise UsageError(f"unknown field {key!r} in {path}; {_suggest(key, known)}"
+    for key, value in values.items():
+        if key not in actions:
+            raise UsageError(f"unknown field {key!r} in {path}; {_suggest(key, sorted(actions))}"
                              "`grpo-train --help` lists every field.")
+        if actions[key].nargs == "+" and value is not None and not isinstance(value, list):
+            values[key] = [value]  # `reward_funcs: accuracy` means [accuracy]
     return values
 
 
 def parse_args(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig]:
     """Demo defaults < YAML file < flags. Raises UsageError for anything unknown or invalid."""
     parser = _parser()
-    known = sorted({a.dest for a in parser._actions} - {"help", "config", "demo"})
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "demo")}
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     pre.add_argument("--demo", action="store_true")
     early, _ = pre.parse_known_args(argv)
     defaults = dict(DEMO) if early.demo or not argv else {}
     if early.config:
-        defaults.update(_read_yaml(early.config, known))
+        defaults.update(_read_yaml(early.config, actions))
     parser.set_defaults(**defaults)
     try:
         script_args, config, _, unknown = parser.parse_args_into_dataclasses(
@@ -141,7 +143,7 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig]:
         raise UsageError(" ".join(str(exc).split())) from None
     if unknown:
         flag = next((a for a in unknown if a.startswith("-")), unknown[0])
-        raise UsageError(f"unknown argument {flag!r}; {_suggest(flag, [f'--{k}' for k in known])}"
+        raise UsageError(f"unknown argument {flag!r}; {_suggest(flag, [f'--{k}' for k in actions])}"
                          "`grpo-train --help` lists every field.")
     if script_args.model_name_or_path is None or script_args.dataset_name is None or not (
             script_args.reward_funcs or script_args.reward_model_name_or_path):
@@ -184,8 +186,11 @@ def load_train_dataset(script_args: ScriptArguments) -> Any:
     else:
         _check_exists(name, "dataset")
         builder = DATA_FILE_BUILDERS.get(os.path.splitext(name)[1])
-        dataset = load_dataset(builder, data_files={split: name}, split=split) if builder else \
-            load_dataset(name, script_args.dataset_config, split=split)
+        try:
+            dataset = load_dataset(builder, data_files={split: name}, split=split) if builder else \
+                load_dataset(name, script_args.dataset_config, split=split)
+        except (FileNotFoundError, ConnectionError, ValueError) as exc:  # not found, offline, unknown split/config
+            raise UsageError(f"cannot load dataset {name!r}: {' '.join(str(exc).split())}") from None
     column = script_args.prompt_column
     if column not in dataset.column_names:
         raise UsageError(f"dataset {name!r} has no prompt column {column!r}; its columns are "
@@ -271,9 +276,11 @@ def main(argv: list[str] | None = None) -> None:
 def _print_summary(output_dir: str) -> None:
     metrics = os.path.join(output_dir, "metrics.jsonl")
     first, last = reward_rise(read_metrics(metrics)) if os.path.exists(metrics) else (float("nan"),) * 2
-    print(f"\nreward: {first:.3f} (first 10% of log steps) -> {last:.3f} (last 10%)\n"
-          f"model: {output_dir}   metrics: {metrics}   plot: {os.path.join(output_dir, 'metrics.png')}   "
-          f"completions: {os.path.join(output_dir, 'completions')}/")
+    print(f"\nreward: {first:.3f} (first 10% of log steps) -> {last:.3f} (last 10%)")
+    for name in ("metrics.jsonl", "metrics.png", "completions"):
+        if os.path.exists(os.path.join(output_dir, name)):
+            print(f"{name}: {os.path.join(output_dir, name)}")
+    print(f"model and checkpoints: {output_dir}")
 
 
 if __name__ == "__main__":

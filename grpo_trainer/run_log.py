@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 __all__ = ["RunLogCallback", "plot_metrics", "read_metrics", "reward_rise"]
 
 PANELS = (  # (title, metric key, band half-width key)
-    ("reward", "reward", "reward_std"),
+    ("reward (band: ± std within a prompt's group)", "reward", "reward_std"),
     ("KL to the reference model", "kl", None),
     ("completion length (tokens)", "completions/mean_length", None),
 )
@@ -71,8 +71,8 @@ def reward_rise(rows: list[dict], fraction: float = 0.1) -> tuple[float, float]:
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> str | None:
-    """Reward (± its std across completions), KL and mean completion length against the step. Returns the PNG's
-    path, or None when the file has no training log step yet."""
+    """Reward (± the mean std within prompt groups), KL and mean completion length against the step. Returns the
+    PNG's path, or None when the file has no training log step yet."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -96,5 +96,6 @@ def plot_metrics(metrics_path: str, png_path: str) -> str | None:
             spread = [row.get(band, 0.0) for row in rows]
             axes.fill_between(steps, [v - s for v, s in zip(values, spread)],
                               [v + s for v, s in zip(values, spread)], alpha=0.2)
+    figure.suptitle(os.path.dirname(os.path.abspath(metrics_path)), fontsize=9, color="gray")
     figure.savefig(png_path, dpi=100)
     return png_path

@@ -136,7 +136,7 @@ def test_demo_two_steps_leaves_everything_to_look_at(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "reward" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
-    assert {"kl", "completions/mean_length", "rewards/copy_digits_reward/mean"} - set(train_rows[0]) == {"kl"}
+    assert {"reward", "kl", "completions/mean_length", "rewards/copy_digits_reward/mean"} <= set(train_rows[0])
     assert (out / "metrics.png").stat().st_size > 10_000
     completions = sorted(glob.glob(str(out / "completions" / "*.jsonl")))
     assert [os.path.basename(p) for p in completions] == ["completions_00001.jsonl", "completions_00002.jsonl"]
@@ -160,3 +160,14 @@ def test_module_entry_point_reports_bad_input_without_traceback():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("grpo-train: error: unknown reward function 'nope'")
+
+
+def test_unloadable_hub_dataset_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # offline, a Hub id cannot be reached: still one line, exit 2
+    message = _error(capsys, ["--demo", "--dataset_name", "nobody/no-such-dataset"])
+    assert "cannot load dataset 'nobody/no-such-dataset'" in message
+
+
+def test_yaml_scalar_for_a_list_field(tmp_path):
+    script_args, _ = cli.parse_args(["--demo", "--config", _yaml(tmp_path, "reward_funcs: copy_digits\n")])
+    assert script_args.reward_funcs == ["copy_digits"]
