@@ -39,6 +39,8 @@ class GRPOConfig(TrainingArguments):
     logging_steps: float = _opt(10, "Log every X optimizer steps (a float in [0, 1) is a ratio of all steps).")
     bf16: bool | None = _opt(None, "bf16 mixed precision. None: on where the GPU runs bf16 natively, else off.")
     remove_unused_columns: bool | None = _opt(False, "Keep extra dataset columns: reward functions receive them.")
+    dataloader_pin_memory: bool = _opt(False, "Pin batches in page-locked memory. Rows here are Python objects "
+                                              "(prompts and columns), so there is nothing to pin.")
 
     # Model
     model_init_kwargs: dict | str | None = _opt(None, "kwargs for from_pretrained when `model` is a string.")
