@@ -21,7 +21,6 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections import defaultdict
@@ -34,8 +33,8 @@ from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
-from grpo_trainer import buffer, checkpoints, distributed, generation, hub, losses, models, rewards
-from grpo_trainer.advantage import Advantage, get_advantage_estimator, group_std
+from grpo_trainer import buffer, checkpoints, distributed, generation, hub, losses, metrics, models, rewards
+from grpo_trainer.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.logprobs import completion_logprobs
@@ -329,10 +328,10 @@ class GRPOTrainer(Trainer):
                                  importance_sampling_level=args.importance_sampling_level,
                                  sapo_temperature_pos=args.sapo_temperature_pos,
                                  sapo_temperature_neg=args.sapo_temperature_neg)
-        metrics = self._metrics[mode]
+        window = self._metrics[mode]
         for key, value in out.metrics.items():
-            metrics[key].append(value)
-        metrics["entropy"].append((entropy * mask).sum() / mask.sum().clamp(min=1))
+            window[key].append(value)
+        window["entropy"].append((entropy * mask).sum() / mask.sum().clamp(min=1))
         return (out.loss, None) if return_outputs else out.loss
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
@@ -391,28 +390,12 @@ class GRPOTrainer(Trainer):
 
     def _record_rollout_metrics(self, mode: str, rollout: generation.Rollout, all_rewards: Tensor,
                                 weights: Tensor, G: int) -> None:
-        metrics = self._metrics[mode]
-        lengths = gather(rollout.completion_mask.sum(1))  # [B_global]
-        truncated = gather(rollout.is_truncated.int())
-        total = torch.nansum(all_rewards * weights.to(all_rewards), dim=1)  # [B_global]
-        stds = group_std(total.cpu(), G)
         self._num_tokens += int(gather(rollout.prompt_mask.sum() + rollout.completion_mask.sum()).sum())
-        metrics["num_tokens"].append(self._num_tokens)
-        metrics["completions/mean_length"].append(lengths.float().mean())
-        metrics["completions/min_length"].append(lengths.min())
-        metrics["completions/max_length"].append(lengths.max())
-        metrics["completions/clipped_ratio"].append(truncated.float().mean())
-        terminated = lengths[truncated == 0].float()
-        metrics["completions/mean_terminated_length"].append(terminated.mean() if terminated.numel() else 0.0)
-        for i, name in enumerate(self.reward_names):
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(all_rewards[:, i]))
-            metrics[f"rewards/{name}/std"].append(_nanstd(all_rewards[:, i]))
-        metrics["reward"].append(total.mean())
-        metrics["reward_std"].append(torch.nanmean(stds))
-        metrics["frac_reward_zero_std"].append((torch.nan_to_num(stds, nan=0.0) < 1e-6).float().mean())
-        if mode == "eval":
-            for k, value in rewards.pass_at_k(total.cpu(), G).items():
-                metrics[k].append(value)
+        round_metrics = metrics.rollout_metrics(gather(rollout.completion_mask.sum(1)),
+                                                gather(rollout.is_truncated.int()), all_rewards, weights, G,
+                                                self.reward_names, with_pass_at_k=mode == "eval")
+        for key, value in {"num_tokens": self._num_tokens, **round_metrics}.items():
+            self._metrics[mode][key].append(value)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -420,9 +403,8 @@ class GRPOTrainer(Trainer):
         if mode == "train":  # skipped micro-steps since the last log, summed over processes below
             self._metrics[mode]["nonfinite_steps"] = [self._nonfinite_since_log * self.accelerator.num_processes]
             self._nonfinite_since_log = 0
-        keys = sorted(self._metrics[mode])  # the same keys on every process, so one collective is safe
-        local = torch.tensor([_nanmean(self._metrics[mode][k]) for k in keys], device=self.accelerator.device)
-        reduced = self.accelerator.reduce(local, "mean").tolist() if keys else []
+        keys, local = metrics.window_means(self._metrics[mode])  # the same keys on every process
+        reduced = self.accelerator.reduce(local.to(self.accelerator.device), "mean").tolist() if keys else []
         averaged = {prefix + k: v for k, v in zip(keys, reduced)}
         logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
@@ -456,16 +438,6 @@ class GRPOTrainer(Trainer):
         """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
         peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
         return hub.save_merged_model(self, output_dir)
-
-
-def _nanmean(values: list) -> float:
-    finite = [float(v) for v in values if not math.isnan(float(v))]
-    return sum(finite) / len(finite) if finite else float("nan")
-
-
-def _nanstd(x: Tensor) -> Tensor:
-    valid = x[~torch.isnan(x)]
-    return valid.std() if valid.numel() > 1 else x.new_zeros(())
 
 
 def _as_text(prompts: list) -> list[str]:
