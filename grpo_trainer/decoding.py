@@ -1,0 +1,328 @@
+"""Fast rollout sampling: each prompt prefilled once, a preallocated KV cache, a tight decode loop.
+
+`model.generate` spends most of a small model's rollout in per-token machinery rather than in arithmetic: mask
+builders, cache objects, output dataclasses, logits processors and stopping criteria; and on CPU
+`torch.multinomial` draws one random number per vocabulary entry (~5 ms per step at a 32k vocabulary).
+
+Decisions:
+
+1. Same contract as `generation.sample` (prompt rows already repeated G times in, a `generation.Rollout` out),
+   so the trainer switches with `GRPOConfig.generation_backend`. `model.generate` stays the reference path: any
+   model or setting this module does not reproduce exactly falls back to it (`fast_path_blocker` says why).
+2. The decoder is the Llama family's (`ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3), run from the model's own
+   modules and weights: embedding, RMSNorm weights, the rotary-embedding module, projections, MLP. A projection
+   that is a plain `nn.Linear` runs as `F.linear` on its weight; a wrapped one (a LoRA layer, a quantised
+   layer) is called as a module, so adapters (and a disabled adapter) behave exactly as in `forward`.
+3. Distinct prompts are found once (consecutive identical rows); each is prefilled once and its keys/values are
+   copied into the rows of its G completions. Positions count real tokens only, as `generate`'s do.
+4. Greedy decoding is an argmax. Sampling applies transformers' own logits warpers in `generate`'s order, then
+   inverts the CDF with one uniform number per row (`searchsorted` over float64 cumulative probabilities): the
+   same distribution as `torch.multinomial`, not the same random stream, so sampled tokens differ from
+   `generate`'s for a given seed while greedy tokens are identical.
+5. The loop stops as soon as every row has emitted an EOS token; rows that finished are padded.
+
+Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `H` query
+heads, `K` key/value heads, `D` head dim, `E` hidden size, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from grpo_trainer import generation, models
+
+__all__ = ["ARCHITECTURES", "GENERATION_BACKENDS", "fast_path_blocker", "logits_processors", "sample",
+           "sample_from_logits"]
+
+logger = logging.getLogger(__name__)
+
+# model_type -> whether its attention normalises queries and keys per head (Qwen3's q_norm / k_norm).
+ARCHITECTURES: dict[str, bool] = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+
+# GenerationConfig fields this module reproduces; any other non-default field sends the call to `generate`.
+_SUPPORTED_FIELDS = {
+    "do_sample", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "eos_token_id",
+    "pad_token_id", "bos_token_id", "disable_compile", "transformers_version", "use_cache", "_from_model_config",
+}
+
+
+# --------------------------------------------------------------------------------------------- sampling
+
+
+def logits_processors(config: GenerationConfig, prompt_mask: Tensor) -> LogitsProcessorList:
+    """The processors `generate` would apply for the supported fields, in its order (penalty, then warpers)."""
+    processors = LogitsProcessorList()
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        padding = (prompt_mask != 0).int().argmax(dim=1)  # [B] left padding, as `generate` computes it
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k is not None and config.top_k != 0:
+            processors.append(TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=config.top_p))
+        if config.min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=config.min_p))
+    return processors
+
+
+def sample_from_logits(scores: Tensor, do_sample: bool) -> Tensor:
+    """One token per row from processed logits `[B, V]` (float32): argmax, or a draw by CDF inversion."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float64)  # [B, V]; filtered tokens have probability 0
+    cdf = probs.cumsum_(dim=-1)
+    u = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+    # First index whose cumulative probability exceeds u: a zero-probability token never is (its cdf equals
+    # its predecessor's), so filtered tokens are never drawn.
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
+
+
+# ---------------------------------------------------------------------------------------------- blocker
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside DDP / DeepSpeed / PEFT wrappers (LoRA layers stay in place)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if models.is_peft_model(model) else model
+
+
+def fast_path_blocker(model: nn.Module, config: GenerationConfig, total_length: int) -> str | None:
+    """Why this model/config must use `model.generate` (None when the fast path reproduces it)."""
+    lm = _causal_lm(model)
+    model_config = getattr(lm, "config", None)
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
+    extra = sorted(set(config.to_diff_dict()) - _SUPPORTED_FIELDS)
+    if extra:
+        return f"generation settings {extra} are only implemented by model.generate"
+    if getattr(model_config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if lm.training and (getattr(model_config, "attention_dropout", 0.0) > 0
+                        or any(isinstance(m, nn.Dropout) and m.p > 0 for m in lm.modules())):
+        return "dropout is active (the model is in training mode with dropout > 0)"
+    decoder = lm.get_decoder()
+    if not isinstance(decoder.embed_tokens, nn.Embedding) or not hasattr(decoder, "rotary_emb"):
+        return "the embedding is not a plain nn.Embedding or there is no rotary-embedding module"
+    if not isinstance(lm.get_output_embeddings(), nn.Linear):
+        return "the LM head is not an nn.Linear"
+    for layer in decoder.layers:
+        window = getattr(layer.self_attn, "sliding_window", None)
+        if window is not None and window < total_length:
+            return f"sliding-window attention ({window} < {total_length} tokens)"
+        norms = (decoder.norm, layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(hasattr(n, "variance_epsilon") for n in norms):
+            return "a norm is not an RMSNorm"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+
+# Models up to this many parameters get fused projection weights (q|k|v and gate|up as one matmul each) and LoRA
+# adapters merged into them for the rollout: fewer, larger operations, at the cost of a copy of those weights.
+FUSE_MAX_PARAMETERS = 2**27
+
+
+def _lora_weights(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """The weight and bias a PEFT LoRA `Linear` applies (base + every active adapter's delta), if it is vanilla
+    LoRA over a plain `nn.Linear`; None otherwise."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return None
+    if not isinstance(module, LoraLinear) or type(module.base_layer) is not nn.Linear:
+        return None
+    base = module.base_layer
+    if module.merged:  # the base weight already holds the delta, unless the adapter is disabled (forward unmerges)
+        return None if module.disable_adapters else (base.weight, base.bias)
+    if module.disable_adapters:
+        return base.weight, base.bias
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if any(a in module.lora_variant or module.lora_B[a].bias is not None for a in active):
+        return None  # DoRA and other variants, or a LoRA bias: only the module's forward has them
+    weight = base.weight
+    for adapter in active:
+        weight = weight + module.get_delta_weight(adapter)
+    return weight, base.bias
+
+
+def _projection(modules: list[nn.Module], fuse: bool) -> Callable[[Tensor], Tensor]:
+    """Several projections of one input, outputs concatenated on the last dim. With `fuse`, plain and vanilla
+    LoRA linears become one `F.linear` on concatenated (merged) weights; otherwise plain linears run as
+    `F.linear` on their own weights and anything else (LoRA, quantised) as its own forward."""
+    weights = [(m.weight, m.bias) if type(m) is nn.Linear else (_lora_weights(m) if fuse else None)
+               for m in modules]
+    if (fuse or len(modules) == 1) and all(w is not None for w in weights):
+        weight = torch.cat([w for w, _ in weights]) if len(weights) > 1 else weights[0][0]
+        biases = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in weights]
+        bias = None if all(b is None for _, b in weights) else torch.cat(biases)
+        return lambda x: F.linear(x, weight, bias)
+    parts = [(lambda x, w=w: F.linear(x, *w)) if w is not None else m for m, w in zip(modules, weights)]
+    return parts[0] if len(parts) == 1 else (lambda x: torch.cat([part(x) for part in parts], dim=-1))
+
+
+class _Decoder:
+    """A Llama-family decoder over a preallocated KV cache `[B, K, L, D]` per layer; hidden states `[N, S, E]`."""
+
+    def __init__(self, lm: nn.Module, batch: int, length: int) -> None:
+        config, decoder = lm.config, lm.get_decoder()
+        fuse = sum(p.numel() for p in lm.parameters()) <= FUSE_MAX_PARAMETERS
+        self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
+        self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
+        self.head = _projection([lm.get_output_embeddings()], fuse=False)
+        self.H, self.K = config.num_attention_heads, config.num_key_value_heads
+        self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
+        qk_norm = ARCHITECTURES[config.model_type]
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            self.layers.append({
+                "norm1": (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                "norm2": (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse),
+                "o": _projection([attn.o_proj], fuse),
+                "qk_norm": (attn.q_norm, attn.k_norm) if qk_norm else None,
+                "scaling": attn.scaling,
+                "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse) if gated else None,
+                "down": _projection([mlp.down_proj], fuse) if gated else None,
+                "act": mlp.act_fn if gated else None,
+                "mlp": mlp,
+            })
+        shape = (batch, self.K, length, self.D)
+        self.keys = [self.embed.new_empty(shape) for _ in self.layers]
+        self.values = [self.embed.new_empty(shape) for _ in self.layers]
+
+    def rotation_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sign-folded sin `[N, S, 1, D]` for positions `[N, S]`, from the model's rotary module.
+
+        `x * cos + rotate_half(x) * sin` == `x * cos + roll(x, D/2) * sin'` with sin' = cat(-sin[:D/2], sin[D/2:]):
+        the same products (negation is exact), in four operations instead of seven."""
+        cos, sin = self.rotary(self.embed[:1], positions)  # [N, S, D]
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos.unsqueeze(2), sin.unsqueeze(2)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final hidden states `[N, E]` -> float32 logits `[N, V]`."""
+        return self.head(F.rms_norm(hidden, hidden.shape[-1:], *self.norm)).float()
+
+    def forward(self, ids: Tensor, start: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """Tokens `[N, S]` at cache columns `[start, start + S)` of rows `[0, N)`: writes their keys and values
+        and returns the last position's hidden state `[N, E]`. cos/sin `[N, S, 1, D]`; mask (True = may attend)
+        `[N, 1, S, start + S]` (bool, or additive float)."""
+        N, S = ids.shape
+        H, K, D = self.H, self.K, self.D
+        end = start + S
+        hidden = self.embed[ids]  # [N, S, E]
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
+            qkv = layer["qkv"](x).view(N, S, H + 2 * K, D)
+            qk = qkv[:, :, :H + K]
+            if layer["qk_norm"] is not None:
+                q_norm, k_norm = layer["qk_norm"]
+                qk = torch.cat([q_norm(qk[:, :, :H]), k_norm(qk[:, :, H:])], dim=2)
+            qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # rotary embedding
+            keys[:N, :, start:end] = qk[:, :, H:].transpose(1, 2)
+            values[:N, :, start:end] = qkv[:, :, H + K:].transpose(1, 2)
+            if S == 1:
+                # One query token: the query heads sharing a key/value head become query rows of that head, which
+                # is grouped-query attention without copying keys and values.
+                q = qk[:, 0, :H].view(N, K, H // K, D)
+                attn = F.scaled_dot_product_attention(q, keys[:N, :, :end], values[:N, :, :end], attn_mask=mask,
+                                                      scale=layer["scaling"])
+            else:
+                q = qk[:, :, :H].transpose(1, 2)  # [N, H, S, D]
+                k = keys[:N, :, :end].repeat_interleave(H // K, dim=1)
+                v = values[:N, :, :end].repeat_interleave(H // K, dim=1)
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer["scaling"]).transpose(1, 2)
+            hidden = hidden + layer["o"](attn.reshape(N, S, H * D))
+            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm2"])
+            if layer["gate_up"] is None:
+                hidden = hidden + layer["mlp"](x)
+            else:
+                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                hidden = hidden + layer["down"](layer["act"](gate) * up)
+        return hidden[:, -1]
+
+
+# ------------------------------------------------------------------------------------------------- entry
+
+
+def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices of the first row of each run of identical consecutive rows `[P]`, and each row's run `[B]`."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # [B-1]
+    starts = torch.cat([same.new_ones(1), ~same])  # [B]
+    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
+
+
+@torch.no_grad()
+def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, generation_config: GenerationConfig) -> generation.Rollout:
+    """Same inputs and output as `generation.sample`; falls back to it when `fast_path_blocker` says so."""
+    max_new = generation_config.max_new_tokens
+    B, S = prompt_ids.shape
+    reason = fast_path_blocker(model, generation_config, S + max_new)
+    if reason is not None:
+        logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
+        return generation.sample(model, prompt_ids, prompt_mask, generation_config)
+
+    decoder = _Decoder(_causal_lm(model), B, S + max_new)
+    device = prompt_ids.device
+    eos = torch.tensor(generation_config.eos_token_id, device=device)
+    pad = generation_config.pad_token_id
+    processors = logits_processors(generation_config, prompt_mask)
+    real = prompt_mask.long().cumsum(1)  # [B, S]
+    first, group = _distinct_rows(prompt_ids, prompt_mask)
+
+    # Prefill the P distinct prompts. A padding query attends to itself only, so no softmax row is empty.
+    ids, mask = prompt_ids[first], prompt_mask[first].bool()  # [P, S]
+    positions = (real[first] - 1).masked_fill(~mask, 0)  # as generate's position ids
+    eye = torch.eye(S, dtype=torch.bool, device=device)
+    allowed = (torch.ones_like(eye).tril() & mask[:, None, None, :]) | eye  # [P, 1, S, S]
+    last_hidden = decoder.forward(ids, 0, *decoder.rotation_tables(positions), allowed)  # [P, E]
+    if first.numel() < B:  # each row takes its prompt's keys and values (the gather copies before writing)
+        for cache in (*decoder.keys, *decoder.values):
+            cache[:, :, :S] = cache[group, :, :S]
+    scores = decoder.logits(last_hidden)[group]  # [B, V]
+
+    cos, sin = decoder.rotation_tables(real[:, -1:] + torch.arange(max_new, device=device))  # [B, T, 1, D]
+    # Additive key mask [B, 1, 1, L] (0 or -inf): SDPA takes it as is, where a bool mask is converted every call.
+    key_mask = torch.zeros(B, 1, 1, S + max_new, dtype=decoder.embed.dtype, device=device)
+    key_mask[:, 0, 0, :S].masked_fill_(prompt_mask == 0, float("-inf"))
+    sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), pad)], 1)  # [B, L]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    steps = 0
+    for t in range(max_new):
+        if t > 0:  # feed the token sampled at step t-1 (cache column S+t-1)
+            hidden = decoder.forward(tokens[:, None], S + t - 1, cos[:, t - 1:t], sin[:, t - 1:t],
+                                     key_mask[..., :S + t])
+            scores = decoder.logits(hidden)
+        scores = processors(sequences[:, :S + t], scores)
+        tokens = sample_from_logits(scores, generation_config.do_sample).masked_fill_(finished, pad)
+        sequences[:, S + t] = tokens
+        finished |= torch.isin(tokens, eos)
+        steps = t + 1
+        if bool(finished.all()):
+            break
+    completion_ids = sequences[:, S:S + steps]
+    mask, truncated = generation.completion_mask(completion_ids, generation_config.eos_token_id)
+    completion_ids = completion_ids.masked_fill(mask == 0, pad)
+    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
+
+
+# GRPOConfig.generation_backend -> sampler with `generation.sample`'s signature.
+GENERATION_BACKENDS: dict[str, Callable[..., generation.Rollout]] = {"fast": sample, "generate": generation.sample}
