@@ -63,6 +63,10 @@ class GRPOConfig(TrainingArguments):
     generation_kwargs: dict | str | None = _opt(None, "Extra GenerationConfig kwargs; override the fields above.")
     chat_template_kwargs: dict | str | None = _opt(None, "kwargs for apply_chat_template, e.g. enable_thinking.")
     cache_implementation: str | None = _opt(None, "KV-cache implementation for generate (e.g. 'static').")
+    generation_backend: str = _opt(
+        "fast", "'fast': grpo_trainer.decoding, each prompt prefilled once for its G completions and a tight decode "
+        "loop over a preallocated KV cache (Llama-family models; anything it does not reproduce falls back to "
+        "model.generate). 'generate': always model.generate, the reference path.")
     ds3_gather_for_generation: bool = _opt(
         True, "ZeRO-3: gather full weights for generation (fast). False keeps them sharded (slow, less memory).")
     shuffle_dataset: bool = _opt(True, "Shuffle prompts each epoch (same order on every process).")
@@ -113,6 +117,8 @@ class GRPOConfig(TrainingArguments):
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size is not supported: shrinking the batch would split prompt groups. "
                              "Set it to False and lower per_device_train_batch_size instead.")
+        if self.generation_backend not in ("fast", "generate"):
+            raise ValueError(f"generation_backend must be 'fast' or 'generate'; got {self.generation_backend!r}.")
         super().__post_init__()
         self._resolve_generation_batch()
         check_config(self)

@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
-from grpo_trainer import buffer, checkpoints, distributed, generation, hub, losses, metrics, models, rewards
+from grpo_trainer import buffer, checkpoints, decoding, distributed, generation, hub, losses, metrics, models, rewards
 from grpo_trainer.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -254,7 +254,8 @@ class GRPOTrainer(Trainer):
             config = generation.make_generation_config(self.args, model.generation_config, self.processing_class,
                                                        self.args.max_completion_length)
             with torch.no_grad():
-                return generation.sample(model, prompt_ids, prompt_mask, config)
+                return decoding.GENERATION_BACKENDS[self.args.generation_backend](model, prompt_ids, prompt_mask,
+                                                                                  config)
 
     def _decode(self, rollout: generation.Rollout, prompts: list) -> list:
         texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
