@@ -28,7 +28,6 @@ heads, `K` key/value heads, `D` head dim, `E` hidden size, `V` vocabulary.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from grpo_trainer import generation, models
 
@@ -305,19 +309,16 @@ def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, generation_confi
     key_mask[:, 0, 0, :S].masked_fill_(prompt_mask == 0, float("-inf"))
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), pad)], 1)  # [B, L]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    steps = 0
     for t in range(max_new):
-        if t > 0:  # feed the token sampled at step t-1 (cache column S+t-1)
-            hidden = decoder.forward(tokens[:, None], S + t - 1, cos[:, t - 1:t], sin[:, t - 1:t],
-                                     key_mask[..., :S + t])
-            scores = decoder.logits(hidden)
         scores = processors(sequences[:, :S + t], scores)
-        tokens = sample_from_logits(scores, generation_config.do_sample).masked_fill_(finished, pad)
+        tokens = sample_from_logits(scores, generation_config.do_sample).masked_fill_(finished, pad)  # [B]
         sequences[:, S + t] = tokens
         finished |= torch.isin(tokens, eos)
-        steps = t + 1
-        if bool(finished.all()):
+        if t == max_new - 1 or bool(finished.all()):
             break
+        hidden = decoder.forward(tokens[:, None], S + t, cos[:, t:t + 1], sin[:, t:t + 1], key_mask[..., :S + t + 1])
+        scores = decoder.logits(hidden)
+    steps = t + 1
     completion_ids = sequences[:, S:S + steps]
     mask, truncated = generation.completion_mask(completion_ids, generation_config.eos_token_id)
     completion_ids = completion_ids.masked_fill(mask == 0, pad)
