@@ -3,8 +3,15 @@
 A naive `log_softmax(model(x).logits)` holds float32 `[B, S+T, V]` logits, which for a 32k-152k vocabulary
 dominates the step's memory. Here the model runs with `logits_to_keep=1` and returns its final hidden states;
 only the `T` completion positions are projected through the LM head, `chunk_size` rows at a time, each chunk
-upcast to float32 on its own. With gradients on, each chunk is recomputed in the backward pass
-(activation checkpointing), so no `[B, T, V]` tensor is ever kept: peak extra memory is one chunk's logits.
+upcast to float32 on its own. With gradients on, each chunk is recomputed in the backward pass, so no `[B, T, V]`
+tensor is ever kept: peak extra memory is one chunk's logits.
+
+For a plain `nn.Linear` head (the usual case) one autograd function (`_HeadLogProbs`) does all chunks: the
+forward keeps only each row's log-sum-exp, and the backward rebuilds a chunk's logits and writes the gradient of
+log p(token) = z_token - logsumexp(z) in place, `dz = g * (onehot(token) - softmax(z))`, then projects it through
+the head. That is two V-wide passes per chunk in the backward instead of autograd's replay of the whole
+softmax/gather graph. Any other head (a wrapped, sharded or offloaded module) goes through `torch.utils.checkpoint`
+around `token_logprobs`, which calls the module and so keeps its hooks.
 """
 
 from __future__ import annotations
@@ -31,6 +38,69 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
 
 def _head_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     return token_logprobs(head(hidden), tokens, temperature)
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [n, V]
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias) / temperature)[token] per row, and optionally the entropy, one chunk
+    of rows at a time. Saves only the rows' log-sum-exp `[N]` besides its inputs. The entropy is not
+    differentiable (a metric and a mask)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
+                chunk_size: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+        N = tokens.shape[0]
+        logps = hidden.new_empty(N, dtype=torch.float32)
+        lses = torch.empty_like(logps)
+        entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        for start in range(0, N, chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [n, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            lses[rows] = lse
+            logps[rows] = logits.gather(-1, tokens[rows, None]).squeeze(-1) - lse
+            if with_entropy:  # H = -sum p log p, with log p = z - lse computed in place
+                log_p = logits.sub_(lse[:, None])
+                entropies[rows] = -torch.linalg.vecdot(log_p.exp(), log_p)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lses)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropies)
+        return logps, entropies
+
+    @staticmethod
+    def backward(ctx, grad_logps: Tensor, grad_entropies: Tensor | None):
+        hidden, weight, bias, tokens, lses = ctx.saved_tensors
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_bias = torch.zeros_like(bias) if want_bias else None
+        for start in range(0, tokens.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            g = grad_logps[rows, None]  # [n, 1]
+            # d log p(token) / dz = onehot(token) - softmax(z), times the upstream gradient, over the temperature.
+            grad = _chunk_logits(hidden[rows], weight, bias, ctx.temperature).sub_(lses[rows, None]).exp_()
+            grad.mul_(-g).scatter_add_(1, tokens[rows, None], g)
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            grad = grad.to(weight.dtype)  # [n, V]
+            if want_hidden:
+                grad_hidden[rows] = grad @ weight
+            if want_weight:
+                grad_weight.addmm_(grad.T, hidden[rows])
+            if want_bias:
+                grad_bias += grad.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _is_plain_linear(head: nn.Module) -> bool:
+    """A head whose weight can be used directly: no wrapper, hook, sharding (ZeRO-3, FSDP) or offloading."""
+    weight = head.weight
+    return (type(head) is nn.Linear and not hasattr(head, "_hf_hook") and not hasattr(weight, "ds_id")
+            and type(weight.data) is torch.Tensor and not head._forward_hooks and not head._forward_pre_hooks)
 
 
 def completion_logprobs(
@@ -63,6 +133,11 @@ def completion_logprobs(
     tokens = input_ids[:, -completion_length:]  # [B, T]
     head = _output_head(model)
     flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # [B*T, H], [B*T]
+    shape = tokens.shape
+    if _is_plain_linear(head):
+        logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature,
+                                                   chunk_size, with_entropy)
+        return logps_t.view(shape), (entropies_t.view(shape) if with_entropy else None)
     logps, entropies = [], []
     for start in range(0, flat_tokens.numel(), chunk_size):
         args = (head, flat_hidden[start : start + chunk_size], flat_tokens[start : start + chunk_size], temperature)
@@ -72,7 +147,6 @@ def completion_logprobs(
             chosen, entropy = _head_logprobs(*args)
         logps.append(chosen)
         entropies.append(entropy.detach())  # the entropy is a metric/mask, never differentiated
-    shape = tokens.shape
     logps_t = torch.cat(logps).view(shape)
     return logps_t, (torch.cat(entropies).view(shape) if with_entropy else None)
 
