@@ -104,7 +104,7 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
                               train_dataset=copy_digits_dataset(num_prompts=64, seed=seed),
                               processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft_config,
                               callbacks=[clock])
-        phases = _instrument_ours(trainer) if impl == "ours" else None
+        phases = _instrument_ours(trainer) if impl == "ours" else _instrument_trl(trainer)
         trainer.train()
     history = [row for row in trainer.state.log_history if "reward" in row]
     lengths = [row["completions/mean_length"] for row in history]
@@ -118,11 +118,22 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
         "rss_after_import_mb": rss_after_import, "rewards": [row["reward"] for row in history],
         "step_cpu_s": clock.cpu, "step_wall_s": clock.wall,
     }
-    if phases is not None:
-        steps_timed = len(clock.cpu)
-        result["phases_cpu_s_per_step"] = {k: v / steps_timed for k, v in phases.items()}
-        result["step_cpu_s_mean"] = sum(clock.cpu) / steps_timed
+    steps_timed = len(clock.cpu)
+    result["phases_cpu_s_per_step"] = {k: v / steps_timed for k, v in phases.items()}
+    result["step_cpu_s_mean"] = sum(clock.cpu) / steps_timed
     return result
+
+
+def _timed(fn, phase, totals, phase_fn=None):
+    """`fn` with its CPU seconds added to `totals[phase]` (or to `totals[phase_fn()]`, decided at call time)."""
+    def wrapper(*args, **kwargs):
+        name = phase_fn() if phase_fn else phase
+        start = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.process_time() - start
+    return wrapper
 
 
 def _instrument_ours(trainer) -> dict[str, float]:
@@ -130,21 +141,26 @@ def _instrument_ours(trainer) -> dict[str, float]:
     from grpo_trainer import trainer as trainer_module
 
     totals = dict.fromkeys(PHASES, 0.0)
+    trainer._sample = _timed(trainer._sample, "generation", totals)
+    trainer._reference_and_old_logps = _timed(trainer._reference_and_old_logps, "reference_forward", totals)
+    trainer.compute_loss = _timed(trainer.compute_loss, "policy_forward", totals)
+    trainer.accelerator.backward = _timed(trainer.accelerator.backward, "backward", totals)
+    trainer_module.rewards.score_completions = _timed(trainer_module.rewards.score_completions, "rewards", totals)
+    return totals
 
-    def timed(fn, phase):
-        def wrapper(*args, **kwargs):
-            start = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[phase] += time.process_time() - start
-        return wrapper
 
-    trainer._sample = timed(trainer._sample, "generation")
-    trainer._reference_and_old_logps = timed(trainer._reference_and_old_logps, "reference_forward")
-    trainer.compute_loss = timed(trainer.compute_loss, "policy_forward")
-    trainer.accelerator.backward = timed(trainer.accelerator.backward, "backward")
-    trainer_module.rewards.score_completions = timed(trainer_module.rewards.score_completions, "rewards")
+def _instrument_trl(trainer) -> dict[str, float]:
+    """The same stages in TRL 1.16: its transformers generation, its log-prob helper (reference when called
+    without gradients, policy with them), backward and rewards."""
+    import torch
+
+    totals = dict.fromkeys(PHASES, 0.0)
+    which = lambda: "policy_forward" if torch.is_grad_enabled() else "reference_forward"  # noqa: E731
+    trainer._generate_single_turn = _timed(trainer._generate_single_turn, "generation", totals)
+    trainer._get_per_token_logps_and_entropies = _timed(trainer._get_per_token_logps_and_entropies, None, totals,
+                                                        which)
+    trainer.accelerator.backward = _timed(trainer.accelerator.backward, "backward", totals)
+    trainer._calculate_rewards = _timed(trainer._calculate_rewards, "rewards", totals)
     return totals
 
 
@@ -178,7 +194,7 @@ def run_child(impl: str, case: Case, model_dir: str, opts: argparse.Namespace) -
     command = [sys.executable, __file__, "--child", impl, "--case", json.dumps(asdict(case)), "--model-dir",
                model_dir, "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--learning-rate",
                str(opts.learning_rate), "--seed", str(opts.seed)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=opts.timeout)
+    proc = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=opts.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{impl} {case.name} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -200,8 +216,9 @@ def summarise(case: Case, ours: list[dict], trl: list[dict]) -> dict:
     row["cpu_ratio"] = row["ours_cpu_s_per_step"] / row["trl_cpu_s_per_step"]
     row["wall_ratio"] = row["ours_wall_s_per_step"] / row["trl_wall_s_per_step"]
     row["rss_ratio"] = row["ours_peak_rss_mb"] / row["trl_peak_rss_mb"]
-    row["ours_phases_cpu_s_per_step"] = ours[0].get("phases_cpu_s_per_step")
-    row["ours_step_cpu_s_mean"] = ours[0].get("step_cpu_s_mean")
+    for impl, runs in (("ours", ours), ("trl", trl)):
+        row[f"{impl}_phases_cpu_s_per_step"] = runs[0]["phases_cpu_s_per_step"]
+        row[f"{impl}_step_cpu_s_mean"] = runs[0]["step_cpu_s_mean"]
     return row
 
 
@@ -216,15 +233,14 @@ def print_table(rows: list[dict]) -> None:
               f"{r['cpu_ratio']:>9.2f} {r['wall_ratio']:>10.2f} {r['ours_tokens_per_cpu_s']:>10.0f} "
               f"{r['trl_tokens_per_cpu_s']:>9.0f} {r['ours_peak_rss_mb']:>8.0f}M {r['trl_peak_rss_mb']:>7.0f}M "
               f"{r['rss_ratio']:>9.2f} {r['ours_mean_reward']:>8.3f} {r['trl_mean_reward']:>8.3f}")
-    print("\nWhere our step's CPU time goes (mean over all steps, warm-up included):")
-    print(f"{'configuration':<30} {'step':>7} " + " ".join(f"{p:>17}" for p in (*PHASES, "rest")))
+    print("\nWhere a step's CPU time goes (mean over all steps, warm-up included):")
+    print(f"{'configuration':<30} {'impl':<5} {'step':>7} " + " ".join(f"{p:>17}" for p in (*PHASES, "rest")))
     for r in rows:
-        phases, total = r["ours_phases_cpu_s_per_step"], r["ours_step_cpu_s_mean"]
-        if not phases:
-            continue
-        rest = total - sum(phases.values())
-        cells = [f"{v:6.3f}s {100 * v / total:5.1f}%" for v in (*phases.values(), rest)]
-        print(f"{r['case']:<30} {total:6.3f}s " + " ".join(f"{c:>17}" for c in cells))
+        for impl in ("ours", "trl"):
+            phases, total = r[f"{impl}_phases_cpu_s_per_step"], r[f"{impl}_step_cpu_s_mean"]
+            rest = total - sum(phases.values())
+            cells = [f"{v:6.3f}s {100 * v / total:5.1f}%" for v in (*phases.values(), rest)]
+            print(f"{r['case']:<30} {impl:<5} {total:6.3f}s " + " ".join(f"{c:>17}" for c in cells))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
                         opts.learning_rate, opts.seed)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    split = lambda text, kind: [kind(x) for x in text.split(",") if x]  # noqa: E731
+    def split(text: str, kind: type) -> list:
+        return [kind(x) for x in text.split(",") if x]
+
     sizes = split(opts.sizes, str)
     cases = [Case(*c) for c in itertools.product(sizes, split(opts.lengths, int), split(opts.betas, float),
                                                   split(opts.peft, str), split(opts.threads, int))]
