@@ -1,25 +1,31 @@
 """Fast rollout sampling: each prompt prefilled once, a preallocated KV cache, a tight decode loop.
 
 `model.generate` spends most of a small model's rollout in per-token machinery rather than in arithmetic: mask
-builders, cache objects, output dataclasses, logits processors and stopping criteria; and on CPU
-`torch.multinomial` draws one random number per vocabulary entry (~5 ms per step at a 32k vocabulary).
+builders, cache objects, output dataclasses and stopping criteria; and on CPU `torch.multinomial` draws one
+random number per vocabulary entry (~5 ms per step at a 32k vocabulary).
 
 Decisions:
 
 1. Same contract as `generation.sample` (prompt rows already repeated G times in, a `generation.Rollout` out),
    so the trainer switches with `GRPOConfig.generation_backend`. `model.generate` stays the reference path: any
    model or setting this module does not reproduce exactly falls back to it (`fast_path_blocker` says why).
-2. The decoder is the Llama family's (`ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3), run from the model's own
-   modules and weights: embedding, RMSNorm weights, the rotary-embedding module, projections, MLP. A projection
-   that is a plain `nn.Linear` runs as `F.linear` on its weight; a wrapped one (a LoRA layer, a quantised
-   layer) is called as a module, so adapters (and a disabled adapter) behave exactly as in `forward`.
-3. Distinct prompts are found once (consecutive identical rows); each is prefilled once and its keys/values are
+2. The settings are resolved and the logits processors built by transformers itself, as `generate` does (the
+   model's generation config and transformers' defaults fill unset fields, e.g. `top_k=50`), so every logits
+   processor `generate` would apply is applied, to the same running sequences. Greedy and multinomial sampling
+   are covered; beam search, assisted decoding, stop strings and time limits fall back.
+3. The decoder is the Llama family's (`ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3), run from the model's own
+   modules and weights: embedding, RMSNorm weights, the rotary-embedding module, projections, MLP. Small models
+   (`FUSE_MAX_PARAMETERS`) run q|k|v and gate|up as one matmul each, with vanilla LoRA adapters merged into
+   those weights; otherwise plain linears run as `F.linear` on their weights and wrapped ones (LoRA,
+   quantised) as their own modules, so adapters, and a disabled adapter, behave as in `forward`.
+4. Distinct prompts are found once (consecutive identical rows); each is prefilled once and its keys/values are
    copied into the rows of its G completions. Positions count real tokens only, as `generate`'s do.
-4. Greedy decoding is an argmax. Sampling applies transformers' own logits warpers in `generate`'s order, then
-   inverts the CDF with one uniform number per row (`searchsorted` over float64 cumulative probabilities): the
-   same distribution as `torch.multinomial`, not the same random stream, so sampled tokens differ from
-   `generate`'s for a given seed while greedy tokens are identical.
-5. The loop stops as soon as every row has emitted an EOS token; rows that finished are padded.
+5. Greedy decoding is an argmax. Sampling inverts the CDF with one uniform number per row (`searchsorted` over
+   float64 cumulative probabilities): the distribution of `torch.multinomial`, not its random stream, so sampled
+   tokens differ from `generate`'s for a given seed, while greedy tokens are identical.
+6. The loop stops as soon as every row has emitted an EOS token; rows that finished are padded. Each token's
+   log-prob and entropy under the full tempered softmax are kept (`Rollout.sampling_logps`): the trainer uses
+   them as old log-probs and, on-policy, as the loss forward's values.
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `H` query
 heads, `K` key/value heads, `D` head dim, `E` hidden size, `V` vocabulary.
@@ -35,18 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import GenerationMode, LogitsProcessorList
 
 from grpo_trainer import generation, models
 
-__all__ = ["ARCHITECTURES", "GENERATION_BACKENDS", "fast_path_blocker", "logits_processors", "sample",
+__all__ = ["ARCHITECTURES", "FUSE_MAX_PARAMETERS", "GENERATION_BACKENDS", "fast_path_blocker", "sample",
            "sample_from_logits"]
 
 logger = logging.getLogger(__name__)
@@ -54,32 +53,8 @@ logger = logging.getLogger(__name__)
 # model_type -> whether its attention normalises queries and keys per head (Qwen3's q_norm / k_norm).
 ARCHITECTURES: dict[str, bool] = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 
-# GenerationConfig fields this module reproduces; any other non-default field sends the call to `generate`.
-_SUPPORTED_FIELDS = {
-    "do_sample", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "eos_token_id",
-    "pad_token_id", "bos_token_id", "disable_compile", "transformers_version", "use_cache", "_from_model_config",
-}
 
-
-# --------------------------------------------------------------------------------------------- sampling
-
-
-def logits_processors(config: GenerationConfig, prompt_mask: Tensor) -> LogitsProcessorList:
-    """The processors `generate` would apply for the supported fields, in its order (penalty, then warpers)."""
-    processors = LogitsProcessorList()
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        padding = (prompt_mask != 0).int().argmax(dim=1)  # [B] left padding, as `generate` computes it
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding))
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k is not None and config.top_k != 0:
-            processors.append(TopKLogitsWarper(top_k=config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=config.top_p))
-        if config.min_p is not None:
-            processors.append(MinPLogitsWarper(min_p=config.min_p))
-    return processors
+# --------------------------------------------------------------------------------------------- settings
 
 
 def sample_from_logits(scores: Tensor, do_sample: bool) -> Tensor:
@@ -94,7 +69,22 @@ def sample_from_logits(scores: Tensor, do_sample: bool) -> Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
 
 
-# ---------------------------------------------------------------------------------------------- blocker
+def _resolved(lm: nn.Module, config: GenerationConfig) -> GenerationConfig:
+    """The settings `generate` would run with (transformers' own resolution; private API, hence the blocker's
+    fallback if it changes)."""
+    return lm._prepare_generation_config(config)[0]
+
+
+def _processors(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_mask: Tensor):
+    """The logits processors `generate` would build for these prompts (transformers' own constructor)."""
+    return lm._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_ids.shape[1],
+                                    encoder_input_ids=prompt_ids, prefix_allowed_tokens_fn=None,
+                                    logits_processor=LogitsProcessorList(), device=prompt_ids.device,
+                                    model_kwargs={"attention_mask": prompt_mask})
+
+
+def _max_new_tokens(config: GenerationConfig, prompt_length: int) -> int:
+    return config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -104,16 +94,25 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if models.is_peft_model(model) else model
 
 
-def fast_path_blocker(model: nn.Module, config: GenerationConfig, total_length: int) -> str | None:
+def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length: int) -> str | None:
     """Why this model/config must use `model.generate` (None when the fast path reproduces it)."""
     lm = _causal_lm(model)
     model_config = getattr(lm, "config", None)
     model_type = getattr(model_config, "model_type", None)
     if model_type not in ARCHITECTURES:
         return f"model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
-    extra = sorted(set(config.to_diff_dict()) - _SUPPORTED_FIELDS)
-    if extra:
-        return f"generation settings {extra} are only implemented by model.generate"
+    try:
+        resolved = _resolved(lm, config)
+        _processors(lm, resolved, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
+    except (AttributeError, TypeError) as error:
+        return f"transformers' generation internals differ from the ones this module calls ({error})"
+    mode = resolved.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"generation mode {mode.value!r}"
+    if resolved.max_time is not None or resolved.stop_strings is not None:
+        return "stopping criteria max_time / stop_strings"
+    if resolved.num_return_sequences not in (None, 1):
+        return "num_return_sequences > 1"
     if getattr(model_config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     if lm.training and (getattr(model_config, "attention_dropout", 0.0) > 0
@@ -124,6 +123,7 @@ def fast_path_blocker(model: nn.Module, config: GenerationConfig, total_length: 
         return "the embedding is not a plain nn.Embedding or there is no rotary-embedding module"
     if not isinstance(lm.get_output_embeddings(), nn.Linear):
         return "the LM head is not an nn.Linear"
+    total_length = prompt_length + _max_new_tokens(resolved, prompt_length)
     for layer in decoder.layers:
         window = getattr(layer.self_attn, "sliding_window", None)
         if window is not None and window < total_length:
@@ -277,29 +277,43 @@ def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
 def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor,
            generation_config: GenerationConfig) -> generation.Rollout:
     """Same inputs and output as `generation.sample`; falls back to it when `fast_path_blocker` says so."""
-    reason = fast_path_blocker(model, generation_config, prompt_ids.shape[1] + generation_config.max_new_tokens)
+    reason = fast_path_blocker(model, generation_config, prompt_ids.shape[1])
     if reason is not None:
         logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
         with torch.no_grad():
             return generation.sample(model, prompt_ids, prompt_mask, generation_config)
+    lm = _causal_lm(model)
+    config = _resolved(lm, generation_config)
+    eos = config.eos_token_id
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    pad = config.pad_token_id if config.pad_token_id is not None else eos[0]  # generate's fallback
     # Inference mode skips autograd bookkeeping on every operation (~20% of a small model's decode step); the
-    # clone outside it makes the tokens an ordinary tensor that the training forward can use.
+    # clones outside it make ordinary tensors that the training forward can use.
     with torch.inference_mode():
-        completion_ids = _decode(_causal_lm(model), prompt_ids, prompt_mask, generation_config)
-    completion_ids = completion_ids.clone()
-    mask, truncated = generation.completion_mask(completion_ids, generation_config.eos_token_id)
-    completion_ids = completion_ids.masked_fill(mask == 0, generation_config.pad_token_id)
-    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
+        completion_ids, logps, entropy = _decode(lm, config, prompt_ids, prompt_mask, eos, pad)
+    completion_ids, logps, entropy = completion_ids.clone(), logps.clone(), entropy.clone()
+    mask, truncated = generation.completion_mask(completion_ids, eos)
+    completion_ids = completion_ids.masked_fill(mask == 0, pad)
+    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps, entropy)
 
 
-def _decode(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, config: GenerationConfig) -> Tensor:
-    """Completion tokens `[B, T']` (T' <= max_new_tokens: the loop stops once every row has ended)."""
-    max_new = config.max_new_tokens
+def _score(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """log softmax(logits / temperature)[token] and the entropy, per row of `[B, V]` float32 logits."""
+    z = logits if temperature == 1.0 else logits / temperature
+    log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    return log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(log_p.exp(), log_p)
+
+
+def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_mask: Tensor, eos: list[int],
+            pad: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Completion tokens `[B, T']` (T' <= max new tokens: the loop stops once every row has ended), and their
+    log-probs and entropies `[B, T']` under the full tempered softmax (`generation.Rollout.sampling_logps`)."""
     B, S = prompt_ids.shape
+    max_new = _max_new_tokens(config, S)
     decoder = _Decoder(lm, B, S + max_new)
     device = prompt_ids.device
-    eos = torch.tensor(config.eos_token_id, device=device)
-    processors = logits_processors(config, prompt_mask)
+    eos_ids = torch.tensor(eos, device=device, dtype=torch.long)
+    processors = _processors(lm, config, prompt_ids, prompt_mask)
     real = prompt_mask.long().cumsum(1)  # [B, S]
     first, group = _distinct_rows(prompt_ids, prompt_mask)
 
@@ -318,18 +332,21 @@ def _decode(lm: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, config: Gene
     # Additive key mask [B, 1, 1, L] (0 or -inf): SDPA takes it as is, where a bool mask is converted every call.
     key_mask = torch.zeros(B, 1, 1, S + max_new, dtype=decoder.embed.dtype, device=device)
     key_mask[:, 0, 0, :S].masked_fill_(prompt_mask == 0, float("-inf"))
-    sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), config.pad_token_id)], 1)  # [B, L]
+    sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), pad)], 1)  # [B, L]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    logps, entropy = torch.zeros(2, B, max_new, device=device)  # [B, T] each
+    temperature = config.temperature if config.do_sample and config.temperature is not None else 1.0
     for t in range(max_new):
-        scores = processors(sequences[:, :S + t], scores)
-        tokens = sample_from_logits(scores, config.do_sample).masked_fill_(finished, config.pad_token_id)  # [B]
+        processed = processors(sequences[:, :S + t], scores)
+        tokens = sample_from_logits(processed, config.do_sample).masked_fill_(finished, pad)  # [B]
+        logps[:, t], entropy[:, t] = _score(scores, tokens, temperature)
         sequences[:, S + t] = tokens
-        finished |= torch.isin(tokens, eos)
+        finished |= torch.isin(tokens, eos_ids)
         if t == max_new - 1 or bool(finished.all()):
             break
         hidden = decoder.forward(tokens[:, None], S + t, cos[:, t:t + 1], sin[:, t:t + 1], key_mask[..., :S + t + 1])
         scores = decoder.logits(hidden)
-    return sequences[:, S:S + t + 1]
+    return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1]
 
 
 # GRPOConfig.generation_backend -> sampler with `generation.sample`'s signature.

@@ -33,6 +33,10 @@ class Rollout:
     completion_ids: Tensor  # [B, T] right-padded
     completion_mask: Tensor  # [B, T] 1 up to and including the first EOS
     is_truncated: Tensor  # [B] bool: the completion never emitted EOS
+    # Filled by the fast backend (`decoding`): log pi(token) and the entropy at each position under the weights that
+    # sampled, from the full tempered softmax (before top-k/top-p filtering), as the training forward computes them.
+    sampling_logps: Tensor | None = None  # [B, T] float32
+    sampling_entropy: Tensor | None = None  # [B, T] float32
 
 
 def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | None,
