@@ -48,12 +48,24 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperatu
 class _HeadLogProbs(torch.autograd.Function):
     """log softmax(hidden @ weight.T + bias) / temperature)[token] per row, and optionally the entropy, one chunk
     of rows at a time. Saves only the rows' log-sum-exp `[N]` besides its inputs. The entropy is not
-    differentiable (a metric and a mask)."""
+    differentiable (a metric and a mask).
+
+    `known` = (logps `[N]`, entropies `[N]` or None): values already computed under the same weights (the
+    rollout's, on-policy); the forward then projects nothing and returns them, and the backward, which always
+    recomputes the logits, computes the log-sum-exp as well."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
-                chunk_size: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+                chunk_size: int, with_entropy: bool, known: tuple[Tensor, Tensor | None] | None = None
+                ) -> tuple[Tensor, Tensor]:
         N = tokens.shape[0]
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if known is not None:
+            logps = known[0].to(torch.float32, copy=True)
+            entropies = known[1].to(torch.float32, copy=True) if with_entropy else logps.new_empty(0)
+            ctx.save_for_backward(hidden, weight, bias, tokens, None)
+            ctx.mark_non_differentiable(entropies)
+            return logps, entropies
         logps = hidden.new_empty(N, dtype=torch.float32)
         lses = torch.empty_like(logps)
         entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
@@ -67,7 +79,6 @@ class _HeadLogProbs(torch.autograd.Function):
                 log_p = logits.sub_(lse[:, None])
                 entropies[rows] = -torch.linalg.vecdot(log_p.exp(), log_p)
         ctx.save_for_backward(hidden, weight, bias, tokens, lses)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropies)
         return logps, entropies
 
@@ -82,7 +93,9 @@ class _HeadLogProbs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             g = grad_logps[rows, None]  # [n, 1]
             # d log p(token) / dz = onehot(token) - softmax(z), times the upstream gradient, over the temperature.
-            grad = _chunk_logits(hidden[rows], weight, bias, ctx.temperature).sub_(lses[rows, None]).exp_()
+            logits = _chunk_logits(hidden[rows], weight, bias, ctx.temperature)  # [n, V]
+            lse = torch.logsumexp(logits, dim=-1) if lses is None else lses[rows]
+            grad = logits.sub_(lse[:, None]).exp_()
             grad.mul_(-g).scatter_add_(1, tokens[rows, None], g)
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
@@ -93,7 +106,7 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_weight.addmm_(grad.T, hidden[rows])
             if want_bias:
                 grad_bias += grad.sum(0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _is_plain_linear(head: nn.Module) -> bool:
@@ -111,6 +124,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    known_logps: Tensor | None = None,
+    known_entropy: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the last `completion_length` tokens of each row.
 
@@ -121,6 +136,9 @@ def completion_logprobs(
         temperature: the sampling temperature; logits are divided by it, as they were when sampling.
         chunk_size: completion positions (rows of the flattened `[B*T, H]` hidden states) projected at once.
         with_entropy: also return the per-token entropy of the (tempered) distribution.
+        known_logps / known_entropy: `[B, T]` values already computed under these same weights (the rollout's
+            sampling log-probs, on-policy). With a plain head the forward then skips the LM-head projection and
+            returns them; gradients are computed exactly as without them.
     Returns:
         logps `[B, T]` float32 and entropies `[B, T]` float32 (or None).
     """
@@ -135,8 +153,11 @@ def completion_logprobs(
     flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # [B*T, H], [B*T]
     shape = tokens.shape
     if _is_plain_linear(head):
+        known = None
+        if known_logps is not None and (known_entropy is not None or not with_entropy):
+            known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1))
         logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature,
-                                                   chunk_size, with_entropy)
+                                                   chunk_size, with_entropy, known)
         return logps_t.view(shape), (entropies_t.view(shape) if with_entropy else None)
     logps, entropies = [], []
     for start in range(0, flat_tokens.numel(), chunk_size):
