@@ -10,8 +10,11 @@ What this trainer does, and how it differs from the papers and from TRL:
    (None) are left out of the baselines.
 3. Loss = surrogate then aggregation (+ beta * k3 KL), chosen by `loss_type` (see `losses`). The loss already
    includes gradient-accumulation scaling (`loss_is_scaled_for_ga = True`).
-4. Old log-probs are computed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
-   more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()).
+4. Old log-probs are needed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
+   more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()). With
+   `generation_backend="fast"` the sampler returns each token's log-prob and entropy under the weights that
+   sampled it: they are the old log-probs, and on-policy they are the current values too, so the loss forward
+   skips the LM-head projection (its backward still recomputes the logits exactly).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
 6. Each micro-batch is trimmed to its own longest prompt and completion before the forward pass (`buffer`), and
    log-probs never materialise float32 `[B, T, V]` logits (`logprobs`).
@@ -240,6 +243,8 @@ class GRPOTrainer(Trainer):
         round_ = {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
                   "completion_ids": rollout.completion_ids, "completion_mask": loss_mask.int(),
                   "advantages": advantages}
+        if mode == "train" and rollout.sampling_logps is not None:
+            round_["sampling_logps"], round_["sampling_entropy"] = rollout.sampling_logps, rollout.sampling_entropy
         round_.update(self._reference_and_old_logps(round_, mode))
         round_["window_tokens"] = self._window_tokens(loss_mask, mode)
         self._record_rollout_metrics(mode, rollout, all_rewards, weights, G)
@@ -254,8 +259,11 @@ class GRPOTrainer(Trainer):
             config = generation.make_generation_config(self.args, model.generation_config, self.processing_class,
                                                        self.args.max_completion_length)
             with torch.no_grad():
-                return decoding.GENERATION_BACKENDS[self.args.generation_backend](model, prompt_ids, prompt_mask,
-                                                                                  config)
+                rollout = decoding.GENERATION_BACKENDS[self.args.generation_backend](model, prompt_ids,
+                                                                                     prompt_mask, config)
+        if not (config.do_sample and config.temperature == self.args.temperature):
+            rollout.sampling_logps = rollout.sampling_entropy = None  # not the distribution the loss scores
+        return rollout
 
     def _decode(self, rollout: generation.Rollout, prompts: list) -> list:
         texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -271,7 +279,9 @@ class GRPOTrainer(Trainer):
         out: dict[str, Tensor | None] = {"old_logps": None, "ref_logps": None}
         with torch.no_grad():
             if needs_old:
-                out["old_logps"] = self._batched_logps(self.model, round_)
+                # The sampler's log-probs are the old policy's; the losses after an optimizer step must recompute.
+                sampled, _ = round_.pop("sampling_logps", None), round_.pop("sampling_entropy", None)
+                out["old_logps"] = sampled if sampled is not None else self._batched_logps(self.model, round_)
             if args.beta != 0.0:
                 if self.ref_model is not None:
                     out["ref_logps"] = self._batched_logps(self.ref_model, round_)
@@ -299,22 +309,29 @@ class GRPOTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------- loss
 
-    def _logps(self, model: nn.Module, inputs: dict[str, Any], with_entropy: bool = False):
-        """Log-probs of a micro-batch trimmed to its own longest prompt and completion."""
+    def _logps(self, model: nn.Module, inputs: dict[str, Any], with_entropy: bool = False, policy: bool = False):
+        """Log-probs of a micro-batch trimmed to its own longest prompt and completion. `policy`: the model is the
+        policy that sampled this round, on-policy, so the sampler's values stand in for the forward's."""
         prompt_ids, prompt_mask, completion_ids, completion_mask = buffer.trim_padding(inputs)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logprobs_fn = distributed.fsdp_completion_logprobs if self.is_fsdp_enabled and \
-            distributed.is_fsdp_module(model) else completion_logprobs
-        logps, entropy = logprobs_fn(model, input_ids, attention_mask, completion_ids.shape[1],
-                                     self.args.temperature, self.args.logprob_chunk_size, with_entropy)
+        width = completion_ids.shape[1]
+        if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
+            logps, entropy = distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width,
+                                                                  self.args.temperature,
+                                                                  self.args.logprob_chunk_size, with_entropy)
+            return logps, entropy, completion_mask
+        known = [inputs[k][:, :width] if policy and inputs.get(k) is not None else None
+                 for k in ("sampling_logps", "sampling_entropy")]  # the forward then skips the LM head
+        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
+                                             self.args.logprob_chunk_size, with_entropy, *known)
         return logps, entropy, completion_mask
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
         args = self.args
         mode = "train" if model.training else "eval"
-        logps, entropy, mask = self._logps(model, inputs, with_entropy=True)  # [B, T] each
+        logps, entropy, mask = self._logps(model, inputs, with_entropy=True, policy=True)  # [B, T] each
         width = mask.shape[1]
         old = inputs["old_logps"][:, :width] if inputs.get("old_logps") is not None else None
         ref = inputs["ref_logps"][:, :width] if inputs.get("ref_logps") is not None else None
