@@ -107,7 +107,8 @@ def test_non_finite_loss_skips_the_step_then_stops(tmp_path, tiny_model, tokeniz
 
 
 def test_empty_and_full_length_completions(tmp_path, tiny_model, tokenizer, toy_dataset):
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, max_steps=1, max_completion_length=4)
+    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, max_steps=1, max_completion_length=4,
+                           generation_backend="generate")  # the completions come from a patched model.generate
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def fake_generate(input_ids, attention_mask, generation_config):

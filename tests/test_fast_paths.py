@@ -1,0 +1,312 @@
+"""The fast paths give the plain paths' results (tokens, log-probs, losses, gradients); speed is measured by
+benchmarks/bench_vs_trl.py, never here.
+
+- `decoding.sample` (shared prefill, preallocated KV cache, own decode loop) against `model.generate`.
+- `logprobs._HeadLogProbs` (hand-written backward) against autograd through `token_logprobs`.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, Qwen3Config
+
+from grpo_trainer import GRPOConfig, GRPOTrainer, decoding, generation
+from grpo_trainer.logprobs import _HeadLogProbs, token_logprobs
+from grpo_trainer.tiny import copy_digits_reward, make_tiny_model
+
+MAX_NEW = 12
+
+
+def _model(kind: str, tokenizer):
+    """A tiny randomly initialised model of each supported family (seeded)."""
+    if kind == "qwen2":
+        return make_tiny_model(tokenizer, seed=1)
+    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = {"llama": lambda: LlamaConfig(**common, attention_bias=True),  # biased q/k/v/o
+              "qwen3": lambda: Qwen3Config(**common, head_dim=24),  # q/k RMSNorm, head_dim != hidden / heads
+              "gpt2": lambda: GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)}[kind]()
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _prompts(tokenizer, repeats: int = 2):
+    """Three prompts of different lengths (left padding differs per row), each repeated as a GRPO group."""
+    texts = [t for t in ["copy 123:", "copy 98765:", "c"] for _ in range(repeats)]
+    return generation.tokenize_prompts(tokenizer, texts, None)
+
+
+def _config(tokenizer, **overrides) -> GenerationConfig:
+    settings = {"do_sample": False, "max_new_tokens": MAX_NEW, "eos_token_id": [tokenizer.eos_token_id],
+                "pad_token_id": tokenizer.pad_token_id, "disable_compile": True}
+    return GenerationConfig(**{**settings, **overrides})
+
+
+def _assert_same_rollout(fast: generation.Rollout, reference: generation.Rollout) -> None:
+    assert torch.equal(fast.completion_ids, reference.completion_ids)
+    assert torch.equal(fast.completion_mask, reference.completion_mask)
+    assert torch.equal(fast.is_truncated, reference.is_truncated)
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+def test_greedy_tokens_equal_generate(tokenizer, kind):
+    model = _model(kind, tokenizer)
+    ids, mask = _prompts(tokenizer)
+    config = _config(tokenizer)
+    assert decoding.fast_path_blocker(model, config, ids.shape[1]) is None
+    with torch.no_grad():
+        reference = generation.sample(model, ids, mask, config)
+    _assert_same_rollout(decoding.sample(model, ids, mask, config), reference)
+    assert reference.completion_ids.shape[1] == MAX_NEW  # nothing ended early: every position compared
+
+
+def test_rows_stop_at_eos_and_the_loop_stops_when_every_row_has(tokenizer):
+    model = _model("qwen2", tokenizer)
+    ids, mask = _prompts(tokenizer)
+    with torch.no_grad():
+        free = generation.sample(model, ids, mask, _config(tokenizer))
+    # Make the greedy token at step 3 of every row an EOS token: every row now ends by step 3 (some earlier, where
+    # that token already occurs), so both paths must stop after at most 4 tokens, with the same masks.
+    config = _config(tokenizer, eos_token_id=sorted(set(free.completion_ids[:, 3].tolist())))
+    with torch.no_grad():
+        reference = generation.sample(model, ids, mask, config)
+    fast = decoding.sample(model, ids, mask, config)
+    _assert_same_rollout(fast, reference)
+    assert fast.completion_ids.shape[1] <= 4 and not fast.is_truncated.any()
+
+
+def test_lora_adapter_is_merged_exactly_and_disabling_it_gives_the_base_model(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_model("qwen2", tokenizer), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,  # random B: the adapter changes outputs
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    ids, mask = _prompts(tokenizer)
+    config = _config(tokenizer)
+    with torch.no_grad():
+        adapted = generation.sample(model, ids, mask, config)
+        with model.disable_adapter():
+            base = generation.sample(model, ids, mask, config)
+            _assert_same_rollout(decoding.sample(model, ids, mask, config), base)
+    _assert_same_rollout(decoding.sample(model, ids, mask, config), adapted)
+    assert not torch.equal(adapted.completion_ids, base.completion_ids)  # the test can tell the two apart
+
+
+def test_decoder_logits_equal_a_full_forward_at_every_step(tokenizer):
+    """Numerics independent of argmax ties: feed a fixed completion through the cache-based decoder one token at
+    a time and compare every step's logits with one full forward of prompt + completion."""
+    model = _model("qwen3", tokenizer)
+    ids, mask = _prompts(tokenizer, repeats=1)  # [3, S]
+    B, S = ids.shape
+    completion = torch.randint(10, 90, (B, 5), generator=torch.Generator().manual_seed(0))
+    full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
+    with torch.no_grad():
+        positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+        expected = model(input_ids=torch.cat([ids, completion], 1), attention_mask=full_mask,
+                         position_ids=positions).logits[:, S - 1:-1]  # [B, 5, V]
+    with torch.inference_mode():
+        decoder = decoding._Decoder(model, B, S + 5)
+        allowed = (torch.ones(S, S, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]) | torch.eye(S).bool()
+        cos, sin = decoder.rotation_tables(positions[:, :S + 5])
+        steps = [decoder.logits(decoder.forward(ids, 0, cos[:, :S], sin[:, :S], allowed))]
+        key_mask = full_mask.bool()[:, None, None, :]
+        for t in range(4):
+            column = S + t
+            hidden = decoder.forward(completion[:, t:t + 1], column, cos[:, column:column + 1],
+                                     sin[:, column:column + 1], key_mask[..., :column + 1])
+            steps.append(decoder.logits(hidden))
+    torch.testing.assert_close(torch.stack(steps, 1), expected, atol=1e-5, rtol=0)
+
+
+def test_sampling_draws_the_softmax_distribution():
+    # probabilities [.5, .3, .15, .05, 0]; with N = 40000 draws the standard error of a frequency is at most
+    # sqrt(.25 / 40000) = .0025, so 5 standard errors is .0125. The -inf token must never be drawn.
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.log().expand(40000, 5).contiguous()  # log 0 = -inf: a filtered token
+    torch.manual_seed(0)
+    draws = decoding.sample_from_logits(logits, do_sample=True)
+    frequencies = torch.bincount(draws, minlength=5).float() / draws.numel()
+    assert frequencies[4] == 0
+    torch.testing.assert_close(frequencies, probs, atol=0.0125, rtol=0)
+    assert torch.equal(decoding.sample_from_logits(logits[:2], do_sample=False), torch.tensor([0, 0]))
+
+
+def test_every_logits_processor_generate_builds_is_applied(tokenizer):
+    """Settings resolved and processors built by transformers, run on the same sequences as in generate: greedy
+    tokens stay identical under an n-gram ban, a repetition penalty and a minimum length."""
+    model = _model("llama", tokenizer)
+    ids, mask = _prompts(tokenizer)
+    config = _config(tokenizer, no_repeat_ngram_size=2, repetition_penalty=1.5, min_new_tokens=3)
+    assert decoding.fast_path_blocker(model, config, ids.shape[1]) is None
+    with torch.no_grad():
+        reference = generation.sample(model, ids, mask, config)
+        plain = generation.sample(model, ids, mask, _config(tokenizer))
+    _assert_same_rollout(decoding.sample(model, ids, mask, config), reference)
+    assert not torch.equal(reference.completion_ids, plain.completion_ids)  # the processors changed the tokens
+
+
+def test_top_k_one_sampling_is_greedy(tokenizer):
+    model = _model("llama", tokenizer)
+    ids, mask = _prompts(tokenizer)
+    greedy = decoding.sample(model, ids, mask, _config(tokenizer))
+    _assert_same_rollout(decoding.sample(model, ids, mask, _config(tokenizer, do_sample=True, top_k=1)), greedy)
+
+
+def test_sampling_matches_generate_in_distribution(tokenizer):
+    """Sampled tokens differ from generate's for a seed (different random stream), but the first token's
+    frequencies over many rows of one prompt agree. This random model's tempered distribution is nearly uniform;
+    transformers' default top_k=50 (the config leaves top_k unset) keeps 50 tokens, ~40 draws each in 2000 rows,
+    so two samples differ by ~sqrt(2 * 40) ~ 9 counts per token: a total-variation distance of ~0.09. Without the
+    top-k filter (or with a wrong distribution) it would be ~0.44."""
+    model = _model("qwen2", tokenizer)
+    ids, mask = generation.tokenize_prompts(tokenizer, ["copy 12:"] * 2000, None)
+    config = _config(tokenizer, do_sample=True, max_new_tokens=1, temperature=0.8, top_k=None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        reference = generation.sample(model, ids, mask, config).completion_ids[:, 0]
+    fast = decoding.sample(model, ids, mask, config).completion_ids[:, 0]
+    V = len(tokenizer)
+    distance = 0.5 * (torch.bincount(fast, minlength=V) - torch.bincount(reference, minlength=V)).abs().sum() / 2000
+    assert distance < 0.15
+    assert len(torch.unique(fast)) <= 50
+
+
+def test_what_the_fast_path_does_not_reproduce_falls_back_to_generate(tokenizer, tiny_model, monkeypatch):
+    ids, mask = _prompts(tokenizer)
+    beams = _config(tokenizer, num_beams=2)
+    assert "beam_search" in decoding.fast_path_blocker(tiny_model, beams, ids.shape[1])
+    calls = []
+    reference_sample = generation.sample
+    monkeypatch.setattr(generation, "sample", lambda *a: calls.append(a[-1]) or reference_sample(*a))
+    decoding.sample(tiny_model, ids, mask, beams)
+    assert calls == [beams]
+    monkeypatch.undo()
+    assert "max_time" in decoding.fast_path_blocker(tiny_model, _config(tokenizer, max_time=10.0), ids.shape[1])
+    gpt2 = _model("gpt2", tokenizer).eval()  # GPT-2 has dropout 0.1
+    assert "gpt2" in decoding.fast_path_blocker(gpt2, _config(tokenizer), ids.shape[1])
+    with torch.no_grad():
+        _assert_same_rollout(decoding.sample(gpt2, ids, mask, _config(tokenizer)),
+                             generation.sample(gpt2, ids, mask, _config(tokenizer)))
+    tiny_model.config.attention_dropout = 0.1
+    assert "dropout" in decoding.fast_path_blocker(tiny_model.train(), _config(tokenizer), ids.shape[1])
+    assert decoding.fast_path_blocker(tiny_model.eval(), _config(tokenizer), ids.shape[1]) is None
+
+
+def test_generation_backend_is_validated_and_dispatched(tmp_path, tiny_model, tokenizer, toy_dataset, monkeypatch):
+    with pytest.raises(ValueError, match="generation_backend must be 'fast' or 'generate'"):
+        GRPOConfig(output_dir=str(tmp_path), generation_backend="vllm")
+    calls = []
+    monkeypatch.setitem(decoding.GENERATION_BACKENDS, "generate",
+                        lambda *a: calls.append(1) or generation.sample(*a))
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, max_steps=1, report_to="none", save_strategy="no",
+                      generation_backend="generate")
+    GRPOTrainer(tiny_model, copy_digits_reward, args=args, train_dataset=toy_dataset,
+                processing_class=tokenizer).train()
+    assert calls == [1]
+
+
+# ------------------------------------------------------------------------------------------------ log-probs
+
+
+@pytest.mark.parametrize(("temperature", "chunk_size", "bias", "train_head"),
+                         [(1.0, 4, False, True), (0.7, 3, True, True), (1.3, 100, True, False)])
+def test_head_function_equals_autograd_through_token_logprobs(temperature, chunk_size, bias, train_head):
+    generator = torch.Generator().manual_seed(0)
+    N, E, V = 10, 8, 33
+    hidden = torch.randn(N, E, generator=generator, requires_grad=True)
+    weight = torch.randn(V, E, generator=generator).requires_grad_(train_head)  # frozen head = LoRA training
+    b = torch.randn(V, generator=generator, requires_grad=True) if bias else None
+    tokens = torch.randint(0, V, (N,), generator=generator)
+    upstream = torch.randn(N, generator=generator)  # a generic downstream loss sum(upstream * logp)
+
+    logps, entropy = _HeadLogProbs.apply(hidden, weight, b, tokens, temperature, chunk_size, True)
+    grads = torch.autograd.grad((logps * upstream).sum(), [t for t in (hidden, weight, b) if t is not None
+                                                            and t.requires_grad])
+    logits = torch.nn.functional.linear(hidden, weight, b)
+    expected, expected_entropy = token_logprobs(logits, tokens, temperature)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), [t for t in (hidden, weight, b)
+                                                                       if t is not None and t.requires_grad])
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), atol=1e-5, rtol=0)
+    assert not entropy.requires_grad
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # hand check of one row's entropy: uniform logits over V tokens have entropy ln V.
+    flat, _ = _HeadLogProbs.apply(torch.zeros(1, E), weight.detach(), None, tokens[:1], 1.0, 4, False)
+    torch.testing.assert_close(flat, torch.tensor([-math.log(V)]))
+
+
+# --------------------------------------------------------------------------- rollout log-probs in the loss
+
+
+def test_sampling_logps_are_the_training_forwards_values(tokenizer):
+    """The sampler keeps log softmax(logits / T)[token] of the full distribution (not the top-k-filtered one
+    it drew from), which is what the training forward computes for the same tokens."""
+    from grpo_trainer.logprobs import completion_logprobs
+
+    model = _model("qwen2", tokenizer)
+    ids, mask = _prompts(tokenizer)
+    torch.manual_seed(0)
+    rollout = decoding.sample(model, ids, mask, _config(tokenizer, do_sample=True, temperature=0.7, top_k=5))
+    with torch.no_grad():
+        logps, entropy = completion_logprobs(
+            model, torch.cat([ids, rollout.completion_ids], 1), torch.cat([mask, rollout.completion_mask], 1),
+            rollout.completion_ids.shape[1], temperature=0.7, with_entropy=True)
+    active = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.sampling_logps[active], logps[active], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.sampling_entropy[active], entropy[active], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradients_with_rollout_logps_equal_a_full_forward(tmp_path, tokenizer, toy_dataset, beta):
+    """On-policy, compute_loss with the sampler's log-probs (the forward skips the LM head) gives the loss, the
+    metrics and the gradients of the plain forward."""
+    model = make_tiny_model(tokenizer, seed=2)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, beta=beta, report_to="none", save_strategy="no", temperature=0.9)
+    trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
+    batch = [toy_dataset[i // 4] for i in range(8)]
+    round_ = trainer._generate_and_score(batch, "train")
+    assert round_.get("sampling_logps") is not None
+
+    def loss_and_grads(inputs):
+        model.zero_grad()
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach(), {k: float(v[-1]) for k, v in trainer._metrics["train"].items()}, \
+            [p.grad.clone() for p in model.parameters()]
+
+    if beta:  # the reference log-probs are the reference model's, whatever the round carries
+        with torch.no_grad():
+            reference = trainer._batched_logps(trainer.ref_model, {k: v for k, v in round_.items()
+                                                                    if not k.startswith("sampling_")})
+        torch.testing.assert_close(round_["ref_logps"], reference, atol=0, rtol=0)
+    fast = loss_and_grads(round_)
+    plain = loss_and_grads({k: v for k, v in round_.items() if not k.startswith("sampling_")})
+    torch.testing.assert_close(fast[0], plain[0], atol=1e-6, rtol=0)
+    assert fast[1].keys() == plain[1].keys()
+    for key in fast[1]:
+        assert fast[1][key] == pytest.approx(plain[1][key], abs=1e-5), key
+    for got, want in zip(fast[2], plain[2]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokenizer, toy_dataset):
+    model = make_tiny_model(tokenizer, seed=2)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, num_iterations=2, report_to="none", save_strategy="no")
+    trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    # The losses after the first optimizer step must recompute the current log-probs: no sampling values left.
+    assert "sampling_logps" not in round_ and round_["old_logps"] is not None
+    with torch.no_grad():
+        recomputed = trainer._batched_logps(model, round_)
+    active = round_["completion_mask"].bool()
+    torch.testing.assert_close(round_["old_logps"][active], recomputed[active], atol=1e-5, rtol=0)
