@@ -91,21 +91,24 @@ class _HeadLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if want_bias else None
         for start in range(0, tokens.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            g = grad_logps[rows, None]  # [n, 1]
-            # d log p(token) / dz = onehot(token) - softmax(z), times the upstream gradient, over the temperature.
-            logits = _chunk_logits(hidden[rows], weight, bias, ctx.temperature)  # [n, V]
-            lse = torch.logsumexp(logits, dim=-1) if lses is None else lses[rows]
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.mul_(-g).scatter_add_(1, tokens[rows, None], g)
-            if ctx.temperature != 1.0:
-                grad.div_(ctx.temperature)
-            grad = grad.to(weight.dtype)  # [n, V]
+            h, token = hidden[rows], tokens[rows]
+            # z = logits / T and d log p(token) / dz = onehot(token) - softmax(z). The upstream gradient and the
+            # 1/T scale the rows, so they are applied on the E-wide side of each product, never to a V-wide one.
+            scale = (grad_logps[rows] / ctx.temperature).to(weight.dtype)[:, None]  # [n, 1]
+            logits = _chunk_logits(h, weight, bias, ctx.temperature)  # [n, V] float32
+            if lses is None:
+                probs = torch.softmax(logits, dim=-1)
+            else:
+                probs = logits.sub_(lses[rows, None]).exp_()
+            probs = probs.to(weight.dtype)
             if want_hidden:
-                grad_hidden[rows] = grad @ weight
+                grad_hidden[rows] = scale * (weight[token] - probs @ weight)
+            if want_weight or want_bias:
+                scaled = scale * h  # [n, E]
             if want_weight:
-                grad_weight.addmm_(grad.T, hidden[rows])
+                grad_weight.addmm_(probs.T, scaled, alpha=-1).index_add_(0, token, scaled)
             if want_bias:
-                grad_bias += grad.sum(0)
+                grad_bias.addmv_(probs.T, scale[:, 0], alpha=-1).index_add_(0, token, scale[:, 0])
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
