@@ -41,12 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationConfig
-from transformers.generation import GenerationMode, LogitsProcessorList
+from transformers.generation import GenerationMode, LogitsProcessorList, TemperatureLogitsWarper
 
 from grpo_trainer import generation, models
 
 __all__ = ["ARCHITECTURES", "FUSE_MAX_PARAMETERS", "GENERATION_BACKENDS", "fast_path_blocker", "sample",
-           "sample_from_logits"]
+           "sample_from_logits", "sample_from_probs"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,17 @@ def sample_from_logits(scores: Tensor, do_sample: bool) -> Tensor:
     """One token per row from processed logits `[B, V]` (float32): argmax, or a draw by CDF inversion."""
     if not do_sample:
         return scores.argmax(dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float64)  # [B, V]; filtered tokens have probability 0
-    cdf = probs.cumsum_(dim=-1)
-    u = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+    return sample_from_probs(torch.softmax(scores, dim=-1, dtype=torch.float64))
+
+
+def sample_from_probs(probs: Tensor) -> Tensor:
+    """One token per row of probabilities `[B, V]` (filtered tokens 0): one uniform number per row against
+    the float64 cumulative sum."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device) * cdf[:, -1:]
     # First index whose cumulative probability exceeds u: a zero-probability token never is (its cdf equals
     # its predecessor's), so filtered tokens are never drawn.
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=scores.shape[1] - 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _resolved(lm: nn.Module, config: GenerationConfig) -> GenerationConfig:
@@ -97,8 +102,7 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length: int) -> str | None:
     """Why this model/config must use `model.generate` (None when the fast path reproduces it)."""
     lm = _causal_lm(model)
-    model_config = getattr(lm, "config", None)
-    model_type = getattr(model_config, "model_type", None)
+    model_type = getattr(getattr(lm, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         return f"model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
     try:
@@ -106,18 +110,27 @@ def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length:
         _processors(lm, resolved, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
     except (AttributeError, TypeError) as error:
         return f"transformers' generation internals differ from the ones this module calls ({error})"
-    mode = resolved.get_generation_mode()
+    return _settings_blocker(resolved) or _model_blocker(lm, prompt_length + _max_new_tokens(resolved, prompt_length))
+
+
+def _settings_blocker(config: GenerationConfig) -> str | None:
+    mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"generation mode {mode.value!r}"
-    if resolved.max_time is not None or resolved.stop_strings is not None:
+    if config.max_time is not None or config.stop_strings is not None:
         return "stopping criteria max_time / stop_strings"
-    if resolved.num_return_sequences not in (None, 1):
+    if config.num_return_sequences not in (None, 1):
         return "num_return_sequences > 1"
-    if getattr(model_config, "pretraining_tp", 1) != 1:
+    return None
+
+
+def _model_blocker(lm: nn.Module, total_length: int) -> str | None:
+    config = lm.config
+    if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     if any(type(p.data) is not torch.Tensor or p.numel() == 0 for p in lm.parameters()):
         return "sharded or partitioned parameters (FSDP, or ZeRO-3 without ds3_gather_for_generation)"
-    if lm.training and (getattr(model_config, "attention_dropout", 0.0) > 0
+    if lm.training and (getattr(config, "attention_dropout", 0.0) > 0
                         or any(isinstance(m, nn.Dropout) and m.p > 0 for m in lm.modules())):
         return "dropout is active (the model is in training mode with dropout > 0)"
     decoder = lm.get_decoder()
@@ -125,13 +138,12 @@ def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length:
         return "the embedding is not a plain nn.Embedding or there is no rotary-embedding module"
     if not isinstance(lm.get_output_embeddings(), nn.Linear):
         return "the LM head is not an nn.Linear"
-    total_length = prompt_length + _max_new_tokens(resolved, prompt_length)
     for layer in decoder.layers:
         window = getattr(layer.self_attn, "sliding_window", None)
         if window is not None and window < total_length:
             return f"sliding-window attention ({window} < {total_length} tokens)"
-        norms = (decoder.norm, layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(hasattr(n, "variance_epsilon") for n in norms):
+        if not all(hasattr(n, "variance_epsilon") for n in (decoder.norm, layer.input_layernorm,
+                                                              layer.post_attention_layernorm)):
             return "a norm is not an RMSNorm"
     return None
 
@@ -308,11 +320,18 @@ def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor,
     return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps, entropy)
 
 
-def _score(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """log softmax(logits / temperature)[token] and the entropy, per row of `[B, V]` float32 logits."""
-    z = logits if temperature == 1.0 else logits / temperature
-    log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    return log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(log_p.exp(), log_p)
+def _choose(scores: Tensor, sequences: Tensor, processors: LogitsProcessorList,
+            config: GenerationConfig, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Next tokens `[B]`, and their log-probs and the entropies `[B]` under the full tempered softmax of the raw
+    logits `scores` `[B, V]`. When the only processor is the temperature (the trainer's default settings), the
+    distribution sampled from is that softmax, computed once."""
+    log_p = torch.log_softmax(scores if temperature == 1.0 else scores / temperature, dim=-1)  # [B, V]
+    probs = log_p.exp()
+    if config.do_sample and all(type(p) is TemperatureLogitsWarper for p in processors):
+        tokens = sample_from_probs(probs)
+    else:
+        tokens = sample_from_logits(processors(sequences, scores), config.do_sample)
+    return tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, log_p)
 
 
 def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_mask: Tensor, eos: list[int],
@@ -348,9 +367,8 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
     logps, entropy = torch.zeros(2, B, max_new, device=device)  # [B, T] each
     temperature = config.temperature if config.do_sample and config.temperature is not None else 1.0
     for t in range(max_new):
-        processed = processors(sequences[:, :S + t], scores)
-        tokens = sample_from_logits(processed, config.do_sample).masked_fill_(finished, pad)  # [B]
-        logps[:, t], entropy[:, t] = _score(scores, tokens, temperature)
+        tokens, logps[:, t], entropy[:, t] = _choose(scores, sequences[:, :S + t], processors, config, temperature)
+        tokens.masked_fill_(finished, pad)  # [B]
         sequences[:, S + t] = tokens
         finished |= torch.isin(tokens, eos_ids)
         if t == max_new - 1 or bool(finished.all()):

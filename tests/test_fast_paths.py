@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, Qwen3Config
+from transformers.generation import LogitsProcessorList
 
 from grpo_trainer import GRPOConfig, GRPOTrainer, decoding, generation
 from grpo_trainer.logprobs import _HeadLogProbs, token_logprobs
@@ -134,6 +135,30 @@ def test_sampling_draws_the_softmax_distribution():
     assert frequencies[4] == 0
     torch.testing.assert_close(frequencies, probs, atol=0.0125, rtol=0)
     assert torch.equal(decoding.sample_from_logits(logits[:2], do_sample=False), torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize(("top_k", "expected"), [
+    # temperature 0.5 squares the probabilities [.5, .3, .15, .05]: [.25, .09, .0225, .0025] / .365
+    (0, [0.684932, 0.246575, 0.061644, 0.006849]),
+    # top-k 2 then keeps the first two: [.25, .09] / .34
+    (2, [0.735294, 0.264706, 0.0, 0.0]),
+])
+def test_choose_draws_the_processed_distribution_and_scores_the_full_one(top_k, expected):
+    """Only a temperature: one softmax serves both the draw and the scores; with top-k, the draw uses
+    transformers' processors. Either way the log-prob and entropy are the full tempered softmax's."""
+    from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper
+
+    N = 40000  # a frequency's standard error is at most sqrt(.25 / N) = .0025; 5 of them is .0125
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(N, 4).contiguous()
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)] + ([TopKLogitsWarper(top_k)] if top_k else []))
+    config = GenerationConfig(do_sample=True, temperature=0.5, top_k=top_k)
+    torch.manual_seed(0)
+    tokens, logps, entropy = decoding._choose(logits, torch.zeros(N, 1, dtype=torch.long), processors, config, 0.5)
+    frequencies = torch.bincount(tokens, minlength=4).float() / N
+    torch.testing.assert_close(frequencies, torch.tensor(expected), atol=0.0125, rtol=0)
+    full = torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365  # tempered, unfiltered
+    torch.testing.assert_close(logps, full.log()[tokens], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, torch.full((N,), float(-(full * full.log()).sum())), atol=1e-5, rtol=0)
 
 
 def test_every_logits_processor_generate_builds_is_applied(tokenizer):
