@@ -331,7 +331,7 @@ class GRPOTrainer(Trainer):
                      num_items_in_batch: Any = None) -> Tensor:
         args = self.args
         mode = "train" if model.training else "eval"
-        logps, entropy, mask = self._logps(model, inputs, with_entropy=True, policy=True)  # [B, T] each
+        logps, entropy, mask, measured = self._policy_logps(model, inputs, mode)  # [B, T] each
         width = mask.shape[1]
         old = inputs["old_logps"][:, :width] if inputs.get("old_logps") is not None else None
         ref = inputs["ref_logps"][:, :width] if inputs.get("ref_logps") is not None else None
@@ -349,8 +349,34 @@ class GRPOTrainer(Trainer):
         window = self._metrics[mode]
         for key, value in out.metrics.items():
             window[key].append(value)
-        window["entropy"].append((entropy * mask).sum() / mask.sum().clamp(min=1))
+        window["entropy"].append((entropy * measured).sum() / measured.sum().clamp(min=1))
         return (out.loss, None) if return_outputs else out.loss
+
+    def _policy_logps(self, model: nn.Module, inputs: dict[str, Any], mode: str):
+        """Policy log-probs and entropies `[B, T]`, the completion mask, and the mask of tokens whose entropy was
+        computed. With beta == 0 and no entropy mask, a completion whose advantage is exactly 0 adds 0 to the loss
+        and to its gradient whatever its log-probs, so only the other rows run forward and backward; skipped rows
+        keep their place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
+        args = self.args
+        advantages = inputs["advantages"]
+        nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
+        if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or bool(nonzero.all()):
+            logps, entropy, mask = self._logps(model, inputs, with_entropy=True, policy=True)
+            return logps, entropy, mask, mask
+        keep = nonzero.nonzero().squeeze(1)
+        keep = keep if keep.numel() else keep.new_zeros(1)  # one row keeps the graph (and DDP's hooks) alive
+        part_logps, part_entropy, _ = self._logps(model, buffer.select_rows(inputs, keep), True, policy=True)
+        mask = buffer.trim_padding(inputs)[3]  # [B, T]
+        B, T = mask.shape
+        width = part_logps.shape[1]
+        old = inputs.get("old_logps")
+        logps = old[:, :T].clone() if old is not None else part_logps.new_zeros(B, T)
+        logps[keep, :width] = part_logps
+        entropy = part_logps.new_zeros(B, T)
+        entropy[keep, :width] = part_entropy
+        measured = torch.zeros_like(mask)
+        measured[keep] = mask[keep]
+        return logps, entropy, mask, measured
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
