@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, Qwen3Config
 from transformers.generation import LogitsProcessorList
 
-from grpo_trainer import GRPOConfig, GRPOTrainer, decoding, generation
+from grpo_trainer import GRPOConfig, GRPOTrainer, buffer, decoding, generation
 from grpo_trainer.logprobs import _HeadLogProbs, token_logprobs
 from grpo_trainer.tiny import copy_digits_reward, make_tiny_model
 
@@ -335,3 +335,57 @@ def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokeniz
         recomputed = trainer._batched_logps(model, round_)
     active = round_["completion_mask"].bool()
     torch.testing.assert_close(round_["old_logps"][active], recomputed[active], atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------- zero-advantage rows
+
+
+@pytest.mark.parametrize(("loss_type", "num_iterations"), [("dapo", 1), ("grpo", 1), ("bnpo", 2), ("dr_grpo", 2)])
+def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(tmp_path, tokenizer, toy_dataset,
+                                                                               monkeypatch, loss_type,
+                                                                               num_iterations):
+    """beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its gradient, so only the
+    other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens, dr_grpo's B * T,
+    dapo's window). With num_iterations = 2 the round carries old log-probs, used as the skipped rows' values."""
+    model = make_tiny_model(tokenizer, seed=3)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, loss_type=loss_type, num_iterations=num_iterations,
+                      report_to="none", save_strategy="no")
+    trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    round_["advantages"] = torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75])
+    rows_seen = []
+    model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                    with_kwargs=True)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = trainer.compute_loss(model, round_)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    skipped = loss_and_grads()
+    assert rows_seen == [5]  # the three zero-advantage rows never ran
+    monkeypatch.setattr(trainer, "_policy_logps", lambda m, inputs, mode: (
+        *trainer._logps(m, inputs, with_entropy=True, policy=True)[:3],
+        buffer.trim_padding(inputs)[3]))
+    plain = loss_and_grads()
+    assert rows_seen == [5, 8]
+    torch.testing.assert_close(skipped[0], plain[0], atol=1e-7, rtol=1e-6)
+    for got, want in zip(skipped[1], plain[1]):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in skipped[1])
+
+
+def test_zero_advantage_rows_are_not_skipped_with_a_kl_term(tmp_path, tokenizer, toy_dataset):
+    model = make_tiny_model(tokenizer, seed=3)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, beta=0.1, report_to="none", save_strategy="no")
+    trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    round_["advantages"] = torch.zeros(8)  # the KL term still has a gradient on every row
+    rows_seen = []
+    model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    trainer.compute_loss(model, round_)
+    assert rows_seen == [8]
