@@ -378,5 +378,9 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
     return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1]
 
 
+def _generate(*args: Any) -> generation.Rollout:
+    return generation.sample(*args)  # looked up at call time, so a patched `generation.sample` is the one used
+
+
 # GRPOConfig.generation_backend -> sampler with `generation.sample`'s signature.
-GENERATION_BACKENDS: dict[str, Callable[..., generation.Rollout]] = {"fast": sample, "generate": generation.sample}
+GENERATION_BACKENDS: dict[str, Callable[..., generation.Rollout]] = {"fast": sample, "generate": _generate}
