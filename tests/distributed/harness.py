@@ -186,7 +186,8 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         gradient_accumulation_steps=ACCUMULATION, num_generations=G, max_completion_length=MAX_COMPLETION,
         max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
-        seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True)
+        seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
+        generation_backend="generate")  # RowSeededSampling stands in for generation.sample (model.generate)
     peft_config = None
     if lora:
         from peft import LoraConfig
