@@ -389,3 +389,18 @@ def test_zero_advantage_rows_are_not_skipped_with_a_kl_term(tmp_path, tokenizer,
                                     with_kwargs=True)
     trainer.compute_loss(model, round_)
     assert rows_seen == [8]
+
+
+def test_cpu_decode_of_a_small_model_runs_single_threaded_and_restores_the_thread_count(tokenizer, tiny_model,
+                                                                                       monkeypatch):
+    seen = []
+    decode = decoding._decode
+    monkeypatch.setattr(decoding, "_decode", lambda *a: seen.append(torch.get_num_threads()) or decode(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids, mask = _prompts(tokenizer)
+        decoding.sample(tiny_model, ids, mask, _config(tokenizer))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
