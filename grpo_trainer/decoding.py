@@ -193,6 +193,17 @@ def _projection(modules: list[nn.Module], fuse: bool) -> Callable[[Tensor], Tens
     return parts[0] if len(parts) == 1 else (lambda x: torch.cat([part(x) for part in parts], dim=-1))
 
 
+def _residual(module: nn.Module, fuse: bool) -> Callable[[Tensor, Tensor], Tensor]:
+    """`(h, x) -> h + module(x)` for 2-D `h`, `x`; one `addmm` when the weight is plain (or merged LoRA)."""
+    weights = (module.weight, module.bias) if type(module) is nn.Linear else (_lora_weights(module) if fuse else None)
+    if weights is None:
+        return lambda h, x: h + module(x)
+    weight, bias = weights
+    if bias is None:
+        return lambda h, x: torch.addmm(h, x, weight.t())
+    return lambda h, x: torch.addmm(h, x, weight.t()).add_(bias)
+
+
 class _Decoder:
     """A Llama-family decoder over a preallocated KV cache `[B, K, L, D]` per layer; hidden states `[N, S, E]`."""
 
@@ -218,10 +229,12 @@ class _Decoder:
                 "norm2": (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                 "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse),
                 "o": _projection([attn.o_proj], fuse),
+                "o_add": _residual(attn.o_proj, fuse),
                 "qk_norm": (attn.q_norm, attn.k_norm) if qk_norm else None,
                 "scaling": attn.scaling,
                 "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse) if gated else None,
                 "down": _projection([mlp.down_proj], fuse) if gated else None,
+                "down_add": _residual(mlp.down_proj, fuse) if gated else None,
                 "act": mlp.act_fn if gated else None,
                 "mlp": mlp,
             })
@@ -253,6 +266,8 @@ class _Decoder:
         and returns the last position's hidden state `[N, E]`. cos/sin `[N, S, 1, D]`; mask (True = may attend)
         `[N, 1, S, start + S]` (bool, or additive float)."""
         N, S = ids.shape
+        if S == 1:
+            return self.step(ids[:, 0], start, cos[:, 0], sin[:, 0], mask)
         H, K, D = self.H, self.K, self.D
         end = start + S
         hidden = self.embed[ids]  # [N, S, E]
@@ -266,17 +281,10 @@ class _Decoder:
             qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # rotary embedding
             keys[:N, :, start:end] = qk[:, :, H:].transpose(1, 2)
             values[:N, :, start:end] = qkv[:, :, H + K:].transpose(1, 2)
-            if S == 1:
-                # One query token: the query heads sharing a key/value head become query rows of that head, which
-                # is grouped-query attention without copying keys and values.
-                q = qk[:, 0, :H].view(N, K, H // K, D)
-                attn = F.scaled_dot_product_attention(q, keys[:N, :, :end], values[:N, :, :end], attn_mask=mask,
-                                                      scale=layer["scaling"])
-            else:
-                q = qk[:, :, :H].transpose(1, 2)  # [N, H, S, D]
-                k = keys[:N, :, :end].repeat_interleave(H // K, dim=1)
-                v = values[:N, :, :end].repeat_interleave(H // K, dim=1)
-                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer["scaling"]).transpose(1, 2)
+            q = qk[:, :, :H].transpose(1, 2)  # [N, H, S, D]
+            k = keys[:N, :, :end].repeat_interleave(H // K, dim=1)
+            v = values[:N, :, :end].repeat_interleave(H // K, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer["scaling"]).transpose(1, 2)
             hidden = hidden + layer["o"](attn.reshape(N, S, H * D))
             x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm2"])
             if layer["gate_up"] is None:
@@ -285,6 +293,36 @@ class _Decoder:
                 gate, up = layer["gate_up"](x).chunk(2, dim=-1)
                 hidden = hidden + layer["down"](layer["act"](gate) * up)
         return hidden[:, -1]
+
+    def step(self, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """One token per row `[N]` at cache column `column`, in 2-D tensors (fewer reshapes per operation than
+        `forward`); residual projections are one `addmm`. cos/sin `[N, 1, D]`; mask `[N, 1, 1, column + 1]`.
+        Returns hidden states `[N, E]`."""
+        N = tokens.shape[0]
+        H, K, D = self.H, self.K, self.D
+        hidden = self.embed[tokens]  # [N, E]
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
+            qkv = layer["qkv"](x).view(N, H + 2 * K, D)
+            qk = qkv[:, :H + K]
+            if layer["qk_norm"] is not None:
+                q_norm, k_norm = layer["qk_norm"]
+                qk = torch.cat([q_norm(qk[:, :H]), k_norm(qk[:, H:])], dim=1)
+            qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # rotary embedding
+            keys[:N, :, column] = qk[:, H:]
+            values[:N, :, column] = qkv[:, H + K:]
+            # One query token: the query heads sharing a key/value head become query rows of that head, which is
+            # grouped-query attention without copying keys and values.
+            attn = F.scaled_dot_product_attention(qk[:, :H].view(N, K, H // K, D), keys[:N, :, :column + 1],
+                                                  values[:N, :, :column + 1], attn_mask=mask, scale=layer["scaling"])
+            hidden = layer["o_add"](hidden, attn.view(N, H * D))
+            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm2"])
+            if layer["gate_up"] is None:
+                hidden = hidden + layer["mlp"](x)
+            else:
+                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                hidden = layer["down_add"](hidden, layer["act"](gate) * up)
+        return hidden
 
 
 # ------------------------------------------------------------------------------------------------- entry
@@ -387,7 +425,7 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
         finished |= torch.isin(tokens, eos_ids)
         if t == max_new - 1 or bool(finished.all()):
             break
-        hidden = decoder.forward(tokens[:, None], S + t, cos[:, t:t + 1], sin[:, t:t + 1], key_mask[..., :S + t + 1])
+        hidden = decoder.step(tokens, S + t, cos[:, t], sin[:, t], key_mask[..., :S + t + 1])
         scores = decoder.logits(hidden)
     return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1]
 
