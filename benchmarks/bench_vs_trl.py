@@ -212,6 +212,9 @@ def summarise(case: Case, ours: list[dict], trl: list[dict]) -> dict:
             row[f"{impl}_{key}"] = med(runs, key)
         rewards = [r for run in runs for r in run["rewards"]]
         row[f"{impl}_mean_reward"] = statistics.mean(rewards)
+        quarter = max(1, len(runs[0]["rewards"]) // 4)  # learning: first vs last quarter of the steps
+        row[f"{impl}_reward_start"] = statistics.mean(r for run in runs for r in run["rewards"][:quarter])
+        row[f"{impl}_reward_end"] = statistics.mean(r for run in runs for r in run["rewards"][-quarter:])
         row[f"{impl}_rewards"] = runs[0]["rewards"]
     row["cpu_ratio"] = row["ours_cpu_s_per_step"] / row["trl_cpu_s_per_step"]
     row["wall_ratio"] = row["ours_wall_s_per_step"] / row["trl_wall_s_per_step"]
@@ -225,14 +228,15 @@ def summarise(case: Case, ours: list[dict], trl: list[dict]) -> dict:
 def print_table(rows: list[dict]) -> None:
     header = (f"{'configuration':<30} {'ours s/step':>12} {'TRL s/step':>11} {'cpu ratio':>9} {'wall ratio':>10} "
               f"{'ours tok/s':>10} {'TRL tok/s':>9} {'ours RSS':>9} {'TRL RSS':>8} {'RSS ratio':>9} "
-              f"{'ours rwd':>8} {'TRL rwd':>8}")
+              f"{'ours reward start->end':>22} {'TRL reward start->end':>22}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['case']:<30} {r['ours_cpu_s_per_step']:>12.3f} {r['trl_cpu_s_per_step']:>11.3f} "
               f"{r['cpu_ratio']:>9.2f} {r['wall_ratio']:>10.2f} {r['ours_tokens_per_cpu_s']:>10.0f} "
               f"{r['trl_tokens_per_cpu_s']:>9.0f} {r['ours_peak_rss_mb']:>8.0f}M {r['trl_peak_rss_mb']:>7.0f}M "
-              f"{r['rss_ratio']:>9.2f} {r['ours_mean_reward']:>8.3f} {r['trl_mean_reward']:>8.3f}")
+              f"{r['rss_ratio']:>9.2f} {r['ours_reward_start']:>10.3f}->{r['ours_reward_end']:<10.3f} "
+              f"{r['trl_reward_start']:>10.3f}->{r['trl_reward_end']:<10.3f}")
     print("\nWhere a step's CPU time goes (mean over all steps, warm-up included):")
     print(f"{'configuration':<30} {'impl':<5} {'step':>7} " + " ".join(f"{p:>17}" for p in (*PHASES, "rest")))
     for r in rows:
