@@ -8,8 +8,9 @@ so both see the same machine load.
 
 Per configuration it prints median seconds per step after warm-up (CPU seconds from `time.process_time` and
 wall seconds; on a shared machine CPU seconds are the steadier number), completion tokens per second, peak RSS
-(`ru_maxrss` of the child), the mean reward, and the ours / TRL ratios; then where our step's time goes
-(our trainer's methods wrapped with timers inside the child). The last line of stdout is one JSON object.
+(`VmHWM` of the child), the reward at the start and end of the run, and the ours / TRL ratios; then where each
+step's time goes (both trainers' stages wrapped with timers inside the child). The last line of stdout is one JSON
+object.
 
     PYTHONPATH=. python benchmarks/bench_vs_trl.py --quick
     PYTHONPATH=. python benchmarks/bench_vs_trl.py                      # the full grid (long)
@@ -58,8 +59,6 @@ class Case:
 
 def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learning_rate: float, seed: int) -> dict:
     """One training run; returns its measurements. Runs inside its own process."""
-    import resource
-
     import torch
 
     torch.set_num_threads(case.threads)
@@ -71,7 +70,7 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
         from grpo_trainer import GRPOConfig, GRPOTrainer
     else:
         from trl import GRPOConfig, GRPOTrainer
-    rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_after_import = _peak_rss_mb()
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -114,7 +113,7 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
     result = {
         "impl": impl, "case": asdict(case), "cpu_s_per_step": cpu, "wall_s_per_step": wall,
         "tokens_per_step": tokens, "tokens_per_cpu_s": tokens / cpu, "tokens_per_wall_s": tokens / wall,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": _peak_rss_mb(),
         "rss_after_import_mb": rss_after_import, "rewards": [row["reward"] for row in history],
         "step_cpu_s": clock.cpu, "step_wall_s": clock.wall,
     }
@@ -122,6 +121,21 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
     result["phases_cpu_s_per_step"] = {k: v / steps_timed for k, v in phases.items()}
     result["step_cpu_s_mean"] = sum(clock.cpu) / steps_timed
     return result
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set size. Linux keeps `ru_maxrss` across fork + exec, so a child would report
+    the benchmark driver's peak if that were higher; `VmHWM` belongs to the process's own address space."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _timed(fn, phase, totals, phase_fn=None):
