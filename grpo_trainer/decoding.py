@@ -110,7 +110,10 @@ def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length:
         _processors(lm, resolved, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long))
     except (AttributeError, TypeError) as error:
         return f"transformers' generation internals differ from the ones this module calls ({error})"
-    return _settings_blocker(resolved) or _model_blocker(lm, prompt_length + _max_new_tokens(resolved, prompt_length))
+    max_new = _max_new_tokens(resolved, prompt_length)
+    if max_new < 1:
+        return "no new tokens to generate"
+    return _settings_blocker(resolved) or _model_blocker(lm, prompt_length + max_new)
 
 
 def _settings_blocker(config: GenerationConfig) -> str | None:
