@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer.save_model(config.output_dir)
     if trainer.is_world_process_zero():
         _print_summary(config.output_dir)
+    # Under `accelerate launch`, a gloo/NCCL group left alive at interpreter exit can abort a rank
+    # ("terminate called without an active exception") after everything was saved.
+    trainer.accelerator.end_training()
 
 
 def _print_summary(output_dir: str) -> None:

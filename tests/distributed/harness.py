@@ -262,6 +262,10 @@ def main() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
         per_device_batch=cli.per_device_batch)
+    # A gloo group still alive at interpreter exit sometimes aborts a rank after the results were written.
+    from accelerate import PartialState
+
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":
