@@ -54,8 +54,15 @@ def _assert_same_rollout(fast: generation.Rollout, reference: generation.Rollout
 # ------------------------------------------------------------------------------------------------ decoding
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
-def test_greedy_tokens_equal_generate(tokenizer, kind):
+def test_greedy_tokens_equal_generate(tokenizer, kind, packed, monkeypatch):
+    """`packed`: every projection and the LM head run as oneDNN linears on packed weights (large weights do;
+    the tiny test models have none that large)."""
+    if packed:
+        monkeypatch.setattr(decoding, "PACK_MIN_ELEMENTS", 0)
+        if decoding._packed_linear(torch.ones(4, 4), None, 2) is None:
+            pytest.skip("this torch build has no oneDNN packed linear (the decoder uses F.linear)")
     model = _model(kind, tokenizer)
     ids, mask = _prompts(tokenizer)
     config = _config(tokenizer)
@@ -64,6 +71,22 @@ def test_greedy_tokens_equal_generate(tokenizer, kind):
         reference = generation.sample(model, ids, mask, config)
     _assert_same_rollout(decoding.sample(model, ids, mask, config), reference)
     assert reference.completion_ids.shape[1] == MAX_NEW  # nothing ended early: every position compared
+
+
+def test_packed_linear_equals_f_linear():
+    """The oneDNN linear on a packed weight gives F.linear's values for any row count and leading shape; small
+    weights, other dtypes and `rows=None` are left to F.linear."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(1024, 512) * 0.02, torch.randn(1024)
+    linear = decoding._packed_linear(weight, bias, rows=8)
+    if linear is None:
+        pytest.skip("this torch build has no oneDNN packed linear (the decoder uses F.linear)")
+    for shape in [(8, 512), (3, 512), (2, 14, 512)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert decoding._packed_linear(torch.randn(64, 64), None, rows=8) is None  # below PACK_MIN_ELEMENTS
+    assert decoding._packed_linear(weight.double(), None, rows=8) is None
+    assert decoding._packed_linear(weight, None, rows=None) is None
 
 
 def test_rows_stop_at_eos_and_the_loop_stops_when_every_row_has(tokenizer):
@@ -135,6 +158,22 @@ def test_sampling_draws_the_softmax_distribution():
     assert frequencies[4] == 0
     torch.testing.assert_close(frequencies, probs, atol=0.0125, rtol=0)
     assert torch.equal(decoding.sample_from_logits(logits[:2], do_sample=False), torch.tensor([0, 0]))
+
+
+def test_two_level_draw_across_blocks_keeps_the_distribution():
+    """V = 10 spans blocks of 4 (two full blocks and a tail of 2). Probabilities: block 0 = [.1, 0, .2, 0],
+    block 1 all 0 (never chosen), tail = [.3, .4]. Block masses .3, 0, .7; inside block 0 the shares are
+    1/3, 0, 2/3, 0, so token 0 comes out with .3 x 1/3 = .1 and token 2 with .3 x 2/3 = .2: the categorical
+    distribution. N = 40000 draws: 5 standard errors <= .0125."""
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.4])
+    torch.manual_seed(0)
+    draws = decoding.sample_from_probs(probs.expand(40000, 10).contiguous(), block=4, one_level_max=0)
+    frequencies = torch.bincount(draws, minlength=10).float() / draws.numel()
+    assert frequencies[probs == 0].sum() == 0
+    torch.testing.assert_close(frequencies, probs, atol=0.0125, rtol=0)
+    # one block (V <= block) is a single inversion
+    one = decoding.sample_from_probs(torch.tensor([[0.0, 1.0, 0.0]]), block=4, one_level_max=0)
+    assert torch.equal(one, torch.tensor([1]))
 
 
 @pytest.mark.parametrize(("top_k", "expected"), [
