@@ -41,15 +41,19 @@ def _child(impl: str, steps: int, seed: int) -> dict:
         from grpo_trainer import GRPOConfig, GRPOTrainer
     else:
         from trl import GRPOConfig, GRPOTrainer
-    tokenizer = make_tokenizer()
-    model = make_tiny_model(tokenizer, seed=seed)
     shared = {k: DEMO[k] for k in ("learning_rate", "lr_scheduler_type", "per_device_train_batch_size",
                                    "num_generations", "max_completion_length", "beta")}
     with tempfile.TemporaryDirectory() as output_dir:
+        # Both trainers get the model as a saved directory: TRL builds its reference model from the policy's
+        # `name_or_path`, which an in-memory model does not have.
+        tokenizer = make_tokenizer()
+        model_dir = os.path.join(output_dir, "model")
+        make_tiny_model(tokenizer, seed=seed).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
         args = GRPOConfig(output_dir=output_dir, max_steps=steps, logging_steps=1, report_to="none",
                           save_strategy="no", disable_tqdm=True, seed=seed, gradient_checkpointing=False,
                           bf16=False, **shared)
-        trainer = GRPOTrainer(model, copy_digits_reward, args=args, processing_class=tokenizer,
+        trainer = GRPOTrainer(model_dir, copy_digits_reward, args=args, processing_class=tokenizer,
                               train_dataset=copy_digits_dataset(num_prompts=512, seed=seed))
         start = time.process_time()
         trainer.train()
