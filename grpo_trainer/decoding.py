@@ -265,12 +265,13 @@ class _Decoder:
     def __init__(self, lm: nn.Module, batch: int, length: int) -> None:
         config, decoder = lm.config, lm.get_decoder()
         fuse = sum(p.numel() for p in lm.parameters()) <= FUSE_MAX_PARAMETERS
-        batch = batch if fuse else None  # packed weights are copies too: only where fused copies are accepted
+        # Packed weights are copies too: only where fused copies are accepted. The caches always have `batch` rows.
+        rows = batch if fuse else None
         self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         head = lm.get_output_embeddings()
-        packed_head = _packed_linear(head.weight, head.bias, batch) if type(head) is nn.Linear else None
-        self.head = packed_head or _projection([head], fuse=False, rows=batch)
+        packed_head = _packed_linear(head.weight, head.bias, rows) if type(head) is nn.Linear else None
+        self.head = packed_head or _projection([head], fuse=False, rows=rows)
         big_cpu_head = packed_head is None and type(head) is nn.Linear and head.bias is None \
             and head.weight.device.type == "cpu" and head.weight.numel() >= 2**22
         self.head_weight = head.weight if big_cpu_head else None
@@ -284,12 +285,12 @@ class _Decoder:
             self.layers.append({
                 "norm1": (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
                 "norm2": (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse, batch),
-                "o_add": _residual(attn.o_proj, fuse, batch),
+                "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse, rows),
+                "o_add": _residual(attn.o_proj, fuse, rows),
                 "qk_norm": (attn.q_norm, attn.k_norm) if qk_norm else None,
                 "scaling": attn.scaling,
-                "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse, batch) if gated else None,
-                "down_add": _residual(mlp.down_proj, fuse, batch) if gated else None,
+                "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse, rows) if gated else None,
+                "down_add": _residual(mlp.down_proj, fuse, rows) if gated else None,
                 "act": mlp.act_fn if gated else None,
                 "mlp": mlp,
             })

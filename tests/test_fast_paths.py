@@ -54,12 +54,16 @@ def _assert_same_rollout(fast: generation.Rollout, reference: generation.Rollout
 # ------------------------------------------------------------------------------------------------ decoding
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("layout", ["fused", "packed", "unfused"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
-def test_greedy_tokens_equal_generate(tokenizer, kind, packed, monkeypatch):
-    """`packed`: every projection and the LM head run as oneDNN linears on packed weights (large weights do;
-    the tiny test models have none that large)."""
-    if packed:
+def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
+    """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `packed`: every projection
+    and the LM head run as oneDNN linears on packed weights (large weights do; the tiny test models have none
+    that large). `unfused`: the layout of models over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up):
+    each projection on its own weight, no copies."""
+    if layout == "unfused":
+        monkeypatch.setattr(decoding, "FUSE_MAX_PARAMETERS", 0)
+    if layout == "packed":
         monkeypatch.setattr(decoding, "PACK_MIN_ELEMENTS", 0)
         if decoding._packed_linear(torch.ones(4, 4), None, 2) is None:
             pytest.skip("this torch build has no oneDNN packed linear (the decoder uses F.linear)")
@@ -104,8 +108,13 @@ def test_rows_stop_at_eos_and_the_loop_stops_when_every_row_has(tokenizer):
     assert fast.completion_ids.shape[1] <= 4 and not fast.is_truncated.any()
 
 
-def test_lora_adapter_is_merged_exactly_and_disabling_it_gives_the_base_model(tokenizer):
+@pytest.mark.parametrize("fused", [True, False])
+def test_lora_adapter_is_merged_exactly_and_disabling_it_gives_the_base_model(tokenizer, fused, monkeypatch):
+    """Fused (small models): adapters merged into the fused weights. Unfused: the LoRA layers' own forward."""
     from peft import LoraConfig, get_peft_model
+
+    if not fused:
+        monkeypatch.setattr(decoding, "FUSE_MAX_PARAMETERS", 0)
 
     model = get_peft_model(_model("qwen2", tokenizer), LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,  # random B: the adapter changes outputs
