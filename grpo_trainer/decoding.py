@@ -209,6 +209,8 @@ def _lora_weights(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
 # (they change after every optimizer step). Measured at 8 rows on the benchmark machine: 150 -> 98 us for a
 # 1024 x 512 weight, 14 -> 5.3 ms for a 32k x 512 LM head; smaller weights are faster through F.linear.
 PACK_MIN_ELEMENTS = 2**18
+# An unpacked fp32 CPU LM head with at least this many entries (e.g. 32k x 512) runs as `W @ h.T` (`logits`).
+STREAMED_HEAD_MIN_ELEMENTS = 2**22
 
 
 def _packed_linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Callable[[Tensor], Tensor] | None:
@@ -273,7 +275,7 @@ class _Decoder:
         packed_head = _packed_linear(head.weight, head.bias, rows) if type(head) is nn.Linear else None
         self.head = packed_head or _projection([head], fuse=False, rows=rows)
         big_cpu_head = packed_head is None and type(head) is nn.Linear and head.bias is None \
-            and head.weight.device.type == "cpu" and head.weight.numel() >= 2**22
+            and head.weight.device.type == "cpu" and head.weight.numel() >= STREAMED_HEAD_MIN_ELEMENTS
         self.head_weight = head.weight if big_cpu_head else None
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H

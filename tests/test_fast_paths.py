@@ -60,9 +60,10 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `packed`: every projection
     and the LM head run as oneDNN linears on packed weights (large weights do; the tiny test models have none
     that large). `unfused`: the layout of models over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up):
-    each projection on its own weight, no copies."""
+    each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`."""
     if layout == "unfused":
         monkeypatch.setattr(decoding, "FUSE_MAX_PARAMETERS", 0)
+        monkeypatch.setattr(decoding, "STREAMED_HEAD_MIN_ELEMENTS", 0)
     if layout == "packed":
         monkeypatch.setattr(decoding, "PACK_MIN_ELEMENTS", 0)
         if decoding._packed_linear(torch.ones(4, 4), None, 2) is None:
