@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config
 from transformers.generation import LogitsProcessorList
 
 from grpo_trainer import GRPOConfig, GRPOTrainer, buffer, decoding, generation
@@ -28,6 +28,11 @@ def _model(kind: str, tokenizer):
               "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     config = {"llama": lambda: LlamaConfig(**common, attention_bias=True),  # biased q/k/v/o
               "qwen3": lambda: Qwen3Config(**common, head_dim=24),  # q/k RMSNorm, head_dim != hidden / heads
+              "mistral": lambda: MistralConfig(**common, sliding_window=4096),  # a window longer than any test
+              # Llama 3.x: frequency-dependent rotary scaling, untied LM head, no biases.
+              "llama3": lambda: LlamaConfig(**common, rope_scaling={
+                  "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}),
               "gpt2": lambda: GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)}[kind]()
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -55,7 +60,7 @@ def _assert_same_rollout(fast: generation.Rollout, reference: generation.Rollout
 
 
 @pytest.mark.parametrize("layout", ["fused", "packed", "unfused"])
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3", "qwen3", "mistral"])
 def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `packed`: every projection
     and the LM head run as oneDNN linears on packed weights (large weights do; the tiny test models have none
