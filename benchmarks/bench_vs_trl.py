@@ -224,6 +224,7 @@ def summarise(case: Case, ours: list[dict], trl: list[dict]) -> dict:
         for key in ("cpu_s_per_step", "wall_s_per_step", "tokens_per_cpu_s", "peak_rss_mb", "rss_after_import_mb",
                     "tokens_per_step"):
             row[f"{impl}_{key}"] = med(runs, key)
+        row[f"{impl}_cpu_s_per_step_runs"] = [r["cpu_s_per_step"] for r in runs]  # each repeat's, for the spread
         rewards = [r for run in runs for r in run["rewards"]]
         row[f"{impl}_mean_reward"] = statistics.mean(rewards)
         quarter = max(1, len(runs[0]["rewards"]) // 4)  # learning: first vs last quarter of the steps
