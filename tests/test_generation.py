@@ -112,6 +112,23 @@ def test_generation_config_from_args_and_overrides(tokenizer, tmp_path):
     assert plain.max_new_tokens == 16 and plain.temperature == 1.0 and plain.eos_token_id == [EOS]
 
 
+def test_a_checkpoints_sampling_defaults_do_not_override_the_configs(tokenizer, tiny_model, tmp_path):
+    """Instruct checkpoints ship sampling defaults (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20,
+    repetition_penalty 1.05). `generate` fills the fields a GenerationConfig leaves unset from the model's, so
+    every field GRPOConfig owns must be set explicitly: the loss scores completions at `args.temperature` with no
+    filtering, and that must be the distribution they were sampled from."""
+    from grpo_trainer import decoding
+
+    model = copy.deepcopy(tiny_model)
+    model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    config = make_generation_config(GRPOConfig(output_dir=str(tmp_path), report_to="none"), model.generation_config,
+                                    tokenizer, 16)
+    resolved = decoding._resolved(model, config)  # what generate (and the fast path) will run with
+    assert (resolved.temperature, resolved.top_p, resolved.top_k, resolved.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+    one = torch.ones(1, 1, dtype=torch.long)
+    assert len(decoding._processors(model, resolved, one, one)) == 0  # nothing reshapes the sampled distribution
+
+
 def test_sample_slices_masks_and_pads_the_completions():
     class FakeModel:  # generate appends fixed completions: exact expectations without a sampling model
         def generate(self, input_ids, attention_mask, generation_config):
