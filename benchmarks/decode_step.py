@@ -78,28 +78,28 @@ def static_step(decoder: decoding._Decoder):
 
 
 def decode_loop(decoder: decoding._Decoder, step, static: bool) -> None:
-    """NEW decode steps (step + logits) for ROWS rows after a PROMPT-token prompt."""
+    """NEW decode steps (step + logits) for ROWS rows after a PROMPT-token prompt. The per-step inputs (rotary
+    tables, masks, cache columns) are built before the loop, so the loop times the step alone."""
     tokens = torch.randint(0, 2000, (ROWS,), generator=torch.Generator().manual_seed(0))
     cos, sin = decoder.rotation_tables(torch.arange(PROMPT, PROMPT + NEW).expand(ROWS, NEW))  # [N, T, 1, D]
-    length = PROMPT + NEW
-    mask = torch.zeros(ROWS, 1, 1, length)
-    for t in range(NEW):
-        column = PROMPT + t
-        if static:
-            mask[..., column + 1:] = float("-inf")
-            mask[..., :column + 1] = 0.0
-            step(tokens, torch.tensor([column]), cos[:, t], sin[:, t], mask)
-        else:
+    columns = torch.arange(PROMPT, PROMPT + NEW)  # [T]
+    if static:  # step t attends to cache columns <= PROMPT + t: an additive mask over the whole cache per step
+        future = columns[:, None] < torch.arange(PROMPT + NEW)  # [T, L]
+        masks = torch.zeros(NEW, PROMPT + NEW).masked_fill_(future, float("-inf"))[:, None, None, None, :]
+        for t in range(NEW):
+            step(tokens, columns[t:t + 1], cos[:, t], sin[:, t], masks[t].expand(ROWS, 1, 1, -1))
+    else:
+        mask = torch.zeros(ROWS, 1, 1, PROMPT + NEW)
+        for t in range(NEW):
+            column = PROMPT + t
             decoder.logits(step(tokens, column, cos[:, t], sin[:, t], mask[..., :column + 1]))
 
 
-def per_token_us(decoder, step, static: bool, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        decode_loop(decoder, step, static)
-        times.append((time.process_time() - start) / NEW * 1e6)
-    return statistics.median(times)
+def us_per_token(decoder: decoding._Decoder, step, static: bool) -> float:
+    """CPU microseconds per token of one decode loop."""
+    start = time.process_time()
+    decode_loop(decoder, step, static)
+    return (time.process_time() - start) / NEW * 1e6
 
 
 def measure_widths(repeats: int) -> dict[str, float]:
@@ -109,7 +109,7 @@ def measure_widths(repeats: int) -> dict[str, float]:
         samples: dict[int, list[float]] = {hidden: [] for hidden in WIDTHS}
         for _ in range(repeats):  # one loop per width per round: the rounds interleave the widths finely
             for hidden, dec in by_width.items():
-                samples[hidden].append(per_token_us(dec, dec.step, False, 1))
+                samples[hidden].append(us_per_token(dec, dec.step, False))
     return {f"eager_width{hidden}_us_per_token": statistics.median(values) for hidden, values in samples.items()}
 
 
@@ -138,7 +138,7 @@ def measure_compile(repeats: int, dynamic: bool) -> dict[str, float]:
     for _ in range(repeats):  # one loop per variant per round, interleaved
         for name, (dec, step, static, mode) in variants.items():
             with mode():
-                samples[name].append(per_token_us(dec, step, static, 1))
+                samples[name].append(us_per_token(dec, step, static))
     results.update({f"{name}_us_per_token": statistics.median(values) for name, values in samples.items()})
     for name in compiled:
         saved = results["eager_us_per_token"] - results[f"{name}_us_per_token"]

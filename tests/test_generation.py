@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from grpo_trainer import GRPOConfig
+from grpo_trainer import GRPOConfig, decoding
 from grpo_trainer.generation import completion_mask, eos_token_ids, make_generation_config, sample, tokenize_prompts
 
 EOS, END = 1, 6  # the tiny tokenizer's "<eos>" and "<|end|>"
@@ -117,8 +117,6 @@ def test_a_checkpoints_sampling_defaults_do_not_override_the_configs(tokenizer, 
     repetition_penalty 1.05). `generate` fills the fields a GenerationConfig leaves unset from the model's, so
     every field GRPOConfig owns must be set explicitly: the loss scores completions at `args.temperature` with no
     filtering, and that must be the distribution they were sampled from."""
-    from grpo_trainer import decoding
-
     model = copy.deepcopy(tiny_model)
     model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
     config = make_generation_config(GRPOConfig(output_dir=str(tmp_path), report_to="none"), model.generation_config,
