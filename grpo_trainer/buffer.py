@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["select_rows", "split_round", "trim_padding"]
+__all__ = ["kept_columns", "select_rows", "split_round", "trim_padding"]
 
 
 def select_rows(round_: dict[str, Any], index: slice | Tensor) -> dict[str, Any]:
@@ -29,11 +29,16 @@ def split_round(round_: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     return [select_rows(round_, order[i * size:(i + 1) * size]) for i in range(parts)]
 
 
+def kept_columns(inputs: dict[str, Any]) -> tuple[int, int]:
+    """The first prompt column and the completion length `trim_padding` keeps."""
+    first = int(inputs["prompt_mask"].any(0).int().argmax())
+    return first, max(int(inputs["completion_mask"].sum(1).max()), 1)
+
+
 def trim_padding(inputs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Prompt ids/mask `[B, S']` and completion ids/mask `[B, T']` without the columns that are padding in every
     row: left of the longest prompt, right of the longest completion."""
     prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
-    first = int(prompt_mask.any(0).int().argmax())
-    last = max(int(completion_mask.sum(1).max()), 1)
+    first, last = kept_columns(inputs)
     return (inputs["prompt_ids"][:, first:], prompt_mask[:, first:], inputs["completion_ids"][:, :last],
             completion_mask[:, :last])

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode, LogitsProcessorList, TemperatureLogitsWarper
 
-from grpo_trainer import generation, models
+from grpo_trainer import generation, models, replay
 
 __all__ = ["ARCHITECTURES", "FUSE_MAX_PARAMETERS", "GENERATION_BACKENDS", "SAMPLE_BLOCK", "fast_path_blocker",
            "sample", "sample_from_logits", "sample_from_probs"]
@@ -116,16 +116,9 @@ def _max_new_tokens(config: GenerationConfig, prompt_length: int) -> int:
     return config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers causal LM inside DDP / DeepSpeed / PEFT wrappers (LoRA layers stay in place)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model.get_base_model() if models.is_peft_model(model) else model
-
-
 def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length: int) -> str | None:
     """Why this model/config must use `model.generate` (None when the fast path reproduces it)."""
-    lm = _causal_lm(model)
+    lm = models.causal_lm(model)
     model_type = getattr(getattr(lm, "config", None), "model_type", None)
     if model_type not in ARCHITECTURES:
         return f"model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
@@ -264,7 +257,7 @@ def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tens
 class _Decoder:
     """A Llama-family decoder over a preallocated KV cache `[B, K, L, D]` per layer; hidden states `[N, S, E]`."""
 
-    def __init__(self, lm: nn.Module, batch: int, length: int) -> None:
+    def __init__(self, lm: nn.Module, batch: int, length: int, keep_outputs: bool = False) -> None:
         config, decoder = lm.config, lm.get_decoder()
         fuse = sum(p.numel() for p in lm.parameters()) <= FUSE_MAX_PARAMETERS
         # Packed weights are copies too: only where fused copies are accepted. The caches always have `batch` rows.
@@ -299,6 +292,9 @@ class _Decoder:
         shape = (batch, self.K, length, self.D)
         self.keys = [self.embed.new_empty(shape) for _ in self.layers]
         self.values = [self.embed.new_empty(shape) for _ in self.layers]
+        # Every layer's output at every column `[B, layers, L, E]`, for `replay` (zeros where nothing ran).
+        self.outputs = self.embed.new_zeros(batch, len(self.layers), length, self.embed.shape[1]) \
+            if keep_outputs else None
 
     def rotation_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sign-folded sin `[N, S, 1, D]` for positions `[N, S]`, from the model's rotary module.
@@ -329,7 +325,7 @@ class _Decoder:
         H, K, D = self.H, self.K, self.D
         end = start + S
         hidden = self.embed[ids]  # [N, S, E]
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
+        for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
             qkv = layer["qkv"](x).view(N, S, H + 2 * K, D)
             qk = qkv[:, :, :H + K]
@@ -351,6 +347,8 @@ class _Decoder:
                 gate, up = layer["gate_up"](x).chunk(2, dim=-1)
                 hidden = layer["down_add"](hidden.reshape(N * S, -1), (layer["act"](gate) * up).reshape(N * S, -1))
                 hidden = hidden.view(N, S, -1)
+            if self.outputs is not None:
+                self.outputs[:N, index, start:end] = hidden
         return hidden[:, -1]
 
     def step(self, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
@@ -360,7 +358,8 @@ class _Decoder:
         N = tokens.shape[0]
         H, K, D = self.H, self.K, self.D
         hidden = self.embed[tokens]  # [N, E]
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
+        outputs = self.outputs
+        for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
             qkv = layer["qkv"](x).view(N, H + 2 * K, D)
             qk = qkv[:, :H + K]
@@ -381,6 +380,8 @@ class _Decoder:
             else:
                 gate, up = layer["gate_up"](x).chunk(2, dim=-1)
                 hidden = layer["down_add"](hidden, layer["act"](gate) * up)
+            if outputs is not None:
+                outputs[:N, index, column] = hidden
         return hidden
 
 
@@ -394,15 +395,17 @@ def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
     return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
 
 
-def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor,
-           generation_config: GenerationConfig) -> generation.Rollout:
-    """Same inputs and output as `generation.sample`; falls back to it when `fast_path_blocker` says so."""
+def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, generation_config: GenerationConfig,
+           keep_layer_outputs: bool = False) -> generation.Rollout:
+    """Same inputs and output as `generation.sample`; falls back to it when `fast_path_blocker` says so.
+    `keep_layer_outputs`: also return every decoder layer's output (`Rollout.layer_outputs`, for `replay`) when
+    they fit in `replay.REPLAY_MAX_BYTES`."""
     reason = fast_path_blocker(model, generation_config, prompt_ids.shape[1])
     if reason is not None:
         logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
         with torch.no_grad():
             return generation.sample(model, prompt_ids, prompt_mask, generation_config)
-    lm = _causal_lm(model)
+    lm = models.causal_lm(model)
     config = _resolved(lm, generation_config)
     eos = config.eos_token_id
     eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
@@ -414,13 +417,24 @@ def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor,
     try:
         torch.set_num_threads(min(threads, decode_threads))
         with torch.inference_mode():
-            completion_ids, logps, entropy = _decode(lm, config, prompt_ids, prompt_mask, eos, pad)
+            completion_ids, logps, entropy, outputs = _decode(lm, config, prompt_ids, prompt_mask, eos, pad,
+                                                              keep_layer_outputs and _outputs_fit(lm, prompt_ids,
+                                                                                                  config))
     finally:
         torch.set_num_threads(threads)
     completion_ids, logps, entropy = completion_ids.clone(), logps.clone(), entropy.clone()
     mask, truncated = generation.completion_mask(completion_ids, eos)
     completion_ids = completion_ids.masked_fill(mask == 0, pad)
-    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps, entropy)
+    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps, entropy,
+                              None if outputs is None else outputs.clone())
+
+
+def _outputs_fit(lm: nn.Module, prompt_ids: Tensor, config: GenerationConfig) -> bool:
+    """Whether every layer's output for this rollout fits in `replay.REPLAY_MAX_BYTES`."""
+    B, S = prompt_ids.shape
+    layers, embed = len(lm.get_decoder().layers), lm.get_decoder().embed_tokens.weight
+    size = B * layers * (S + _max_new_tokens(config, S)) * embed.shape[1] * embed.element_size()
+    return size <= replay.REPLAY_MAX_BYTES
 
 
 def _decode_threads(lm: nn.Module, rows: int) -> int:
@@ -446,12 +460,13 @@ def _choose(scores: Tensor, sequences: Tensor, processors: LogitsProcessorList,
 
 
 def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_mask: Tensor, eos: list[int],
-            pad: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Completion tokens `[B, T']` (T' <= max new tokens: the loop stops once every row has ended), and their
-    log-probs and entropies `[B, T']` under the full tempered softmax (`generation.Rollout.sampling_logps`)."""
+            pad: int, keep_outputs: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Completion tokens `[B, T']` (T' <= max new tokens: the loop stops once every row has ended), their
+    log-probs and entropies `[B, T']` under the full tempered softmax (`generation.Rollout.sampling_logps`), and
+    with `keep_outputs` every layer's output `[B, layers, S + T', E]` (else None)."""
     B, S = prompt_ids.shape
     max_new = _max_new_tokens(config, S)
-    decoder = _Decoder(lm, B, S + max_new)
+    decoder = _Decoder(lm, B, S + max_new, keep_outputs)
     device = prompt_ids.device
     eos_ids = torch.tensor(eos, device=device, dtype=torch.long)
     processors = _processors(lm, config, prompt_ids, prompt_mask)
@@ -467,6 +482,8 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
     if first.numel() < B:  # each row takes its prompt's keys and values (the gather copies before writing)
         for cache in (*decoder.keys, *decoder.values):
             cache[:, :, :S] = cache[group, :, :S]
+        if decoder.outputs is not None:
+            decoder.outputs[:, :, :S] = decoder.outputs[group, :, :S]
     scores = decoder.logits(last_hidden)[group]  # [B, V]
 
     cos, sin = decoder.rotation_tables(real[:, -1:] + torch.arange(max_new, device=device))  # [B, T, 1, D]
@@ -486,7 +503,8 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
             break
         hidden = decoder.step(tokens, S + t, cos[:, t], sin[:, t], key_mask[..., :S + t + 1])
         scores = decoder.logits(hidden)
-    return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1]
+    outputs = None if decoder.outputs is None else decoder.outputs[:, :, :S + t + 1]
+    return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1], outputs
 
 
 def _generate(*args: Any) -> generation.Rollout:

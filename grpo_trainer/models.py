@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-__all__ = ["disable_dropout", "is_peft_model", "load_policy", "load_reward_model", "make_reference_model",
+__all__ = ["causal_lm", "disable_dropout", "is_checkpointing", "is_peft_model", "load_policy", "load_reward_model", "make_reference_model",
            "reference_context", "wrap_peft"]
 
 
@@ -68,6 +68,19 @@ def is_peft_model(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside DDP / DeepSpeed / PEFT wrappers (LoRA layers stay in place)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def is_checkpointing(lm: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on, under either of transformers' names for it."""
+    flag = getattr(type(lm), "is_activation_checkpointing", None)
+    return bool(lm.is_activation_checkpointing if flag is not None else getattr(lm, "is_gradient_checkpointing", False))
 
 
 def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:

@@ -24,6 +24,7 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections import defaultdict
@@ -36,7 +37,8 @@ from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
-from grpo_trainer import buffer, checkpoints, decoding, distributed, generation, hub, losses, metrics, models, rewards
+from grpo_trainer import (buffer, checkpoints, decoding, distributed, generation, hub, losses, metrics, models, replay,
+                          rewards)
 from grpo_trainer.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -220,7 +222,7 @@ class GRPOTrainer(Trainer):
         prompts = [row["prompt"] for row in batch]
         prompt_ids, prompt_mask = generation.tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
                                                               args.chat_template_kwargs)
-        rollout = self._sample(prompt_ids.to(device), prompt_mask.to(device))
+        rollout = self._sample(prompt_ids.to(device), prompt_mask.to(device), self._replays_layers(mode))
         completions = self._decode(rollout, prompts)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
@@ -245,6 +247,8 @@ class GRPOTrainer(Trainer):
                   "advantages": advantages}
         if mode == "train" and rollout.sampling_logps is not None:
             round_["sampling_logps"], round_["sampling_entropy"] = rollout.sampling_logps, rollout.sampling_entropy
+        if rollout.layer_outputs is not None:
+            round_["layer_outputs"] = rollout.layer_outputs  # [B, layers, S+T, E]
         round_.update(self._reference_and_old_logps(round_, mode))
         round_["window_tokens"] = self._window_tokens(loss_mask, mode)
         self._record_rollout_metrics(mode, rollout, all_rewards, weights, G)
@@ -253,14 +257,32 @@ class GRPOTrainer(Trainer):
                                   all_rewards.cpu(), gather(advantages).cpu())
         return round_
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor) -> generation.Rollout:
+    def _on_policy(self, mode: str) -> bool:
+        """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
+        args = self.args
+        return mode != "train" or args.gradient_accumulation_steps % (
+            args.steps_per_generation * args.num_iterations) == 0
+
+    def _replays_layers(self, mode: str) -> bool:
+        """Whether the policy's loss forward can take the rollout's layer outputs (`replay`): training on-policy
+        with activation checkpointing, in one process whose model no engine wraps (DDP, DeepSpeed and FSDP hook
+        the forward; they take the plain path), with the fast backend (the one that keeps them)."""
+        lm = models.causal_lm(self.model)
+        return (mode == "train" and self._on_policy(mode) and self.args.generation_backend == "fast"
+                and self.accelerator.num_processes == 1
+                and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
+                and models.is_checkpointing(lm))
+
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, keep_layer_outputs: bool = False
+                ) -> generation.Rollout:
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
             config = generation.make_generation_config(self.args, model.generation_config, self.processing_class,
                                                        self.args.max_completion_length)
             with torch.no_grad():
+                keep = {"keep_layer_outputs": True} if keep_layer_outputs else {}  # the fast backend's option
                 rollout = decoding.GENERATION_BACKENDS[self.args.generation_backend](model, prompt_ids,
-                                                                                     prompt_mask, config)
+                                                                                     prompt_mask, config, **keep)
         if not (config.do_sample and config.temperature == self.args.temperature):
             rollout.sampling_logps = rollout.sampling_entropy = None  # not the distribution the loss scores
         return rollout
@@ -274,8 +296,7 @@ class GRPOTrainer(Trainer):
     def _reference_and_old_logps(self, round_: dict[str, Any], mode: str) -> dict[str, Tensor | None]:
         """Old log-probs only when the round is used after an optimizer step; reference ones when beta != 0."""
         args = self.args
-        needs_old = mode == "train" and args.gradient_accumulation_steps % (
-            args.steps_per_generation * args.num_iterations) != 0
+        needs_old = not self._on_policy(mode)
         out: dict[str, Tensor | None] = {"old_logps": None, "ref_logps": None}
         with torch.no_grad():
             if needs_old:
@@ -323,8 +344,14 @@ class GRPOTrainer(Trainer):
             return logps, entropy, completion_mask
         known = [inputs[k][:, :width] if policy and inputs.get(k) is not None else None
                  for k in ("sampling_logps", "sampling_entropy")]  # the forward then skips the LM head
-        logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                             self.args.logprob_chunk_size, with_entropy, *known)
+        replayed = contextlib.nullcontext()
+        if policy and inputs.get("layer_outputs") is not None and model.training:
+            first, _ = buffer.kept_columns(inputs)
+            outputs = inputs["layer_outputs"][:, :, first:first + input_ids.shape[1]]  # [B, layers, S'+T', E]
+            replayed = replay.replayed_layers(models.causal_lm(model).get_decoder().layers, outputs)
+        with replayed:
+            logps, entropy = completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
+                                                 self.args.logprob_chunk_size, with_entropy, *known)
         return logps, entropy, completion_mask
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
