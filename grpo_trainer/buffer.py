@@ -22,7 +22,9 @@ def select_rows(round_: dict[str, Any], index: slice | Tensor) -> dict[str, Any]
 
 
 def split_round(round_: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Shuffle the round's rows and cut `parts` equal slices."""
+    """Shuffle the round's rows and cut `parts` equal slices (one part: the round itself, no copy)."""
+    if parts == 1:
+        return [round_]
     rows = round_["completion_ids"].shape[0]
     order = torch.randperm(rows, device=round_["completion_ids"].device)
     size = rows // parts

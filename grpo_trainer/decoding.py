@@ -26,7 +26,8 @@ Decisions:
    tokens differ from `generate`'s for a given seed, while greedy tokens are identical.
 6. The loop stops as soon as every row has emitted an EOS token; rows that finished are padded. Each token's
    log-prob and entropy under the full tempered softmax are kept (`Rollout.sampling_logps`): the trainer uses
-   them as old log-probs and, on-policy, as the loss forward's values.
+   them as old log-probs and, on-policy, as the loss forward's values. On request the loop also keeps every
+   layer's output and every step's softmax, which the loss forward and backward replay on-policy (`replay`).
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `H` query
 heads, `K` key/value heads, `D` head dim, `E` hidden size, `V` vocabulary.
@@ -35,6 +36,7 @@ heads, `K` key/value heads, `D` head dim, `E` hidden size, `V` vocabulary.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -257,7 +259,7 @@ def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tens
 class _Decoder:
     """A Llama-family decoder over a preallocated KV cache `[B, K, L, D]` per layer; hidden states `[N, S, E]`."""
 
-    def __init__(self, lm: nn.Module, batch: int, length: int, keep_outputs: bool = False) -> None:
+    def __init__(self, lm: nn.Module, batch: int, length: int, outputs: Tensor | None = None) -> None:
         config, decoder = lm.config, lm.get_decoder()
         fuse = sum(p.numel() for p in lm.parameters()) <= FUSE_MAX_PARAMETERS
         # Packed weights are copies too: only where fused copies are accepted. The caches always have `batch` rows.
@@ -292,9 +294,7 @@ class _Decoder:
         shape = (batch, self.K, length, self.D)
         self.keys = [self.embed.new_empty(shape) for _ in self.layers]
         self.values = [self.embed.new_empty(shape) for _ in self.layers]
-        # Every layer's output at every column `[B, layers, L, E]`, for `replay` (zeros where nothing ran).
-        self.outputs = self.embed.new_zeros(batch, len(self.layers), length, self.embed.shape[1]) \
-            if keep_outputs else None
+        self.outputs = outputs  # where every layer's output at every column goes `[B, layers, L, E]`, or None
 
     def rotation_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sign-folded sin `[N, S, 1, D]` for positions `[N, S]`, from the model's rotary module.
@@ -396,10 +396,11 @@ def _distinct_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
 
 
 def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, generation_config: GenerationConfig,
-           keep_layer_outputs: bool = False) -> generation.Rollout:
+           keep_layer_outputs: bool = False, keep_probs: bool = False) -> generation.Rollout:
     """Same inputs and output as `generation.sample`; falls back to it when `fast_path_blocker` says so.
-    `keep_layer_outputs`: also return every decoder layer's output (`Rollout.layer_outputs`, for `replay`) when
-    they fit in `replay.REPLAY_MAX_BYTES`."""
+    `keep_layer_outputs` / `keep_probs`: also return every decoder layer's output (`Rollout.layer_outputs`) /
+    every step's tempered distribution (`Rollout.sampling_probs`), for `replay`, as far as they fit together in
+    `replay.REPLAY_MAX_BYTES` (layer outputs first: they are the smaller)."""
     reason = fast_path_blocker(model, generation_config, prompt_ids.shape[1])
     if reason is not None:
         logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
@@ -411,30 +412,45 @@ def sample(model: Any, prompt_ids: Tensor, prompt_mask: Tensor, generation_confi
     eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
     pad = config.pad_token_id if config.pad_token_id is not None else eos[0]  # generate's fallback
     # Inference mode skips autograd bookkeeping on every operation (~20% of a small model's decode step); the
-    # clones outside it make ordinary tensors that the training forward can use.
+    # clones outside it make ordinary tensors that the training forward can use. Replay buffers are ordinary
+    # tensors, allocated out here and filled in inference mode: never copied.
     threads = torch.get_num_threads()
     decode_threads = _decode_threads(lm, prompt_ids.shape[0]) if prompt_ids.device.type == "cpu" else threads
+    outputs, probs = _replay_buffers(lm, prompt_ids, config, keep_layer_outputs, keep_probs)
     try:
         torch.set_num_threads(min(threads, decode_threads))
         with torch.inference_mode():
-            completion_ids, logps, entropy, outputs = _decode(lm, config, prompt_ids, prompt_mask, eos, pad,
-                                                              keep_layer_outputs and _outputs_fit(lm, prompt_ids,
-                                                                                                  config))
+            completion_ids, logps, entropy = _decode(lm, config, prompt_ids, prompt_mask, eos, pad, outputs, probs)
     finally:
         torch.set_num_threads(threads)
     completion_ids, logps, entropy = completion_ids.clone(), logps.clone(), entropy.clone()
+    S, T = prompt_ids.shape[1], completion_ids.shape[1]  # the used part of the buffers (views made out here)
+    outputs = None if outputs is None else outputs[:, :, :S + T]
+    probs = None if probs is None else probs[:, :T]
     mask, truncated = generation.completion_mask(completion_ids, eos)
     completion_ids = completion_ids.masked_fill(mask == 0, pad)
-    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps, entropy,
-                              None if outputs is None else outputs.clone())
+    return generation.Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps, entropy, probs,
+                              outputs)
 
 
-def _outputs_fit(lm: nn.Module, prompt_ids: Tensor, config: GenerationConfig) -> bool:
-    """Whether every layer's output for this rollout fits in `replay.REPLAY_MAX_BYTES`."""
+def _replay_buffers(lm: nn.Module, prompt_ids: Tensor, config: GenerationConfig, layer_outputs: bool,
+                    probs: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Empty buffers for the wanted replay tensors that fit within `replay.REPLAY_MAX_BYTES`, layer outputs
+    first: every layer's output `[B, layers, S + T, E]` (zeros where nothing runs) and every step's softmax
+    `[B, T, V]` float32."""
     B, S = prompt_ids.shape
-    layers, embed = len(lm.get_decoder().layers), lm.get_decoder().embed_tokens.weight
-    size = B * layers * (S + _max_new_tokens(config, S)) * embed.shape[1] * embed.element_size()
-    return size <= replay.REPLAY_MAX_BYTES
+    T = _max_new_tokens(config, S)
+    decoder = lm.get_decoder()
+    embed = decoder.embed_tokens.weight
+    budget = replay.REPLAY_MAX_BYTES
+    outputs_shape = (B, len(decoder.layers), S + T, embed.shape[1])
+    outputs = None
+    if layer_outputs and math.prod(outputs_shape) * embed.element_size() <= budget:
+        outputs = embed.new_zeros(outputs_shape)
+        budget -= outputs.nbytes
+    probs_shape = (B, T, lm.get_output_embeddings().weight.shape[0])
+    keep_probs = probs and math.prod(probs_shape) * 4 <= budget
+    return outputs, torch.empty(probs_shape, device=prompt_ids.device) if keep_probs else None
 
 
 def _decode_threads(lm: nn.Module, rows: int) -> int:
@@ -446,12 +462,13 @@ def _decode_threads(lm: nn.Module, rows: int) -> int:
 
 
 def _choose(scores: Tensor, sequences: Tensor, processors: LogitsProcessorList,
-            config: GenerationConfig, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+            config: GenerationConfig, temperature: float, probs_out: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
     """Next tokens `[B]`, and their log-probs and the entropies `[B]` under the full tempered softmax of the raw
-    logits `scores` `[B, V]`. When the only processor is the temperature (the trainer's default settings), the
-    distribution sampled from is that softmax, computed once."""
+    logits `scores` `[B, V]` (also written to `probs_out` when given). When the only processor is the temperature
+    (the trainer's default settings), the distribution sampled from is that softmax, computed once."""
     log_p = torch.log_softmax(scores if temperature == 1.0 else scores / temperature, dim=-1)  # [B, V]
-    probs = log_p.exp()
+    probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
     if config.do_sample and all(type(p) is TemperatureLogitsWarper for p in processors):
         tokens = sample_from_probs(probs)
     else:
@@ -460,13 +477,13 @@ def _choose(scores: Tensor, sequences: Tensor, processors: LogitsProcessorList,
 
 
 def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_mask: Tensor, eos: list[int],
-            pad: int, keep_outputs: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Completion tokens `[B, T']` (T' <= max new tokens: the loop stops once every row has ended), their
-    log-probs and entropies `[B, T']` under the full tempered softmax (`generation.Rollout.sampling_logps`), and
-    with `keep_outputs` every layer's output `[B, layers, S + T', E]` (else None)."""
+            pad: int, outputs: Tensor | None = None, probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Completion tokens `[B, T']` (T' <= max new tokens: the loop stops once every row has ended), and their
+    log-probs and entropies `[B, T']` under the full tempered softmax (`generation.Rollout.sampling_logps`).
+    Fills the given buffers: every layer's output `outputs[:, :, :S + T']`, that softmax `probs[:, :T']`."""
     B, S = prompt_ids.shape
     max_new = _max_new_tokens(config, S)
-    decoder = _Decoder(lm, B, S + max_new, keep_outputs)
+    decoder = _Decoder(lm, B, S + max_new, outputs)
     device = prompt_ids.device
     eos_ids = torch.tensor(eos, device=device, dtype=torch.long)
     processors = _processors(lm, config, prompt_ids, prompt_mask)
@@ -495,7 +512,8 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
     logps, entropy = torch.zeros(2, B, max_new, device=device)  # [B, T] each
     temperature = config.temperature if config.do_sample and config.temperature is not None else 1.0
     for t in range(max_new):
-        tokens, logps[:, t], entropy[:, t] = _choose(scores, sequences[:, :S + t], processors, config, temperature)
+        tokens, logps[:, t], entropy[:, t] = _choose(scores, sequences[:, :S + t], processors, config, temperature,
+                                                     None if probs is None else probs[:, t])
         tokens.masked_fill_(finished, pad)  # [B]
         sequences[:, S + t] = tokens
         finished |= torch.isin(tokens, eos_ids)
@@ -503,8 +521,7 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prompt_
             break
         hidden = decoder.step(tokens, S + t, cos[:, t], sin[:, t], key_mask[..., :S + t + 1])
         scores = decoder.logits(hidden)
-    outputs = None if decoder.outputs is None else decoder.outputs[:, :, :S + t + 1]
-    return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1], outputs
+    return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1]
 
 
 def _generate(*args: Any) -> generation.Rollout:

@@ -37,6 +37,8 @@ class Rollout:
     # sampled, from the full tempered softmax (before top-k/top-p filtering), as the training forward computes them.
     sampling_logps: Tensor | None = None  # [B, T] float32
     sampling_entropy: Tensor | None = None  # [B, T] float32
+    # When asked: that whole tempered softmax at every step, [B, T, V] float32, for `replay`.
+    sampling_probs: Tensor | None = None
     # Also from the fast backend, when asked: every decoder layer's output at every prompt and completion column,
     # [B, layers, S+T, E] (zeros for the last completion token, which is never fed back), for `replay`.
     layer_outputs: Tensor | None = None

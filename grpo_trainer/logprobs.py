@@ -10,8 +10,11 @@ For a plain `nn.Linear` head (the usual case) one autograd function (`_HeadLogPr
 forward keeps only each row's log-sum-exp, and the backward rebuilds a chunk's logits and writes the gradient of
 log p(token) = z_token - logsumexp(z) in place, `dz = g * (onehot(token) - softmax(z))`, then projects it through
 the head. That is two V-wide passes per chunk in the backward instead of autograd's replay of the whole
-softmax/gather graph. Any other head (a wrapped, sharded or offloaded module) goes through `torch.utils.checkpoint`
-around `token_logprobs`, which calls the module and so keeps its hooks.
+softmax/gather graph. On-policy the rollout's values stand in (`known`): the forward projects nothing, and with
+the rollout's softmax (`replay`) the backward skips recomputing the logits: per chunk one V-wide product
+instead of two for a frozen head (LoRA), two instead of three for a trained one. Any other head (a wrapped,
+sharded or offloaded module) goes through `torch.utils.checkpoint` around `token_logprobs`, which calls the module
+and so keeps its hooks.
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ class _HeadLogProbs(torch.autograd.Function):
     of rows at a time. Saves only the rows' log-sum-exp `[N]` besides its inputs. The entropy is not
     differentiable (a metric and a mask).
 
-    `known` = (logps `[N]`, entropies `[N]` or None): values already computed under the same weights (the
-    rollout's, on-policy); the forward then projects nothing and returns them, and the backward, which always
-    recomputes the logits, computes the log-sum-exp as well."""
+    `known` = (logps `[N]`, entropies `[N]` or None, probs `[N, V]` or None): values already computed under the
+    same weights (the rollout's, on-policy); the forward then projects nothing and returns them. The backward
+    takes the tempered softmax from `probs` where given (one V-wide product per chunk fewer), else recomputes the
+    logits and their softmax."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
@@ -63,7 +67,7 @@ class _HeadLogProbs(torch.autograd.Function):
         if known is not None:
             logps = known[0].to(torch.float32, copy=True)
             entropies = known[1].to(torch.float32, copy=True) if with_entropy else logps.new_empty(0)
-            ctx.save_for_backward(hidden, weight, bias, tokens, None)
+            ctx.save_for_backward(hidden, weight, bias, tokens, None, known[2])
             ctx.mark_non_differentiable(entropies)
             return logps, entropies
         logps = hidden.new_empty(N, dtype=torch.float32)
@@ -78,13 +82,13 @@ class _HeadLogProbs(torch.autograd.Function):
             if with_entropy:  # H = -sum p log p, with log p = z - lse computed in place
                 log_p = logits.sub_(lse[:, None])
                 entropies[rows] = -torch.linalg.vecdot(log_p.exp(), log_p)
-        ctx.save_for_backward(hidden, weight, bias, tokens, lses)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lses, None)
         ctx.mark_non_differentiable(entropies)
         return logps, entropies
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor, grad_entropies: Tensor | None):
-        hidden, weight, bias, tokens, lses = ctx.saved_tensors
+        hidden, weight, bias, tokens, lses, known_probs = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
@@ -95,11 +99,12 @@ class _HeadLogProbs(torch.autograd.Function):
             # z = logits / T and d log p(token) / dz = onehot(token) - softmax(z). The upstream gradient and the
             # 1/T scale the rows, so they are applied on the E-wide side of each product, never to a V-wide one.
             scale = (grad_logps[rows] / ctx.temperature).to(weight.dtype)[:, None]  # [n, 1]
-            logits = _chunk_logits(h, weight, bias, ctx.temperature)  # [n, V] float32
-            if lses is None:
-                probs = torch.softmax(logits, dim=-1)
+            if known_probs is not None:
+                probs = known_probs[rows]
+            elif lses is None:
+                probs = torch.softmax(_chunk_logits(h, weight, bias, ctx.temperature), dim=-1)  # [n, V] float32
             else:
-                probs = logits.sub_(lses[rows, None]).exp_()
+                probs = _chunk_logits(h, weight, bias, ctx.temperature).sub_(lses[rows, None]).exp_()
             probs = probs.to(weight.dtype)
             if want_hidden:
                 grad_hidden[rows] = scale * (weight[token] - probs @ weight)
@@ -129,6 +134,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     known_logps: Tensor | None = None,
     known_entropy: Tensor | None = None,
+    known_probs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the last `completion_length` tokens of each row.
 
@@ -142,6 +148,8 @@ def completion_logprobs(
         known_logps / known_entropy: `[B, T]` values already computed under these same weights (the rollout's
             sampling log-probs, on-policy). With a plain head the forward then skips the LM-head projection and
             returns them; gradients are computed exactly as without them.
+        known_probs: `[B, T, V]` the tempered softmax at each position under these weights (the rollout's), used
+            with `known_logps` only: the backward then takes the softmax from it instead of recomputing the logits.
     Returns:
         logps `[B, T]` float32 and entropies `[B, T]` float32 (or None).
     """
@@ -158,7 +166,8 @@ def completion_logprobs(
     if _is_plain_linear(head):
         known = None
         if known_logps is not None and (known_entropy is not None or not with_entropy):
-            known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1))
+            known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
+                     None if known_probs is None else known_probs.reshape(-1, known_probs.shape[-1]))
         logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature,
                                                    chunk_size, with_entropy, known)
         return logps_t.view(shape), (entropies_t.view(shape) if with_entropy else None)

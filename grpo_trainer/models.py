@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-__all__ = ["causal_lm", "disable_dropout", "is_checkpointing", "is_peft_model", "load_policy", "load_reward_model", "make_reference_model",
-           "reference_context", "wrap_peft"]
+__all__ = ["causal_lm", "disable_dropout", "is_checkpointing", "is_peft_model", "load_policy", "load_reward_model",
+           "make_reference_model", "reference_context", "wrap_peft"]
 
 
 def _init_kwargs(model_init_kwargs: dict | None) -> dict:

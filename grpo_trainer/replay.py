@@ -1,4 +1,4 @@
-"""On-policy replay of the rollout's layer outputs in the checkpointed policy forward.
+"""On-policy replay of what the rollout computed, in the policy's loss forward and backward.
 
 With activation checkpointing, the loss forward runs every decoder layer once without a graph, only to get each
 layer's input for the backward pass, which runs the layer again with a graph. On-policy (no optimizer step since
@@ -11,6 +11,10 @@ What changes is only the point at which the backward linearises each layer: the 
 full-sequence forward's, equal up to float rounding (a KV-cache decode sums attention in another order). Positions
 the loss never reads (left padding, after EOS, the last token, which the rollout never fed back) hold whatever the
 rollout left there, zeros for the last token: their gradient is exactly zero, as it is without replay.
+
+The LM head gets the same treatment in `logprobs`: on-policy its forward returns the rollout's log-probs, and its
+backward takes the rollout's tempered softmax (`Rollout.sampling_probs`) instead of recomputing the logits. Both
+kinds of tensors are kept only while they fit together in `REPLAY_MAX_BYTES`, layer outputs first.
 
 Shapes: `B` rows, `L` decoder layers, `N` = S + T columns (prompt then completion), `E` hidden size.
 """
@@ -26,9 +30,11 @@ from torch import Tensor, nn
 
 __all__ = ["REPLAY_MAX_BYTES", "replayed_layers"]
 
-# The rollout keeps its layer outputs for replay only while they take at most this much memory (a round of
-# 8 x 1280-token rows of a 24-layer, 896-wide model in float32 is 0.9 GB). They are the same tensors activation
-# checkpointing keeps during the loss forward, held from the rollout to the round's last micro-step.
+# The rollout keeps tensors for replay only while they take at most this much memory together: layer outputs (a
+# round of 8 x 1280-token rows of a 24-layer, 896-wide model in float32 is 0.9 GB; the same tensors activation
+# checkpointing keeps during the loss forward), then the sampling softmax (8 x 256 tokens x 32k vocabulary in
+# float32: 0.26 GB; a 152k vocabulary at 1024 tokens, 5 GB, is recomputed instead). Held from the rollout to the
+# round's last micro-step.
 REPLAY_MAX_BYTES = 2**30
 
 

@@ -37,8 +37,19 @@ from torch.utils.data import IterableDataset
 from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
-from grpo_trainer import (buffer, checkpoints, decoding, distributed, generation, hub, losses, metrics, models, replay,
-                          rewards)
+from grpo_trainer import (
+    buffer,
+    checkpoints,
+    decoding,
+    distributed,
+    generation,
+    hub,
+    losses,
+    metrics,
+    models,
+    replay,
+    rewards,
+)
 from grpo_trainer.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.completions import CompletionLog
 from grpo_trainer.config import GRPOConfig
@@ -222,7 +233,8 @@ class GRPOTrainer(Trainer):
         prompts = [row["prompt"] for row in batch]
         prompt_ids, prompt_mask = generation.tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
                                                               args.chat_template_kwargs)
-        rollout = self._sample(prompt_ids.to(device), prompt_mask.to(device), self._replays_layers(mode))
+        rollout = self._sample(prompt_ids.to(device), prompt_mask.to(device), self._replays_layers(mode),
+                               keep_probs=mode == "train" and self._on_policy(mode))
         completions = self._decode(rollout, prompts)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
@@ -247,6 +259,8 @@ class GRPOTrainer(Trainer):
                   "advantages": advantages}
         if mode == "train" and rollout.sampling_logps is not None:
             round_["sampling_logps"], round_["sampling_entropy"] = rollout.sampling_logps, rollout.sampling_entropy
+            if rollout.sampling_probs is not None:
+                round_["sampling_probs"] = rollout.sampling_probs  # [B, T, V]
         if rollout.layer_outputs is not None:
             round_["layer_outputs"] = rollout.layer_outputs  # [B, layers, S+T, E]
         round_.update(self._reference_and_old_logps(round_, mode))
@@ -273,18 +287,21 @@ class GRPOTrainer(Trainer):
                 and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
                 and models.is_checkpointing(lm))
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, keep_layer_outputs: bool = False
-                ) -> generation.Rollout:
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, keep_layer_outputs: bool = False,
+                keep_probs: bool = False) -> generation.Rollout:
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
             config = generation.make_generation_config(self.args, model.generation_config, self.processing_class,
                                                        self.args.max_completion_length)
             with torch.no_grad():
-                keep = {"keep_layer_outputs": True} if keep_layer_outputs else {}  # the fast backend's option
+                # The fast backend's options, for `replay`: passed only when wanted.
+                keep = {k: True for k, v in (("keep_layer_outputs", keep_layer_outputs), ("keep_probs", keep_probs))
+                        if v and self.args.generation_backend == "fast"}
                 rollout = decoding.GENERATION_BACKENDS[self.args.generation_backend](model, prompt_ids,
                                                                                      prompt_mask, config, **keep)
         if not (config.do_sample and config.temperature == self.args.temperature):
-            rollout.sampling_logps = rollout.sampling_entropy = None  # not the distribution the loss scores
+            # not the distribution the loss scores
+            rollout.sampling_logps = rollout.sampling_entropy = rollout.sampling_probs = None
         return rollout
 
     def _decode(self, rollout: generation.Rollout, prompts: list) -> list:
@@ -301,7 +318,8 @@ class GRPOTrainer(Trainer):
         with torch.no_grad():
             if needs_old:
                 # The sampler's log-probs are the old policy's; the losses after an optimizer step must recompute.
-                sampled, _ = round_.pop("sampling_logps", None), round_.pop("sampling_entropy", None)
+                sampled = round_.pop("sampling_logps", None)
+                round_.pop("sampling_entropy", None), round_.pop("sampling_probs", None)
                 out["old_logps"] = sampled if sampled is not None else self._batched_logps(self.model, round_)
             if args.beta != 0.0:
                 if self.ref_model is not None:
@@ -343,7 +361,7 @@ class GRPOTrainer(Trainer):
                                                                   self.args.logprob_chunk_size, with_entropy)
             return logps, entropy, completion_mask
         known = [inputs[k][:, :width] if policy and inputs.get(k) is not None else None
-                 for k in ("sampling_logps", "sampling_entropy")]  # the forward then skips the LM head
+                 for k in ("sampling_logps", "sampling_entropy", "sampling_probs")]  # the forward skips the LM head
         replayed = contextlib.nullcontext()
         if policy and inputs.get("layer_outputs") is not None and model.training:
             first, _ = buffer.kept_columns(inputs)

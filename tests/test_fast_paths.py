@@ -317,6 +317,16 @@ def test_head_function_equals_autograd_through_token_logprobs(temperature, chunk
     assert not entropy.requires_grad
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # Known values (the rollout's, on-policy), with and without the softmax itself: same values and gradients.
+    probs = torch.softmax(logits.detach() / temperature, dim=-1)
+    for known_probs in (None, probs):
+        known = (expected.detach(), expected_entropy.detach(), known_probs)
+        logps, entropy = _HeadLogProbs.apply(hidden, weight, b, tokens, temperature, chunk_size, True, known)
+        grads = torch.autograd.grad((logps * upstream).sum(), [t for t in (hidden, weight, b) if t is not None
+                                                                and t.requires_grad])
+        torch.testing.assert_close(logps, expected, atol=0, rtol=0)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # hand check of one row's entropy: uniform logits over V tokens have entropy ln V.
     flat, _ = _HeadLogProbs.apply(torch.zeros(1, E), weight.detach(), None, tokens[:1], 1.0, 4, False)
     torch.testing.assert_close(flat, torch.tensor([-math.log(V)]))
@@ -545,15 +555,16 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
                                                                                       toy_dataset, beta,
                                                                                       monkeypatch):
     """A round cut into micro-batches of rows with different prompt and completion lengths: each micro-batch's
-    slice of the layer outputs (rows, then `trim_padding`'s columns) gives the loss and gradients of the plain
-    forward."""
+    slice of the layer outputs and of the sampling distributions (rows, then `trim_padding`'s columns) gives the
+    loss and gradients of the plain forward."""
     trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, beta=beta, gradient_accumulation_steps=2,
                                      per_device_train_batch_size=4)
     batch = [toy_dataset[i // 4] for i in range(8)]
     batch[4:] = [{**toy_dataset[0], "prompt": "c 1:"}] * 4  # a shorter prompt: its micro-batch trims left columns
     torch.manual_seed(0)
     round_ = trainer._generate_and_score(batch, "train")
-    assert round_["layer_outputs"].shape[:2] == (8, 2)
+    T = round_["completion_ids"].shape[1]
+    assert round_["layer_outputs"].shape[:2] == (8, 2) and round_["sampling_probs"].shape == (8, T, len(tokenizer))
     model = trainer.model
 
     def loss_and_grads(inputs):
@@ -569,35 +580,42 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
         runs[0] = 0
         replayed = loss_and_grads(inputs)
         assert runs[0] == 2  # 2 layers, each run once (the backward's recompute)
-        plain = loss_and_grads({k: v for k, v in inputs.items() if k != "layer_outputs"})
+        plain = loss_and_grads({k: v for k, v in inputs.items() if k not in ("layer_outputs", "sampling_probs")})
         torch.testing.assert_close(replayed[0], plain[0], atol=1e-6, rtol=0)
         for got, want in zip(replayed[1], plain[1]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("overrides", "keeps"), [
-    ({}, True),
-    ({"num_iterations": 2}, False),  # the second pass over the round runs after an optimizer step
-    ({"generation_backend": "generate"}, False),  # generate keeps no layer outputs
-    ({"gradient_checkpointing": False}, False),  # no checkpointed forward to stand in for
+    ({}, ("layer_outputs", "sampling_probs")),
+    ({"num_iterations": 2}, ()),  # the second pass over the round runs after an optimizer step
+    ({"generation_backend": "generate"}, ()),  # generate keeps none of them
+    ({"gradient_checkpointing": False}, ("sampling_probs",)),  # no checkpointed forward to stand in for
+    ({"temperature": 1.0, "generation_kwargs": {"temperature": 0.5}}, ("layer_outputs",)),  # not the loss's softmax
 ])
-def test_the_rollout_keeps_layer_outputs_only_where_they_can_be_replayed(tmp_path, tokenizer, toy_dataset,
-                                                                         overrides, keeps):
+def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset, overrides, keeps):
     trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides)
     if overrides.get("gradient_checkpointing") is False:
         trainer.model.activation_checkpointing_disable()
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
-    assert ("layer_outputs" in round_) == keeps
-    assert "layer_outputs" not in trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "eval")
+    assert tuple(k for k in ("layer_outputs", "sampling_probs") if k in round_) == keeps
+    evaluation = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "eval")
+    assert "layer_outputs" not in evaluation and "sampling_probs" not in evaluation
 
 
-def test_layer_outputs_over_the_memory_cap_are_not_kept(tmp_path, tokenizer, toy_dataset, monkeypatch):
+@pytest.mark.parametrize(("cap", "keeps"), [
+    # 8 rows x 2 layers x (prompt + 8 new tokens) x 64 floats is over 8 x 2 x 8 x 64 x 4 bytes; the sampling
+    # distributions, 8 rows x 8 tokens x V floats, fit that alone.
+    (8 * 2 * 8 * 64 * 4, ("sampling_probs",)),
+    (8 * 8 * 4, ()),  # under 8 x 8 x V floats: neither
+])
+def test_replay_tensors_over_the_memory_cap_are_not_kept(tmp_path, tokenizer, toy_dataset, monkeypatch, cap, keeps):
     from grpo_trainer import replay
 
     trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset)
-    # 8 rows x 2 layers x (prompt + 8 new tokens) x 64 floats is over 8 x 2 x 8 x 64 x 4 bytes.
-    monkeypatch.setattr(replay, "REPLAY_MAX_BYTES", 8 * 2 * 8 * 64 * 4)
-    assert "layer_outputs" not in trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    monkeypatch.setattr(replay, "REPLAY_MAX_BYTES", cap)
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    assert tuple(k for k in ("layer_outputs", "sampling_probs") if k in round_) == keeps
 
 
 def test_training_replays_the_rollout_and_learns(tmp_path, tokenizer, toy_dataset, monkeypatch):
