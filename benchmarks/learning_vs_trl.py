@@ -12,6 +12,7 @@ reward reaches 0.5 and 0.8, and CPU seconds per step; then the means over seeds,
 
     PYTHONPATH=. python benchmarks/learning_vs_trl.py                # 300 steps, seeds 0 and 1
     PYTHONPATH=. python benchmarks/learning_vs_trl.py --steps 600 --seeds 0,1,2
+    PYTHONPATH=. python benchmarks/learning_vs_trl.py --checkpointing  # activation checkpointing in both
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS = (0.5, 0.8)
 
 
-def _child(impl: str, steps: int, seed: int) -> dict:
+def _child(impl: str, steps: int, seed: int, checkpointing: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -51,7 +52,8 @@ def _child(impl: str, steps: int, seed: int) -> dict:
         make_tiny_model(tokenizer, seed=seed).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         args = GRPOConfig(output_dir=output_dir, max_steps=steps, logging_steps=1, report_to="none",
-                          save_strategy="no", disable_tqdm=True, seed=seed, gradient_checkpointing=False,
+                          save_strategy="no", disable_tqdm=True, seed=seed,
+                          gradient_checkpointing=checkpointing,
                           bf16=False, **shared)
         trainer = GRPOTrainer(model_dir, copy_digits_reward, args=args, processing_class=tokenizer,
                               train_dataset=copy_digits_dataset(num_prompts=512, seed=seed))
@@ -78,11 +80,12 @@ def summarise(rewards: list[float]) -> dict:
     return out
 
 
-def run_child(impl: str, steps: int, seed: int, timeout: int) -> dict:
+def run_child(impl: str, steps: int, seed: int, timeout: int, checkpointing: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, __file__, "--child", impl, "--steps", str(steps), "--seeds", str(seed)]
+    command += ["--checkpointing"] if checkpointing else []
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -95,11 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0,1", help="Comma list of seeds (model init, data and sampling).")
     parser.add_argument("--timeout", type=int, default=3600, help="Seconds per child run.")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="Activation checkpointing on in both (ours then replays the rollout's layer outputs).")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     seeds = [int(s) for s in opts.seeds.split(",") if s]
     if opts.child:
-        print("RESULT " + json.dumps(_child(opts.child, opts.steps, seeds[0])), flush=True)
+        print("RESULT " + json.dumps(_child(opts.child, opts.steps, seeds[0], opts.checkpointing)), flush=True)
         return
 
     rows = []
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'step to 0.8':>11} {'CPU s/step':>10}")
     for seed in seeds:
         for impl in ("ours", "trl"):
-            result = run_child(impl, opts.steps, seed, opts.timeout)
+            result = run_child(impl, opts.steps, seed, opts.timeout, opts.checkpointing)
             row = {"seed": seed, "impl": impl, **summarise(result["rewards"]),
                    "cpu_s_per_step": result["cpu_s_per_step"], "rewards": result["rewards"]}
             rows.append(row)

@@ -7,7 +7,7 @@ upcast to float32 on its own. With gradients on, each chunk is recomputed in the
 tensor is ever kept: peak extra memory is one chunk's logits.
 
 For a plain `nn.Linear` head (the usual case) one autograd function (`_HeadLogProbs`) does all chunks: the
-forward keeps only each row's log-sum-exp, and the backward rebuilds a chunk's logits and writes the gradient of
+forward keeps only each row's log-sum-exp (when a gradient is wanted), and the backward rebuilds a chunk's logits and writes the gradient of
 log p(token) = z_token - logsumexp(z) in place, `dz = g * (onehot(token) - softmax(z))`, then projects it through
 the head. That is two V-wide passes per chunk in the backward instead of autograd's replay of the whole
 softmax/gather graph. On-policy the rollout's values stand in (`known`): the forward projects nothing, and with
@@ -71,17 +71,20 @@ class _HeadLogProbs(torch.autograd.Function):
             ctx.mark_non_differentiable(entropies)
             return logps, entropies
         logps = hidden.new_empty(N, dtype=torch.float32)
-        lses = torch.empty_like(logps)
+        chosen = torch.empty_like(logps)  # the token's tempered logit z_token
         entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [n, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            lses[rows] = lse
-            logps[rows] = logits.gather(-1, tokens[rows, None]).squeeze(-1) - lse
-            if with_entropy:  # H = -sum p log p, with log p = z - lse computed in place
-                log_p = logits.sub_(lse[:, None])
+            chosen[rows] = logits.gather(-1, tokens[rows, None]).squeeze(-1)
+            # One fused V-wide pass (logsumexp would take four: max, subtract, exp, sum).
+            log_p = torch.log_softmax(logits, dim=-1)
+            del logits
+            logps[rows] = log_p.gather(-1, tokens[rows, None]).squeeze(-1)
+            if with_entropy:  # H = -sum p log p
                 entropies[rows] = -torch.linalg.vecdot(log_p.exp(), log_p)
+        # log-sum-exp = z_token - log p(token), all the backward needs to rebuild a chunk's softmax.
+        lses = chosen.sub_(logps) if any(ctx.needs_input_grad[:3]) else None
         ctx.save_for_backward(hidden, weight, bias, tokens, lses, None)
         ctx.mark_non_differentiable(entropies)
         return logps, entropies
