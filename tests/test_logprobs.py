@@ -52,6 +52,17 @@ def test_token_logprobs_by_hand():
     torch.testing.assert_close(chosen, torch.tensor([math.log(1 - q), math.log(q)]), atol=2e-3, rtol=0)  # bf16 ln 3
 
 
+def test_in_place_logsumexp_by_hand():
+    from grpo_trainer.logprobs import _logsumexp_
+
+    # [0, ln 3] -> ln(1 + 3) = ln 4 = 1.386294; [1000, 1000] -> 1000 + ln 2 (the max is taken out first, so
+    # exp never overflows); [-5] -> -5.
+    logits = torch.tensor([[0.0, math.log(3.0)], [1000.0, 1000.0]])
+    torch.testing.assert_close(_logsumexp_(logits), torch.tensor([math.log(4.0), 1000.0 + math.log(2.0)]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(_logsumexp_(torch.tensor([[-5.0]])), torch.tensor([-5.0]), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(("chunk_size", "temperature"), [(1, 0.7), (7, 1.0), (3 * T + 5, 0.7)])
 def test_matches_naive_values_entropy_and_gradients(tiny_model, tokenizer, chunk_size, temperature):
     ids, mask = batch(tokenizer)
