@@ -13,6 +13,10 @@ reward reaches 0.5 and 0.8, and CPU seconds per step; then the means over seeds,
     PYTHONPATH=. python benchmarks/learning_vs_trl.py                # 300 steps, seeds 0 and 1
     PYTHONPATH=. python benchmarks/learning_vs_trl.py --steps 600 --seeds 0,1,2
     PYTHONPATH=. python benchmarks/learning_vs_trl.py --checkpointing  # activation checkpointing in both
+    PYTHONPATH=. python benchmarks/learning_vs_trl.py --checkpointing --impls ours,ours_noreplay
+
+`ours_noreplay` is ours with nothing kept for `replay` (`REPLAY_MAX_BYTES = 0`): with the same seed it samples
+the same first rollout as `ours`, so the two differ only by replay's rounding until their samples diverge.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS = (0.5, 0.8)
+IMPLS = ("ours", "trl", "ours_noreplay")
 
 
 def _child(impl: str, steps: int, seed: int, checkpointing: bool = False) -> dict:
@@ -38,10 +43,13 @@ def _child(impl: str, steps: int, seed: int, checkpointing: bool = False) -> dic
     from grpo_trainer.cli import DEMO
     from grpo_trainer.tiny import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
 
-    if impl == "ours":
-        from grpo_trainer import GRPOConfig, GRPOTrainer
-    else:
+    if impl == "trl":
         from trl import GRPOConfig, GRPOTrainer
+    else:
+        from grpo_trainer import GRPOConfig, GRPOTrainer, replay
+
+        if impl == "ours_noreplay":
+            replay.REPLAY_MAX_BYTES = 0
     shared = {k: DEMO[k] for k in ("learning_rate", "lr_scheduler_type", "per_device_train_batch_size",
                                    "num_generations", "max_completion_length", "beta")}
     with tempfile.TemporaryDirectory() as output_dir:
@@ -100,31 +108,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=int, default=3600, help="Seconds per child run.")
     parser.add_argument("--checkpointing", action="store_true",
                         help="Activation checkpointing on in both (ours then replays the rollout's layer outputs).")
-    parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--impls", default="ours,trl", help="Comma list of: " + ",".join(IMPLS))
+    parser.add_argument("--child", choices=IMPLS, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     seeds = [int(s) for s in opts.seeds.split(",") if s]
+    impls = [i for i in opts.impls.split(",") if i]
+    if unknown := sorted(set(impls) - set(IMPLS)):
+        parser.error(f"--impls: unknown {unknown}; choose from {list(IMPLS)}")
     if opts.child:
         print("RESULT " + json.dumps(_child(opts.child, opts.steps, seeds[0], opts.checkpointing)), flush=True)
         return
 
     rows = []
-    print(f"{'seed':>4} {'impl':<5} {'reward first 10%':>16} {'last 10%':>9} {'step to 0.5':>11} "
+    print(f"{'seed':>4} {'impl':<13} {'reward first 10%':>16} {'last 10%':>9} {'step to 0.5':>11} "
           f"{'step to 0.8':>11} {'CPU s/step':>10}")
     for seed in seeds:
-        for impl in ("ours", "trl"):
+        for impl in impls:
             result = run_child(impl, opts.steps, seed, opts.timeout, opts.checkpointing)
             row = {"seed": seed, "impl": impl, **summarise(result["rewards"]),
                    "cpu_s_per_step": result["cpu_s_per_step"], "rewards": result["rewards"]}
             rows.append(row)
-            print(f"{seed:>4} {impl:<5} {row['reward_first_10pct']:>16.3f} {row['reward_last_10pct']:>9.3f} "
+            print(f"{seed:>4} {impl:<13} {row['reward_first_10pct']:>16.3f} {row['reward_last_10pct']:>9.3f} "
                   f"{str(row['step_reaching_0.5']):>11} {str(row['step_reaching_0.8']):>11} "
                   f"{row['cpu_s_per_step']:>10.4f}", flush=True)
     means = {}
-    for impl in ("ours", "trl"):
+    for impl in impls:
         mine = [r for r in rows if r["impl"] == impl]
         means[impl] = {key: statistics.mean(r[key] for r in mine)
                        for key in ("reward_first_10pct", "reward_last_10pct", "cpu_s_per_step")}
-        print(f"mean {impl:<5} {means[impl]['reward_first_10pct']:>16.3f} {means[impl]['reward_last_10pct']:>9.3f} "
+        print(f"mean {impl:<13} {means[impl]['reward_first_10pct']:>16.3f} {means[impl]['reward_last_10pct']:>9.3f} "
               f"{'':>11} {'':>11} {means[impl]['cpu_s_per_step']:>10.4f}")
     command = " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     print(json.dumps({"command": command, "steps": opts.steps, "means": means, "rows": rows}))

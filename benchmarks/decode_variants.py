@@ -1,0 +1,141 @@
+"""What each part of the small model's CPU decode step costs inside the decode loop, and whether leaner variants
+of it pay: a same-process, interleaved A/B of `decoding.sample` with `_Decoder.step` swapped per variant.
+
+Timing an operation alone in a hot loop says little here: inside the loop each operation finds its weights and
+the dispatcher's code out of cache, and costs two to four times as much. So every variant runs the whole rollout
+(8 rows, 12 prompt + 64 new tokens, the benchmark's 0.85M-parameter model, one thread), variants interleaved
+round by round, and the figure is the median over rounds of each variant's time over the baseline's in the same
+round.
+
+- Ablations (wrong results, for the cost of a part): `no_norms` (both RMSNorms of every layer skipped),
+  `no_attention` (the attention output replaced by the queries), `no_mlp` (the MLP skipped).
+- Alternatives (same tokens): `layernorm_rms` (RMSNorm as the LayerNorm of [x, -x], one fused kernel instead of
+  torch's composite of ~20 dispatches), `bmm_attention` (one query's grouped attention as baddbmm + softmax + bmm
+  on 3-D views of the cache instead of SDPA's flash kernel), `packed_2e16` (oneDNN-packed weights from 2^16
+  entries instead of `decoding.PACK_MIN_ELEMENTS`, i.e. the 128 x 512 gate|up projection too).
+
+    PYTHONPATH=. python benchmarks/decode_variants.py --rounds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import GenerationConfig
+
+from grpo_trainer import decoding
+from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+ROWS, PROMPT, NEW = 8, 12, 64
+
+
+def _layernorm_rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm through LayerNorm: [x, -x] has mean 0 and mean square mean(x^2)."""
+    E = x.shape[-1]
+    return F.layer_norm(torch.cat([x, -x], -1), (2 * E,), torch.cat([weight, weight]), None, eps)[..., :E]
+
+
+def _step(norm: Callable | None = F.rms_norm, attention: str = "sdpa", mlp: bool = True) -> Callable:
+    """`_Decoder.step` with its norm, attention and MLP replaceable (the committed step is the default)."""
+
+    def step(self: decoding._Decoder, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        N, H, K, D = tokens.shape[0], self.H, self.K, self.D
+        hidden = self.embed[tokens]
+        for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
+            x = hidden if norm is None else norm(hidden, hidden.shape[-1:], *layer["norm1"])
+            qkv = layer["qkv"](x).view(N, H + 2 * K, D)
+            qk = qkv[:, :H + K]
+            qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin
+            keys[:N, :, column] = qk[:, H:]
+            values[:N, :, column] = qkv[:, H + K:]
+            if attention == "sdpa":
+                attn = F.scaled_dot_product_attention(qk[:, :H].view(N, K, H // K, D), keys[:N, :, :column + 1],
+                                                      values[:N, :, :column + 1], attn_mask=mask,
+                                                      scale=layer["scaling"])
+            elif attention == "bmm":
+                L = column + 1
+                key_mask = mask.reshape(N, 1, L).repeat_interleave(K, 0)  # [N*K, 1, L]
+                scores = torch.baddbmm(key_mask, qk[:, :H].reshape(N * K, H // K, D),
+                                       keys[:N, :, :L].reshape(N * K, L, D).transpose(1, 2), alpha=layer["scaling"])
+                attn = torch.bmm(torch.softmax(scores, dim=-1), values[:N, :, :L].reshape(N * K, L, D))
+            else:
+                attn = qk[:, :H]
+            hidden = layer["o_add"](hidden, attn.reshape(N, H * D))
+            if mlp:
+                x = hidden if norm is None else norm(hidden, hidden.shape[-1:], *layer["norm2"])
+                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                hidden = layer["down_add"](hidden, layer["act"](gate) * up)
+            if self.outputs is not None:
+                self.outputs[:N, index, column] = hidden
+        return hidden
+
+    return step
+
+
+def _layernorm_step() -> Callable:
+    return _step(norm=lambda x, shape, weight, eps: _layernorm_rms(x, weight, eps))
+
+
+# name -> (step, PACK_MIN_ELEMENTS)
+VARIANTS: dict[str, tuple[Callable, int]] = {
+    "committed": (decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS),
+    "no_norms": (_step(norm=None), decoding.PACK_MIN_ELEMENTS),
+    "no_attention": (_step(attention="none"), decoding.PACK_MIN_ELEMENTS),
+    "no_mlp": (_step(mlp=False), decoding.PACK_MIN_ELEMENTS),
+    "layernorm_rms": (_layernorm_step(), decoding.PACK_MIN_ELEMENTS),
+    "bmm_attention": (_step(attention="bmm"), decoding.PACK_MIN_ELEMENTS),
+    "packed_2e16": (decoding._Decoder.step, 2**16),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = make_tokenizer(extra_vocab=2048 - len(make_tokenizer()))
+    model = make_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, seed=0).eval()
+    prompts = torch.randint(10, 100, (ROWS // 4, PROMPT), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.repeat_interleave(4, 0)  # 2 prompts x 4 completions, as in the benchmark
+    mask = torch.ones_like(prompts)
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              eos_token_id=[len(tokenizer) + 1], pad_token_id=0)  # no EOS: every row runs NEW
+    committed_step, committed_pack = decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS
+
+    def rollout(name: str):
+        decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS = VARIANTS[name]
+        try:
+            return decoding.sample(model, prompts, mask, config, keep_layer_outputs=True, keep_probs=True)
+        finally:
+            decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS = committed_step, committed_pack
+
+    same = {}
+    for name in VARIANTS:
+        torch.manual_seed(0)
+        same[name] = rollout(name).completion_ids
+    seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for round_ in range(opts.rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            start = time.process_time()
+            rollout(name)
+            seconds[name].append(time.process_time() - start)
+    results = {}
+    print(f"{'variant':<15} {'ms/rollout':>10} {'vs committed':>12}  same tokens")
+    for name in names:
+        paired = statistics.median(s / c for s, c in zip(seconds[name], seconds["committed"]))
+        results[name] = {"ms_per_rollout": 1e3 * statistics.median(seconds[name]), "over_committed": paired,
+                         "same_tokens": bool(torch.equal(same[name], same["committed"]))}
+        print(f"{name:<15} {results[name]['ms_per_rollout']:>10.1f} {paired:>12.3f}  {results[name]['same_tokens']}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
