@@ -262,10 +262,18 @@ def main() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
         per_device_batch=cli.per_device_batch)
-    # A gloo group still alive at interpreter exit sometimes aborts a rank after the results were written.
+    # About one launch in twelve, a rank aborted in C++ teardown after the interpreter finished ("terminate
+    # called without an active exception", no Python frame), even with the gloo group destroyed: the launcher
+    # then kills the other rank and reports failure although result.json is written. The ranks wait for each
+    # other, destroy the group, flush, and leave without running interpreter or C++ static teardown.
     from accelerate import PartialState
 
-    PartialState().destroy_process_group()
+    state = PartialState()
+    state.wait_for_everyone()
+    state.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
