@@ -277,4 +277,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # leaves through os._exit
