@@ -9,6 +9,8 @@ round.
 
 - Ablations (wrong results, for the cost of a part): `no_norms` (both RMSNorms of every layer skipped),
   `no_attention` (the attention output replaced by the queries), `no_mlp` (the MLP skipped).
+- `functional`: the step as it was before the dispatch-lean rewrite (`F.rms_norm`, cache columns written and
+  read by indexing, `chunk` for gate|up); the committed step differs only in those, so this is what they save.
 - Alternatives (same tokens): `layernorm_rms` (RMSNorm as the LayerNorm of [x, -x], one fused kernel instead of
   torch's composite of ~20 dispatches), `bmm_attention` (one query's grouped attention as baddbmm + softmax + bmm
   on 3-D views of the cache instead of SDPA's flash kernel), `packed_2e16` (oneDNN-packed weights from 2^16
@@ -42,50 +44,86 @@ def _layernorm_rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.layer_norm(torch.cat([x, -x], -1), (2 * E,), torch.cat([weight, weight]), None, eps)[..., :E]
 
 
-def _step(norm: Callable | None = F.rms_norm, attention: str = "sdpa", mlp: bool = True) -> Callable:
-    """`_Decoder.step` with its norm, attention and MLP replaceable (the committed step is the default)."""
+def _functional_rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def _cache(keys: Tensor, values: Tensor, column: int, key: Tensor, value: Tensor, indexing: bool
+           ) -> tuple[Tensor, Tensor]:
+    """Write one column of keys/values; return the cache's columns up to it."""
+    if indexing:
+        N = key.shape[0]
+        keys[:N, :, column], values[:N, :, column] = key, value
+        return keys[:N, :, :column + 1], values[:N, :, :column + 1]
+    keys.select(2, column).copy_(key)
+    values.select(2, column).copy_(value)
+    return keys.narrow(2, 0, column + 1), values.narrow(2, 0, column + 1)
+
+
+def _attend(kind: str, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, K: int) -> Tensor:
+    """One query per row `q` `[N, H, D]` over cached `[N, K, L, D]`: SDPA, baddbmm + softmax + bmm, or (for
+    the ablation) the queries themselves."""
+    N, H, D = q.shape
+    L = keys.shape[2]
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(q.view(N, K, H // K, D), keys, values, attn_mask=mask, scale=scale)
+    if kind == "bmm":
+        key_mask = mask.reshape(N, 1, L).repeat_interleave(K, 0)  # [N*K, 1, L]
+        scores = torch.baddbmm(key_mask, q.reshape(N * K, H // K, D), keys.reshape(N * K, L, D).transpose(1, 2),
+                               alpha=scale)
+        return torch.bmm(torch.softmax(scores, dim=-1), values.reshape(N * K, L, D))
+    return q
+
+
+def _step(norm: Callable | None | str = "row", attention: str = "sdpa", mlp: bool = True,
+          indexing: bool = False) -> Callable:
+    """`_Decoder.step` with its norm, attention and MLP replaceable: `norm(x, weight, eps)`, or "row" for the
+    committed step's `_row_rms_norm`; `indexing` writes and reads cache columns as `[:N, :, c]` and splits
+    gate|up with `chunk`, as the step did before the dispatch-lean rewrite."""
+
+    def normed(layer: dict, which: int, x: Tensor) -> Tensor:
+        if norm is None:
+            return x
+        if norm == "row":
+            return layer[f"row_norm{which}"](x)
+        return norm(x, *layer[f"norm{which}"])
 
     def step(self: decoding._Decoder, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         N, H, K, D = tokens.shape[0], self.H, self.K, self.D
         hidden = self.embed[tokens]
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
-            x = hidden if norm is None else norm(hidden, hidden.shape[-1:], *layer["norm1"])
-            qkv = layer["qkv"](x).view(N, H + 2 * K, D)
+            qkv = layer["qkv"](normed(layer, 1, hidden)).view(N, H + 2 * K, D)
             qk = qkv[:, :H + K]
             qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin
-            keys[:N, :, column] = qk[:, H:]
-            values[:N, :, column] = qkv[:, H + K:]
-            if attention == "sdpa":
-                attn = F.scaled_dot_product_attention(qk[:, :H].view(N, K, H // K, D), keys[:N, :, :column + 1],
-                                                      values[:N, :, :column + 1], attn_mask=mask,
-                                                      scale=layer["scaling"])
-            elif attention == "bmm":
-                L = column + 1
-                key_mask = mask.reshape(N, 1, L).repeat_interleave(K, 0)  # [N*K, 1, L]
-                scores = torch.baddbmm(key_mask, qk[:, :H].reshape(N * K, H // K, D),
-                                       keys[:N, :, :L].reshape(N * K, L, D).transpose(1, 2), alpha=layer["scaling"])
-                attn = torch.bmm(torch.softmax(scores, dim=-1), values[:N, :, :L].reshape(N * K, L, D))
-            else:
-                attn = qk[:, :H]
+            cached_keys, cached_values = _cache(keys, values, column, qk[:, H:], qkv[:, H + K:], indexing)
+            attn = _attend(attention, qk[:, :H], cached_keys, cached_values, mask, layer["scaling"], K)
             hidden = layer["o_add"](hidden, attn.reshape(N, H * D))
             if mlp:
-                x = hidden if norm is None else norm(hidden, hidden.shape[-1:], *layer["norm2"])
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                gate_up = layer["gate_up"](normed(layer, 2, hidden))
+                if indexing:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                else:
+                    inner = gate_up.shape[1] // 2
+                    gate, up = gate_up.narrow(1, 0, inner), gate_up.narrow(1, inner, inner)
                 hidden = layer["down_add"](hidden, layer["act"](gate) * up)
             if self.outputs is not None:
-                self.outputs[:N, index, column] = hidden
+                if indexing:
+                    self.outputs[:N, index, column] = hidden
+                else:
+                    self.outputs.select(2, column).select(1, index).copy_(hidden)
         return hidden
 
     return step
 
 
 def _layernorm_step() -> Callable:
-    return _step(norm=lambda x, shape, weight, eps: _layernorm_rms(x, weight, eps))
+    return _step(norm=_layernorm_rms)
 
 
 # name -> (step, PACK_MIN_ELEMENTS)
 VARIANTS: dict[str, tuple[Callable, int]] = {
     "committed": (decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS),
+    "functional": (_step(norm=_functional_rms, indexing=True), decoding.PACK_MIN_ELEMENTS),
     "no_norms": (_step(norm=None), decoding.PACK_MIN_ELEMENTS),
     "no_attention": (_step(attention="none"), decoding.PACK_MIN_ELEMENTS),
     "no_mlp": (_step(mlp=False), decoding.PACK_MIN_ELEMENTS),

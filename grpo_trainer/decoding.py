@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationConfig
+from transformers.activations import SiLUActivation
 from transformers.generation import GenerationMode, LogitsProcessorList, TemperatureLogitsWarper
 
 from grpo_trainer import generation, models, replay
@@ -223,7 +224,15 @@ def _packed_linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Cal
 
 
 def _linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Callable[[Tensor], Tensor]:
-    return _packed_linear(weight, bias, rows) or (lambda x: F.linear(x, weight, bias))
+    """`x -> F.linear(x, weight, bias)` for 2-D `x`: packed where that pays, else one `addmm` (or `mm`) on a
+    transposed view made once, which is what `F.linear` runs after a transpose and a dispatch of its own."""
+    packed = _packed_linear(weight, bias, rows)
+    if packed is not None:
+        return packed
+    transposed = weight.t()
+    if bias is None:
+        return lambda x: torch.mm(x, transposed)
+    return lambda x: torch.addmm(bias, x, transposed)
 
 
 def _projection(modules: list[nn.Module], fuse: bool, rows: int | None) -> Callable[[Tensor], Tensor]:
@@ -251,9 +260,23 @@ def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tens
     packed = _packed_linear(weight, bias, rows)
     if packed is not None:
         return lambda h, x: packed(x).add_(h)
+    transposed = weight.t()
     if bias is None:
-        return lambda h, x: torch.addmm(h, x, weight.t())
-    return lambda h, x: torch.addmm(h, x, weight.t()).add_(bias)
+        return lambda h, x: torch.addmm(h, x, transposed)
+    return lambda h, x: torch.addmm(h, x, transposed).add_(bias)
+
+
+def _row_rms_norm(weight: Tensor, eps: float) -> Callable[[Tensor], Tensor]:
+    """RMSNorm of 2-D `x` `[N, E]`: `x / sqrt(mean(x^2) + eps) * weight`, as the model's norm computes it. In
+    float32 the mean square is one `addmv`, eps + (x * x) @ (1/E): five dispatches in all, where `F.rms_norm`'s
+    composite makes 23 (dtype conversions of its scalars included). A decode step of a small model is a chain of
+    such tiny operations, and the norms were a sixth of it. Other dtypes take `F.rms_norm`, which computes in
+    float32 as the model's norm does."""
+    E = weight.shape[0]
+    if weight.dtype != torch.float32:
+        return lambda x: F.rms_norm(x, (E,), weight, eps)
+    inverse_width, eps_ = weight.new_full((E,), 1.0 / E), weight.new_full((1,), eps)
+    return lambda x: (x * torch.addmv(eps_, x * x, inverse_width).rsqrt_().unsqueeze(1)).mul_(weight)
 
 
 class _Decoder:
@@ -266,6 +289,7 @@ class _Decoder:
         rows = batch if fuse else None
         self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
+        self.row_norm = _row_rms_norm(*self.norm)
         head = lm.get_output_embeddings()
         packed_head = _packed_linear(head.weight, head.bias, rows) if type(head) is nn.Linear else None
         self.head = packed_head or _projection([head], fuse=False, rows=rows)
@@ -279,16 +303,22 @@ class _Decoder:
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            norm1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+            norm2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+            act = getattr(mlp, "act_fn", None)
             self.layers.append({
-                "norm1": (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                "norm2": (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                "norm1": norm1,
+                "norm2": norm2,
+                "row_norm1": _row_rms_norm(*norm1),
+                "row_norm2": _row_rms_norm(*norm2),
                 "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse, rows),
                 "o_add": _residual(attn.o_proj, fuse, rows),
                 "qk_norm": (attn.q_norm, attn.k_norm) if qk_norm else None,
                 "scaling": attn.scaling,
                 "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse, rows) if gated else None,
                 "down_add": _residual(mlp.down_proj, fuse, rows) if gated else None,
-                "act": mlp.act_fn if gated else None,
+                # SiLU as a function call: a module call costs more than the activation itself at 8 rows.
+                "act": F.silu if type(act) in (nn.SiLU, SiLUActivation) else act,
                 "mlp": mlp,
             })
         shape = (batch, self.K, length, self.D)
@@ -308,7 +338,7 @@ class _Decoder:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final hidden states `[N, E]` -> float32 logits `[N, V]`."""
-        hidden = F.rms_norm(hidden, hidden.shape[-1:], *self.norm)
+        hidden = self.row_norm(hidden)
         if self.head_weight is not None:
             # A CPU head larger than the caches (e.g. 32k x 512 floats) is memory-bound for a few rows, and
             # `W @ h.T` streams it in row order: ~1.6x faster than `F.linear` (measured on the benchmark machine).
@@ -327,7 +357,7 @@ class _Decoder:
         hidden = self.embed[ids]  # [N, S, E]
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
-            qkv = layer["qkv"](x).view(N, S, H + 2 * K, D)
+            qkv = layer["qkv"](x.view(N * S, -1)).view(N, S, H + 2 * K, D)
             qk = qkv[:, :, :H + K]
             if layer["qk_norm"] is not None:
                 q_norm, k_norm = layer["qk_norm"]
@@ -344,44 +374,49 @@ class _Decoder:
             if layer["gate_up"] is None:
                 hidden = hidden + layer["mlp"](x)
             else:
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-                hidden = layer["down_add"](hidden.reshape(N * S, -1), (layer["act"](gate) * up).reshape(N * S, -1))
-                hidden = hidden.view(N, S, -1)
+                gate, up = layer["gate_up"](x.view(N * S, -1)).chunk(2, dim=-1)
+                hidden = layer["down_add"](hidden.view(N * S, -1), layer["act"](gate) * up).view(N, S, -1)
             if self.outputs is not None:
                 self.outputs[:N, index, start:end] = hidden
         return hidden[:, -1]
 
     def step(self, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        """One token per row `[N]` at cache column `column`, in 2-D tensors (fewer reshapes per operation than
-        `forward`); residual projections are one `addmm`. cos/sin `[N, 1, D]`; mask `[N, 1, 1, column + 1]`.
-        Returns hidden states `[N, E]`."""
-        N = tokens.shape[0]
+        """One token for every cache row, `[B]`, at cache column `column`, in 2-D tensors. Returns hidden states
+        `[B, E]`. cos/sin `[B, 1, D]`; mask `[B, 1, 1, column + 1]`.
+
+        At a small model's sizes each operation costs its dispatch more than its arithmetic, so the step is
+        written for few dispatches: norms of five (`_row_rms_norm`), projections as one `addmm` on a transposed
+        view made once, residual adds inside it, cache columns written through `select` and read through `narrow`
+        (indexing with `[:, :, c]` makes a dispatch per dimension). Measured in `decode_variants.py`."""
+        B = tokens.shape[0]
         H, K, D = self.H, self.K, self.D
-        hidden = self.embed[tokens]  # [N, E]
-        outputs = self.outputs
+        hidden = self.embed[tokens]  # [B, E]
+        outputs = None if self.outputs is None else self.outputs.select(2, column)  # [B, layers, E]
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
-            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
-            qkv = layer["qkv"](x).view(N, H + 2 * K, D)
+            qkv = layer["qkv"](layer["row_norm1"](hidden)).view(B, H + 2 * K, D)
             qk = qkv[:, :H + K]
             if layer["qk_norm"] is not None:
                 q_norm, k_norm = layer["qk_norm"]
                 qk = torch.cat([q_norm(qk[:, :H]), k_norm(qk[:, H:])], dim=1)
             qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # rotary embedding
-            keys[:N, :, column] = qk[:, H:]
-            values[:N, :, column] = qkv[:, H + K:]
+            keys.select(2, column).copy_(qk[:, H:])
+            values.select(2, column).copy_(qkv[:, H + K:])
             # One query token: the query heads sharing a key/value head become query rows of that head, which is
             # grouped-query attention without copying keys and values.
-            attn = F.scaled_dot_product_attention(qk[:, :H].view(N, K, H // K, D), keys[:N, :, :column + 1],
-                                                  values[:N, :, :column + 1], attn_mask=mask, scale=layer["scaling"])
-            hidden = layer["o_add"](hidden, attn.view(N, H * D))
-            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm2"])
+            attn = F.scaled_dot_product_attention(qk[:, :H].view(B, K, H // K, D), keys.narrow(2, 0, column + 1),
+                                                  values.narrow(2, 0, column + 1), attn_mask=mask,
+                                                  scale=layer["scaling"])
+            hidden = layer["o_add"](hidden, attn.view(B, H * D))
+            x = layer["row_norm2"](hidden)
             if layer["gate_up"] is None:
                 hidden = hidden + layer["mlp"](x)
             else:
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-                hidden = layer["down_add"](hidden, layer["act"](gate) * up)
+                gate_up = layer["gate_up"](x)  # [B, 2 I]
+                inner = gate_up.shape[1] // 2
+                hidden = layer["down_add"](hidden, layer["act"](gate_up.narrow(1, 0, inner))
+                                           .mul_(gate_up.narrow(1, inner, inner)))
             if outputs is not None:
-                outputs[:N, index, column] = hidden
+                outputs.select(1, index).copy_(hidden)
         return hidden
 
 
