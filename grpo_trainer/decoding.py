@@ -266,14 +266,14 @@ def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tens
     return lambda h, x: torch.addmm(h, x, transposed).add_(bias)
 
 
-def _row_rms_norm(weight: Tensor, eps: float) -> Callable[[Tensor], Tensor]:
-    """RMSNorm of 2-D `x` `[N, E]`: `x / sqrt(mean(x^2) + eps) * weight`, as the model's norm computes it. In
-    float32 the mean square is one `addmv`, eps + (x * x) @ (1/E): five dispatches in all, where `F.rms_norm`'s
-    composite makes 23 (dtype conversions of its scalars included). A decode step of a small model is a chain of
-    such tiny operations, and the norms were a sixth of it. Other dtypes take `F.rms_norm`, which computes in
-    float32 as the model's norm does."""
+def _row_rms_norm(weight: Tensor, eps: float, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    """RMSNorm of 2-D `x` `[N, E]` of `dtype`: `x / sqrt(mean(x^2) + eps) * weight`, as the model's norm computes
+    it. In float32 the mean square is one `addmv`, eps + (x * x) @ (1/E): five dispatches in all, where
+    `F.rms_norm`'s composite makes 23 (dtype conversions of its scalars included). A decode step of a small model
+    is a chain of such tiny operations, and the norms were a sixth of it. Other dtypes, or a weight kept in
+    another dtype than the hidden states, take `F.rms_norm`, which computes in float32 as the model's norm does."""
     E = weight.shape[0]
-    if weight.dtype != torch.float32:
+    if weight.dtype != torch.float32 or dtype != torch.float32:
         return lambda x: F.rms_norm(x, (E,), weight, eps)
     inverse_width, eps_ = weight.new_full((E,), 1.0 / E), weight.new_full((1,), eps)
     return lambda x: (x * torch.addmv(eps_, x * x, inverse_width).rsqrt_().unsqueeze(1)).mul_(weight)
@@ -289,7 +289,7 @@ class _Decoder:
         rows = batch if fuse else None
         self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
-        self.row_norm = _row_rms_norm(*self.norm)
+        self.row_norm = _row_rms_norm(*self.norm, self.embed.dtype)
         head = lm.get_output_embeddings()
         packed_head = _packed_linear(head.weight, head.bias, rows) if type(head) is nn.Linear else None
         self.head = packed_head or _projection([head], fuse=False, rows=rows)
@@ -309,8 +309,8 @@ class _Decoder:
             self.layers.append({
                 "norm1": norm1,
                 "norm2": norm2,
-                "row_norm1": _row_rms_norm(*norm1),
-                "row_norm2": _row_rms_norm(*norm2),
+                "row_norm1": _row_rms_norm(*norm1, self.embed.dtype),
+                "row_norm2": _row_rms_norm(*norm2, self.embed.dtype),
                 "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse, rows),
                 "o_add": _residual(attn.o_proj, fuse, rows),
                 "qk_norm": (attn.q_norm, attn.k_norm) if qk_norm else None,

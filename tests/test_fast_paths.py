@@ -103,18 +103,23 @@ def test_packed_linear_equals_f_linear():
 def test_decode_step_norm_and_linear_equal_torch_functional():
     """The decode step's own RMSNorm (mean square as one addmv) and linear (addmm on a transposed view made once)
     give `F.rms_norm`'s and `F.linear`'s values; a width that is not a power of two makes 1/E inexact, which may
-    only cost rounding. Other dtypes take `F.rms_norm` itself."""
+    only cost rounding. Other dtypes, and a float32 weight over bfloat16 states, take `F.rms_norm` itself."""
     torch.manual_seed(0)
     for width in (128, 96):
         x, weight = torch.randn(8, width) * 3, torch.randn(width)
         expected = torch.nn.functional.rms_norm(x, (width,), weight, 1e-6)
-        torch.testing.assert_close(decoding._row_rms_norm(weight, 1e-6)(x), expected, atol=1e-6, rtol=1e-6)
+        norm = decoding._row_rms_norm(weight, 1e-6, torch.float32)
+        torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
         # eps is inside the square root: for a row of zeros the result is 0, not nan; for tiny rows eps dominates
         tiny = torch.cat([torch.zeros(1, width), torch.full((1, width), 1e-4)])
-        torch.testing.assert_close(decoding._row_rms_norm(weight, 1e-6)(tiny),
+        torch.testing.assert_close(norm(tiny),
                                    torch.nn.functional.rms_norm(tiny, (width,), weight, 1e-6), atol=1e-7, rtol=1e-6)
     x16, w16 = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
-    assert torch.equal(decoding._row_rms_norm(w16, 1e-5)(x16), torch.nn.functional.rms_norm(x16, (64,), w16, 1e-5))
+    assert torch.equal(decoding._row_rms_norm(w16, 1e-5, torch.bfloat16)(x16),
+                       torch.nn.functional.rms_norm(x16, (64,), w16, 1e-5))
+    w32 = w16.float()  # a norm kept in float32 over bfloat16 hidden states (as some quantised models keep them)
+    assert torch.equal(decoding._row_rms_norm(w32, 1e-5, torch.bfloat16)(x16),
+                       torch.nn.functional.rms_norm(x16, (64,), w32, 1e-5))
     weight, bias, x = torch.randn(48, 32), torch.randn(48), torch.randn(8, 32)
     assert torch.equal(decoding._linear(weight, bias, rows=None)(x), torch.nn.functional.linear(x, weight, bias))
     assert torch.equal(decoding._linear(weight, None, rows=None)(x), torch.nn.functional.linear(x, weight))
