@@ -17,7 +17,10 @@ Decisions:
    modules and weights: embedding, RMSNorm weights, the rotary-embedding module, projections, MLP. Small models
    (`FUSE_MAX_PARAMETERS`) run q|k|v and gate|up as one matmul each, with vanilla LoRA adapters merged into
    those weights; otherwise plain linears run as `F.linear` on their weights and wrapped ones (LoRA,
-   quantised) as their own modules, so adapters, and a disabled adapter, behave as in `forward`.
+   quantised) as their own modules, so adapters, and a disabled adapter, behave as in `forward`. The per-token
+   step (`_Decoder.step`) is written for few dispatches, which cost a small model's step more than its
+   arithmetic: RMSNorm through one `addmv` (`_row_rms_norm`), `addmm` on transposed views made once, cache
+   columns through `select`/`narrow`.
 4. Distinct prompts are found once (consecutive identical rows); each is prefilled once and its keys/values are
    copied into the rows of its G completions. Positions count real tokens only, as `generate`'s do.
 5. Greedy decoding is an argmax. Sampling inverts float64 cumulative sums (`searchsorted`) in two levels, a block
