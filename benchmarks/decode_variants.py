@@ -116,10 +116,6 @@ def _step(norm: Callable | None | str = "row", attention: str = "sdpa", mlp: boo
     return step
 
 
-def _layernorm_step() -> Callable:
-    return _step(norm=_layernorm_rms)
-
-
 # name -> (step, PACK_MIN_ELEMENTS)
 VARIANTS: dict[str, tuple[Callable, int]] = {
     "committed": (decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS),
@@ -127,7 +123,7 @@ VARIANTS: dict[str, tuple[Callable, int]] = {
     "no_norms": (_step(norm=None), decoding.PACK_MIN_ELEMENTS),
     "no_attention": (_step(attention="none"), decoding.PACK_MIN_ELEMENTS),
     "no_mlp": (_step(mlp=False), decoding.PACK_MIN_ELEMENTS),
-    "layernorm_rms": (_layernorm_step(), decoding.PACK_MIN_ELEMENTS),
+    "layernorm_rms": (_step(norm=_layernorm_rms), decoding.PACK_MIN_ELEMENTS),
     "bmm_attention": (_step(attention="bmm"), decoding.PACK_MIN_ELEMENTS),
     "packed_2e16": (decoding._Decoder.step, 2**16),
 }

@@ -308,7 +308,6 @@ class _Decoder:
             gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             norm1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
             norm2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            act = getattr(mlp, "act_fn", None)
             self.layers.append({
                 "norm1": norm1,
                 "norm2": norm2,
@@ -321,7 +320,7 @@ class _Decoder:
                 "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse, rows) if gated else None,
                 "down_add": _residual(mlp.down_proj, fuse, rows) if gated else None,
                 # SiLU as a function call: a module call costs more than the activation itself at 8 rows.
-                "act": F.silu if type(act) in (nn.SiLU, SiLUActivation) else act,
+                "act": (F.silu if type(mlp.act_fn) in (nn.SiLU, SiLUActivation) else mlp.act_fn) if gated else None,
                 "mlp": mlp,
             })
         shape = (batch, self.K, length, self.D)
