@@ -64,7 +64,7 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
     torch.set_num_threads(case.threads)
     from transformers import AutoTokenizer, TrainerCallback
 
-    from grpo_trainer.tiny import copy_digits_dataset, copy_digits_reward
+    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
 
     if impl == "ours":
         from grpo_trainer import GRPOConfig, GRPOTrainer
@@ -152,11 +152,11 @@ def _timed(fn, phase, totals, phase_fn=None):
 
 def _instrument_ours(trainer) -> dict[str, float]:
     """Wrap our trainer's stages with CPU-time accumulators (whole run, warm-up included)."""
-    from grpo_trainer import trainer as trainer_module
+    from grpo_trainer.trainer import grpo_trainer as trainer_module
 
     totals = dict.fromkeys(PHASES, 0.0)
-    trainer._sample = _timed(trainer._sample, "generation", totals)
-    trainer._reference_and_old_logps = _timed(trainer._reference_and_old_logps, "reference_forward", totals)
+    trainer._rollout = _timed(trainer._rollout, "generation", totals)
+    trainer._micro_batch = _timed(trainer._micro_batch, "reference_forward", totals)
     trainer.compute_loss = _timed(trainer.compute_loss, "policy_forward", totals)
     trainer.accelerator.backward = _timed(trainer.accelerator.backward, "backward", totals)
     trainer_module.rewards.score_completions = _timed(trainer_module.rewards.score_completions, "rewards", totals)
@@ -183,7 +183,7 @@ def _instrument_trl(trainer) -> dict[str, float]:
 
 def build_models(directory: Path, sizes: list[str]) -> dict[str, str]:
     """Save one tiny model + tokenizer per size (offline, seeded); returns size -> path."""
-    from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
     paths = {}
     for size in sizes:

@@ -1,6 +1,6 @@
 """The CPU decode step of a small model: what its time is made of, and whether `torch.compile` pays for it.
 
-The rollout's decode step (`decoding._Decoder.step`) is where a small model's GRPO step spends most of its time
+The rollout's decode step (`fast_decoder.Decoder.step`) is where a small model's GRPO step spends most of its time
 on CPU. Two measurements, on the benchmark's small model shape (4 layers, 2k vocabulary, 8 rows, 12 prompt +
 64 new tokens), one thread:
 
@@ -38,23 +38,23 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="induct
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from grpo_trainer import decoding  # noqa: E402
-from grpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer  # noqa: E402
+from grpo_trainer.rollout.fast import decoder as fast_decoder  # noqa: E402
 
 ROWS, PROMPT, NEW = 8, 12, 64
 WIDTHS = (32, 64, 128, 256)
 
 
-def build(hidden: int = 128) -> decoding._Decoder:
+def build(hidden: int = 128) -> fast_decoder.Decoder:
     tokenizer = make_tokenizer(extra_vocab=2048 - len(make_tokenizer()))
     model = make_tiny_model(tokenizer, hidden_size=hidden, num_layers=4, num_heads=4, seed=0).eval()
-    decoder = decoding._Decoder(model, ROWS, PROMPT + NEW)
+    decoder = fast_decoder.Decoder(model, ROWS, PROMPT + NEW)
     for cache in decoder.keys + decoder.values:
         cache.normal_()  # a filled prompt cache; the values do not change the work done
     return decoder
 
 
-def static_step(decoder: decoding._Decoder):
+def static_step(decoder: fast_decoder.Decoder):
     """The eager step's operations with shapes that do not change from token to token."""
 
     def step(tokens, column, cos, sin, mask):  # column: [1] long; mask: [N, 1, 1, L] additive
@@ -77,7 +77,7 @@ def static_step(decoder: decoding._Decoder):
     return step
 
 
-def decode_loop(decoder: decoding._Decoder, step, static: bool) -> None:
+def decode_loop(decoder: fast_decoder.Decoder, step, static: bool) -> None:
     """NEW decode steps (step + logits) for ROWS rows after a PROMPT-token prompt. The per-step inputs (rotary
     tables, masks, cache columns) are built before the loop, so the loop times the step alone."""
     tokens = torch.randint(0, 2000, (ROWS,), generator=torch.Generator().manual_seed(0))
@@ -95,7 +95,7 @@ def decode_loop(decoder: decoding._Decoder, step, static: bool) -> None:
             decoder.logits(step(tokens, column, cos[:, t], sin[:, t], mask[..., :column + 1]))
 
 
-def us_per_token(decoder: decoding._Decoder, step, static: bool) -> float:
+def us_per_token(decoder: fast_decoder.Decoder, step, static: bool) -> float:
     """CPU microseconds per token of one decode loop."""
     start = time.process_time()
     decode_loop(decoder, step, static)
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--dynamic", action="store_true", help="Also compile the eager step with dynamic=True.")
     opts = parser.parse_args()
     torch.set_num_threads(1)
-    decoding.PACK_MIN_ELEMENTS = 2**62
+    fast_decoder.PACK_MIN_ELEMENTS = 2**62
     results = {**measure_widths(opts.repeats), **measure_compile(opts.repeats, opts.dynamic)}
     for key, value in results.items():
         print(f"{key:40s} {value:12.2f}")

@@ -1,5 +1,5 @@
 """What each part of the small model's CPU decode step costs inside the decode loop, and whether leaner variants
-of it pay: a same-process, interleaved A/B of `decoding.sample` with `_Decoder.step` swapped per variant.
+of it pay: a same-process, interleaved A/B of `FastBackend.generate` with `_Decoder.step` swapped per variant.
 
 Timing an operation alone in a hot loop says little here: inside the loop each operation finds its weights and
 the dispatcher's code out of cache, and costs two to four times as much. So every variant runs the whole rollout
@@ -14,7 +14,7 @@ round.
 - Alternatives (same tokens): `layernorm_rms` (RMSNorm as the LayerNorm of [x, -x], one fused kernel instead of
   torch's composite of ~20 dispatches), `bmm_attention` (one query's grouped attention as baddbmm + softmax + bmm
   on 3-D views of the cache instead of SDPA's flash kernel), `packed_2e16` (oneDNN-packed weights from 2^16
-  entries instead of `decoding.PACK_MIN_ELEMENTS`, i.e. the 128 x 512 gate|up projection too).
+  entries instead of `fast_decoder.PACK_MIN_ELEMENTS`, i.e. the 128 x 512 gate|up projection too).
 
     PYTHONPATH=. python benchmarks/decode_variants.py --rounds 30
 """
@@ -32,8 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import GenerationConfig
 
-from grpo_trainer import decoding
-from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
+from grpo_trainer.rollout.capture import Capture
+from grpo_trainer.rollout.fast import decoder as fast_decoder
+from grpo_trainer.rollout.fast.backend import FastBackend
+from grpo_trainer.rollout.types import PromptBatch
 
 ROWS, PROMPT, NEW = 8, 12, 64
 
@@ -88,7 +91,7 @@ def _step(norm: Callable | None | str = "row", attention: str = "sdpa", mlp: boo
             return layer[f"row_norm{which}"](x)
         return norm(x, *layer[f"norm{which}"])
 
-    def step(self: decoding._Decoder, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    def step(self: fast_decoder.Decoder, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         N, H, K, D = tokens.shape[0], self.H, self.K, self.D
         hidden = self.embed[tokens]
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
@@ -118,14 +121,14 @@ def _step(norm: Callable | None | str = "row", attention: str = "sdpa", mlp: boo
 
 # name -> (step, PACK_MIN_ELEMENTS)
 VARIANTS: dict[str, tuple[Callable, int]] = {
-    "committed": (decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS),
-    "functional": (_step(norm=_functional_rms, indexing=True), decoding.PACK_MIN_ELEMENTS),
-    "no_norms": (_step(norm=None), decoding.PACK_MIN_ELEMENTS),
-    "no_attention": (_step(attention="none"), decoding.PACK_MIN_ELEMENTS),
-    "no_mlp": (_step(mlp=False), decoding.PACK_MIN_ELEMENTS),
-    "layernorm_rms": (_step(norm=_layernorm_rms), decoding.PACK_MIN_ELEMENTS),
-    "bmm_attention": (_step(attention="bmm"), decoding.PACK_MIN_ELEMENTS),
-    "packed_2e16": (decoding._Decoder.step, 2**16),
+    "committed": (fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS),
+    "functional": (_step(norm=_functional_rms, indexing=True), fast_decoder.PACK_MIN_ELEMENTS),
+    "no_norms": (_step(norm=None), fast_decoder.PACK_MIN_ELEMENTS),
+    "no_attention": (_step(attention="none"), fast_decoder.PACK_MIN_ELEMENTS),
+    "no_mlp": (_step(mlp=False), fast_decoder.PACK_MIN_ELEMENTS),
+    "layernorm_rms": (_step(norm=_layernorm_rms), fast_decoder.PACK_MIN_ELEMENTS),
+    "bmm_attention": (_step(attention="bmm"), fast_decoder.PACK_MIN_ELEMENTS),
+    "packed_2e16": (fast_decoder.Decoder.step, 2**16),
 }
 
 
@@ -141,14 +144,15 @@ def main() -> None:
     mask = torch.ones_like(prompts)
     config = GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               eos_token_id=[len(tokenizer) + 1], pad_token_id=0)  # no EOS: every row runs NEW
-    committed_step, committed_pack = decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS
+    committed_step, committed_pack = fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS
 
     def rollout(name: str):
-        decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS = VARIANTS[name]
+        fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS = VARIANTS[name]
         try:
-            return decoding.sample(model, prompts, mask, config, keep_layer_outputs=True, keep_probs=True)
+            return FastBackend().generate(model, PromptBatch(prompts, mask), config,
+                                          Capture(layer_outputs=True, probs=True))
         finally:
-            decoding._Decoder.step, decoding.PACK_MIN_ELEMENTS = committed_step, committed_pack
+            fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS = committed_step, committed_pack
 
     same = {}
     for name in VARIANTS:

@@ -4,7 +4,7 @@ two measurements on the benchmark's model shapes (`bench_vs_trl.MODEL_SIZES`), o
 
 1. `reference`: the no-grad log-probs of the completion tokens as the trainer computes them (`completion_logprobs`
    through the transformers forward) against the same computation through the rollout's fused decoder layout
-   (`decoding._Decoder`: q|k|v and gate|up as one matmul each, inference mode, no module overhead). Equal times
+   (`fast_decoder.Decoder`: q|k|v and gate|up as one matmul each, inference mode, no module overhead). Equal times
    mean the forward is bound by its arithmetic, not by framework overhead.
 2. `attention`: SDPA forward + backward over the whole sequence with the explicit padding mask the trainer's
    forwards need (left-padded prompts) against `is_causal=True` without a mask (what right-aligned rows would
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import MODEL_SIZES  # noqa: E402
 
-from grpo_trainer import decoding  # noqa: E402
-from grpo_trainer.logprobs import _HeadLogProbs, completion_logprobs  # noqa: E402
-from grpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+from grpo_trainer.algorithms.logprobs import _HeadLogProbs, completion_logprobs  # noqa: E402
+from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer  # noqa: E402
+from grpo_trainer.rollout.fast import decoder as fast_decoder  # noqa: E402
 
 ROWS, PROMPT = 8, 12
 
@@ -60,7 +60,7 @@ def reference(size: str, T: int) -> dict[str, float]:
 
     def fused_forward():
         with torch.inference_mode():
-            dec = decoding._Decoder(model, ROWS, L)
+            dec = fast_decoder.Decoder(model, ROWS, L)
             cos, sin = dec.rotation_tables((mask.cumsum(1) - 1).clamp(min=0))
             allowed = (torch.ones(L, L, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]) \
                 | torch.eye(L, dtype=torch.bool)

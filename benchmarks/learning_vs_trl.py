@@ -2,8 +2,8 @@
 
 `bench_vs_trl.py` times steps; this script checks that the speed costs nothing in learning. Both trainers get
 the same randomly initialised ~80k-parameter model, the same "copy 3 digits" prompts and reward
-(`grpo_trainer.tiny`), and the demo's settings (`grpo_trainer.cli.DEMO`: 128 completions per step, G=16, 3 new
-tokens, lr 1e-3 constant, beta 0.001), one torch thread, for each seed. Each run is its own subprocess. The two
+(`grpo_trainer.cli.toy`), and the demo's settings (`grpo_trainer.cli.command.DEMO`: 128 completions per step, G=16,
+3 new tokens, lr 1e-3 constant, beta 0.001), one torch thread, for each seed. Each run is its own subprocess. The two
 libraries draw samples from different random streams, so curves differ by sampling noise; several seeds show
 how large that noise is.
 
@@ -40,16 +40,17 @@ def _child(impl: str, steps: int, seed: int, checkpointing: bool = False) -> dic
     import torch
 
     torch.set_num_threads(1)
-    from grpo_trainer.cli import DEMO
-    from grpo_trainer.tiny import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.command import DEMO
+    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
 
     if impl == "trl":
         from trl import GRPOConfig, GRPOTrainer
     else:
-        from grpo_trainer import GRPOConfig, GRPOTrainer, replay
+        from grpo_trainer import GRPOConfig, GRPOTrainer
+        from grpo_trainer.rollout import capture
 
         if impl == "ours_noreplay":
-            replay.REPLAY_MAX_BYTES = 0
+            capture.REPLAY_MAX_BYTES = 0
     shared = {k: DEMO[k] for k in ("learning_rate", "lr_scheduler_type", "per_device_train_batch_size",
                                    "num_generations", "max_completion_length", "beta")}
     with tempfile.TemporaryDirectory() as output_dir:

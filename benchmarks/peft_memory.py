@@ -45,7 +45,9 @@ def child(variant: str, opts: argparse.Namespace) -> dict:
     import torch
     from peft import LoraConfig
 
-    from grpo_trainer import GRPOConfig, GRPOTrainer, models, tiny
+    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from grpo_trainer.cli import toy as tiny
+    from grpo_trainer.runtime import models
 
     torch.set_num_threads(opts.threads)
     tokenizer = tiny.make_tokenizer(extra_vocab=opts.extra_vocab)

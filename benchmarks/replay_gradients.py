@@ -1,6 +1,6 @@
 """Does replaying the rollout's softmax change the gradients the trainer applies, step after step?
 
-Trains on the demo task (`grpo_trainer.cli.DEMO` settings, no gradient checkpointing, so only the LM head's
+Trains on the demo task (`grpo_trainer.cli.command.DEMO` settings, no gradient checkpointing, so only the LM head's
 softmax is replayed) and, at every step, also computes the same micro-batch's gradient without the rollout's
 softmax (the logits recomputed, as with replay off), under the same weights. Prints the relative difference
 ||g_replay - g_plain|| / ||g_plain|| over the run: float rounding is ~1e-7; a bias would show as a difference that
@@ -19,8 +19,8 @@ import tempfile
 import torch
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.cli import DEMO
-from grpo_trainer.tiny import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
+from grpo_trainer.cli.command import DEMO
+from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
 
 
 def main() -> None:

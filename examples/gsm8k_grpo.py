@@ -16,8 +16,8 @@ import argparse
 from datasets import Dataset, load_dataset
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.reward_library import accuracy_reward, think_format_reward
-from grpo_trainer.run_log import RunLogCallback
+from grpo_trainer.reporting.run_log import RunLogCallback
+from grpo_trainer.rewards.library import accuracy_reward, think_format_reward
 
 SYSTEM_PROMPT = ("Solve the problem. Reason step by step inside <think> </think>, then write the final answer "
                  "as \\boxed{number}.")
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> GRPOTrainer:
     args = parse_args(argv)
     if args.smoke:
-        from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+        from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
         tokenizer = make_tokenizer()
         model, raw = make_tiny_model(tokenizer), Dataset.from_list(INLINE_PROBLEMS)

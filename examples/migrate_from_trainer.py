@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> GRPOTrainer:
     args = parse_args(argv)
     if args.smoke:
-        from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+        from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
         tokenizer = make_tokenizer()
         model = make_tiny_model(tokenizer)

@@ -23,7 +23,7 @@ from datasets import load_dataset
 from peft import LoraConfig
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.run_log import RunLogCallback
+from grpo_trainer.reporting.run_log import RunLogCallback
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
     # Chat-formatted prompts: the policy's chat template applies, and the reward model sees a conversation.
     dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
     if args.smoke:
-        from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+        from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
         tokenizer = make_tokenizer()
         model, reward_model, reward_tokenizer = make_tiny_model(tokenizer), tiny_reward_model(tokenizer), tokenizer

@@ -19,7 +19,7 @@ import re
 from datasets import Dataset
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.run_log import RunLogCallback
+from grpo_trainer.reporting.run_log import RunLogCallback
 
 
 def addition_dataset(num_prompts: int, seed: int = 0) -> Dataset:
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> GRPOTrainer:
     args = parse_args(argv)
     if args.smoke:
-        from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+        from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
         tokenizer = make_tokenizer()
         model, dataset = make_tiny_model(tokenizer), addition_dataset(16)

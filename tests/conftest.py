@@ -14,7 +14,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from grpo_trainer.tiny import copy_digits_dataset, make_tiny_model, make_tokenizer  # noqa: E402
+from grpo_trainer.cli.toy import copy_digits_dataset, make_tiny_model, make_tokenizer  # noqa: E402
 
 # Tiny models gain nothing from a second thread, and lose a lot when the cores are busy.
 torch.set_num_threads(1)

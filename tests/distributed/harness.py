@@ -67,41 +67,41 @@ class RowSeededGumbel(LogitsProcessor):
 
 
 class RowSeededSampling:
-    """Stands in for `grpo_trainer.generation.sample` while installed; the trainer's own `_sample` (unwrapping,
-    ZeRO-3 gathering, generation config) still runs around it."""
+    """Stands in for `grpo_trainer.rollout.generate.generate_rollout` while installed; the trainer's own `_rollout`
+    (unwrapping, ZeRO-3 gathering, generation config) still runs around it."""
 
     def __init__(self) -> None:
-        from grpo_trainer import generation
+        from grpo_trainer.rollout import generate
 
-        self.generation, self.original, self.round_ = generation, generation.sample, 0
+        self.generation, self.original, self.round_ = generate, generate.generate_rollout, 0
 
-    def __call__(self, model, prompt_ids, prompt_mask, config):
+    def __call__(self, model, prompts, config):
         from accelerate import PartialState
 
-        first_row = PartialState().process_index * prompt_ids.shape[0]
-        processor = RowSeededGumbel(self.round_, first_row, prompt_ids.shape[1], list(config.eos_token_id))
+        first_row = PartialState().process_index * prompts.ids.shape[0]
+        processor = RowSeededGumbel(self.round_, first_row, prompts.ids.shape[1], list(config.eos_token_id))
         self.round_ += 1
         greedy = config.__class__(**{**config.to_dict(), "do_sample": False, "temperature": None, "top_p": None,
                                      "top_k": None, "min_p": None})
         model.generate = functools.partial(model.generate, logits_processor=LogitsProcessorList([processor]))
         try:
-            return self.original(model, prompt_ids, prompt_mask, greedy)
+            return self.original(model, prompts, greedy)
         finally:
             del model.generate
 
     def __enter__(self):
-        self.generation.sample = self
+        self.generation.generate_rollout = self
         return self
 
     def __exit__(self, *exc):
-        self.generation.sample = self.original
+        self.generation.generate_rollout = self.original
 
 
 def save_tiny_models(directory: Path) -> None:
     """Policy and reward model (+ tokenizer) on disk, so every process loads the same weights by path."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from grpo_trainer.tiny import make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
     tokenizer = make_tokenizer()
     policy = make_tiny_model(tokenizer, seed=0)
@@ -149,20 +149,20 @@ def _probe_generation(trainer, zero3: bool) -> dict:
     """Generation after training, with the trainer's own (unpatched) sampling. Same prompt on every process:
     first with the trainer's RNG state (processes are seeded differently, so samples differ), then with rank-
     dependent lengths (rank r makes 3 + 5r tokens) and, under ZeRO-3, gathered and sharded weights alike."""
-    from grpo_trainer import generation
+    from grpo_trainer.rollout.prompts import tokenize_prompts
 
     rank = trainer.accelerator.process_index
-    ids, mask = generation.tokenize_prompts(trainer.processing_class, [PROBE_PROMPT] * 2, None)
+    prompts = tokenize_prompts(trainer.processing_class, [PROBE_PROMPT] * 2, None).to(trainer.accelerator.device)
     args = trainer.args
     saved = args.generation_kwargs, args.ds3_gather_for_generation
     out = {}
     args.generation_kwargs = {"min_new_tokens": 4, "max_new_tokens": 4}
-    out["same_prompt"] = trainer._sample(ids, mask).completion_ids.tolist()
+    out["same_prompt"] = trainer._rollout(prompts, "eval").completion_ids.tolist()
     args.generation_kwargs = {"min_new_tokens": 3 + 5 * rank, "max_new_tokens": 3 + 5 * rank}
     for gather in ([True, False] if zero3 else [args.ds3_gather_for_generation]):
         args.ds3_gather_for_generation = gather
         torch.manual_seed(1234 + rank)
-        out[f"uneven_gather_{gather}"] = trainer._sample(ids, mask).completion_ids.tolist()
+        out[f"uneven_gather_{gather}"] = trainer._rollout(prompts, "eval").completion_ids.tolist()
     args.generation_kwargs, args.ds3_gather_for_generation = saved
     return out
 
@@ -174,8 +174,8 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     from transformers import set_seed
 
     from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.distributed import full_parameters, launched_world_size, parameter_digest
-    from grpo_trainer.tiny import copy_digits_dataset, copy_digits_reward
+    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
+    from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
 
     out_dir.mkdir(parents=True, exist_ok=True)
     processes = launched_world_size()
@@ -187,7 +187,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
         seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
-        generation_backend="generate")  # RowSeededSampling stands in for generation.sample (model.generate)
+        generation_backend="generate")  # RowSeededSampling stands in for generate_rollout (model.generate)
     peft_config = None
     if lora:
         from peft import LoraConfig

@@ -1,4 +1,4 @@
-"""grpo_trainer.distributed in one process: the launch checks, the ZeRO-3 reference model, the FSDP log-prob
+"""grpo_trainer.runtime.distributed in one process: the launch checks, the ZeRO-3 reference model, the FSDP log-prob
 path and the parameter gathering, plus one real wrong launch that must now fail instead of exiting 0."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from grpo_trainer import distributed
-from grpo_trainer.logprobs import completion_logprobs
+from grpo_trainer.algorithms.logprobs import completion_logprobs
+from grpo_trainer.runtime import distributed
 from tests.distributed.conftest import MODES, accelerate_launch, launch_env
 
 

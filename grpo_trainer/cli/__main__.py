@@ -1,0 +1,5 @@
+"""`python -m grpo_trainer.cli` (and `accelerate launch -m grpo_trainer.cli`) runs `grpo-train`."""
+
+from grpo_trainer.cli.command import main
+
+main()

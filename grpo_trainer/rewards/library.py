@@ -1,0 +1,138 @@
+"""Built-in reward functions, picked by name (`grpo-train --reward_funcs accuracy think_format`), and user ones
+given as `module:function` or `path/to/file.py:function`.
+
+Decisions:
+
+1. `REWARD_FUNCS` maps a name to a *builder* `(GRPOConfig) -> reward function`, not to the function itself: some
+   rewards depend on the run's settings (the soft overlong penalty on `max_completion_length`). Every built
+   function keeps TRL's reward contract (keyword arguments, one float or None per completion).
+2. Rewards accept plain-text and conversational completions alike; TRL's math rewards index `completion[0]`,
+   so completions are normalised to message lists before they are called.
+3. The dataset columns a reward needs are read from its signature (parameters without a default other than the
+   ones the trainer always passes), so a missing column is reported before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["REWARD_FUNCS", "accuracy_reward", "copy_digits_reward", "get_reward_func", "length_penalty",
+           "required_columns", "think_answer_format_reward", "think_format_reward"]
+
+RewardFunc = Callable[..., list]
+ALWAYS_PASSED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra"}
+THINK_ANSWER = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def _texts(completions: list) -> list[str]:
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+
+
+def _as_messages(completions: list) -> list[list[dict[str, str]]]:
+    return [[{"role": "assistant", "content": text}] for text in _texts(completions)]
+
+
+def accuracy_reward(completions: list, solution: list[str], **kwargs: Any) -> list[float | None]:
+    """1.0 when math-verify finds the completion's answer (LaTeX or `\\boxed{}`) equal to `solution`, else 0.0;
+    None where `solution` cannot be parsed. Wraps `trl.rewards.accuracy_reward`."""
+    from trl.rewards import accuracy_reward as trl_accuracy
+
+    return trl_accuracy(_as_messages(completions), list(solution))
+
+
+def think_format_reward(completions: list, **kwargs: Any) -> list[float]:
+    """1.0 when the completion opens with one `<think>...</think>` block (wraps `trl.rewards`)."""
+    from trl.rewards import think_format_reward as trl_think_format
+
+    return trl_think_format(_as_messages(completions))
+
+
+def think_answer_format_reward(completions: list, **kwargs: Any) -> list[float]:
+    """1.0 when the whole completion is `<think>...</think> <answer>...</answer>` (DeepSeek-R1's format)."""
+    return [1.0 if THINK_ANSWER.match(text) else 0.0 for text in _texts(completions)]
+
+
+def length_penalty(max_completion_length: int) -> RewardFunc:
+    """-len / max_completion_length, in [-1, 0]: prefers shorter completions; weight it with reward_weights."""
+
+    def length_penalty_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        return [-len(ids) / max_completion_length for ids in completion_ids]
+
+    return length_penalty_reward
+
+
+def copy_digits_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """Fraction of the answer's digits reproduced in place, minus a small penalty per extra character."""
+    rewards = []
+    for completion, target in zip(completions, answer):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        hits = sum(a == b for a, b in zip(text, target))
+        extra = max(0, len(text) - len(target))
+        rewards.append(hits / len(target) - 0.05 * extra)
+    return rewards
+
+
+def _soft_overlong(args: Any) -> RewardFunc:
+    # DAPO eq. 13: no penalty up to L_max - L_cache tokens, then linear down to -1 at L_max. DAPO's cache is
+    # 4k of a 20k budget; a quarter of the budget keeps the band wide enough for short runs.
+    from trl.rewards import get_soft_overlong_punishment
+
+    return get_soft_overlong_punishment(args.max_completion_length, max(1, args.max_completion_length // 4))
+
+
+REWARD_FUNCS: dict[str, Callable[[Any], RewardFunc]] = {
+    "accuracy": lambda args: accuracy_reward,
+    "think_format": lambda args: think_format_reward,
+    "think_answer_format": lambda args: think_answer_format_reward,
+    "length_penalty": lambda args: length_penalty(args.max_completion_length),
+    "soft_overlong": _soft_overlong,
+    "copy_digits": lambda args: copy_digits_reward,
+}
+
+
+def _load_module(name: str) -> Any:
+    if name.endswith(".py"):
+        if not os.path.isfile(name):
+            raise ValueError(f"reward file {name!r} does not exist.")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(name))[0], name)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path:  # a console script does not put the working directory on sys.path
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {name!r} for a reward function ({exc}).") from None
+
+
+def get_reward_func(spec: str, args: Any) -> RewardFunc:
+    """A reward by registry name, or `module:function` / `file.py:function` for user code."""
+    if spec in REWARD_FUNCS:
+        return REWARD_FUNCS[spec](args)
+    if ":" not in spec:
+        raise ValueError(f"unknown reward function {spec!r}; choose one of {sorted(REWARD_FUNCS)} or give "
+                         "'module:function' / 'path/to/file.py:function' for your own.")
+    module_name, _, func_name = spec.rpartition(":")
+    func = getattr(_load_module(module_name), func_name, None)
+    if not callable(func):
+        raise ValueError(f"{module_name!r} has no callable {func_name!r} (reward function {spec!r}).")
+    return func
+
+
+def required_columns(func: Callable) -> set[str]:
+    """Dataset columns `func` needs: its parameters without a default, other than the trainer's own."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters
+            if p.kind in kinds and p.default is inspect.Parameter.empty and p.name not in ALWAYS_PASSED}

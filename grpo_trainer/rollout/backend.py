@@ -1,0 +1,76 @@
+"""The rollout-backend interface: how completions are sampled, and what each way of sampling can do.
+
+Decisions:
+
+1. A backend is an object with declared `Capabilities` and one method, `generate(model, prompts, config,
+   capture) -> Rollout`. The trainer and `capture` read capabilities, never backend names.
+2. Backends register under the names `GRPOConfig` selects them by (`BACKENDS`, `select`); a new one (vLLM,
+   continuous batching, a user's own) is one class and one registry entry.
+3. `generate` (transformers' `model.generate`) is the reference every other backend is tested against. A backend
+   that cannot reproduce a model or setting falls back to it and logs why.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import nn
+from transformers import GenerationConfig
+
+from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
+from grpo_trainer.rollout.types import PromptBatch, Rollout
+
+__all__ = ["BACKENDS", "Capabilities", "RolloutBackend", "register_backend", "select"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond returning tokens."""
+
+    sampling_logps: bool = False  # each token's log-prob and entropy under the sampling weights, as the loss computes
+    layer_outputs: bool = False  # can keep every decoder layer's output for `replay`
+    sampling_probs: bool = False  # can keep every step's tempered softmax for `replay`
+    logits_processors: bool = True  # applies every logits processor `generate` would (penalties, min_p, ...)
+    stop_strings: bool = False  # honours `GenerationConfig.stop_strings`
+    multi_turn: bool = True  # continues from any token-id prefix, so a tool loop can drive it
+    images: bool = False  # takes image inputs with the prompts
+
+
+class RolloutBackend(ABC):
+    """Samples one completion per prompt row (rows already repeated G times)."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    @abstractmethod
+    def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
+                 capture: Capture = KEEP_NOTHING) -> Rollout:
+        """Completions for `prompts` under the resolved sampling `config`; `capture` says which replay tensors the
+        loss would like kept (a backend without those capabilities ignores it)."""
+
+
+BACKENDS: dict[str, type[RolloutBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[RolloutBackend]]:
+    """Class decorator: make a backend selectable as `GRPOConfig.generation_backend=name`."""
+
+    def add(cls: type[RolloutBackend]) -> type[RolloutBackend]:
+        if name in BACKENDS and BACKENDS[name] is not cls:
+            raise ValueError(f"a rollout backend is already registered as {name!r}; choose another name.")
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return add
+
+
+def select(args: Any) -> RolloutBackend:
+    """The backend a GRPOConfig asks for."""
+    name = args.generation_backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown generation_backend {name!r}; choose one of {sorted(BACKENDS)}.")
+    return BACKENDS[name]()

@@ -1,0 +1,79 @@
+"""What a rollout keeps for the loss, and within which memory budget. This module alone decides it.
+
+Every backend returns the tokens and masks. Beyond them:
+
+1. Sampling log-probs and entropies `[B, T]` (backends whose capabilities say `sampling_logps`) are kept when they
+   are the distribution the loss scores: sampling (not greedy) at the loss's temperature. They are then the old
+   log-probs, and on-policy the loss forward's own values (`algorithms.logprobs`).
+2. For `replay`, on-policy training may also keep every decoder layer's output `[B, L, S + T, E]` (the checkpointed
+   loss forward returns them instead of running its layers) and every step's tempered softmax `[B, T, V]` (the LM
+   head's backward takes it instead of recomputing the logits). Only on-policy training qualifies (the weights
+   must be the sampling weights), in a single process whose model no engine wraps (DDP, DeepSpeed and FSDP hook
+   the forward), and only the layer outputs need activation checkpointing.
+3. Replay tensors are kept only while they fit together in `Capture.max_bytes`, layer outputs first (they are the
+   smaller, and save the most). They live from the rollout to the round's last micro-step.
+
+Shapes: `B` rows, `S` prompt tokens, `T` completion tokens (the maximum), `L` layers, `E` hidden size, `V` vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig
+
+from grpo_trainer.rollout.types import Rollout
+
+__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_unusable", "plan", "replay_buffers"]
+
+# A round of 8 x 1280-token rows of a 24-layer, 896-wide model in float32 keeps 0.9 GB of layer outputs (the tensors
+# activation checkpointing keeps during the loss forward anyway); 8 x 256 tokens x a 32k vocabulary of softmax is
+# 0.26 GB. A 152k vocabulary at 1024 tokens (5 GB) does not fit and is recomputed instead.
+REPLAY_MAX_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Replay tensors the loss wants from this rollout (a backend that cannot keep them ignores the request)."""
+
+    layer_outputs: bool = False
+    probs: bool = False
+    max_bytes: int = REPLAY_MAX_BYTES
+
+
+KEEP_NOTHING = Capture()  # tokens, masks and sampling log-probs only
+
+
+def plan(*, training: bool, on_policy: bool, plain_single_process: bool, checkpointing: bool) -> Capture:
+    """The replay tensors worth keeping for a round (decision 2), within `REPLAY_MAX_BYTES`."""
+    replayable = training and on_policy
+    return Capture(layer_outputs=replayable and plain_single_process and checkpointing, probs=replayable,
+                   max_bytes=REPLAY_MAX_BYTES)
+
+
+def replay_buffers(capture: Capture, *, rows: int, prompt_length: int, max_new_tokens: int, layers: int,
+                   hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[Tensor | None, Tensor | None]:
+    """Empty buffers for the wanted replay tensors that fit within the budget, layer outputs first (decision 3):
+    every layer's output `[B, L, S + T, E]` in `dtype` (zeros where nothing runs) and every step's softmax
+    `[B, T, V]` float32."""
+    budget = capture.max_bytes
+    outputs_shape = (rows, layers, prompt_length + max_new_tokens, hidden_size)
+    outputs = None
+    if capture.layer_outputs and math.prod(outputs_shape) * dtype.itemsize <= budget:
+        outputs = torch.zeros(outputs_shape, dtype=dtype, device=device)
+        budget -= outputs.nbytes
+    probs_shape = (rows, max_new_tokens, vocab_size)
+    keep_probs = capture.probs and math.prod(probs_shape) * 4 <= budget
+    return outputs, torch.empty(probs_shape, device=device) if keep_probs else None
+
+
+def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float) -> Rollout:
+    """The rollout without its sampling tensors when they are not the distribution the loss scores (decision 1):
+    greedy decoding, or sampling at another temperature than the loss's."""
+    if config.do_sample and config.temperature == temperature:
+        return rollout
+    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)

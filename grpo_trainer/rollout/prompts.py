@@ -1,0 +1,35 @@
+"""Prompts as tokens: the chat template for conversational prompts, left padding, optional truncation.
+
+Decisions:
+
+1. Conversational prompts go through the tokenizer's chat template with `add_generation_prompt=True` (and
+   `chat_template_kwargs`); plain-text prompts are tokenised as they are.
+2. Prompts are left-padded so every completion starts at the same column. `max_prompt_length` keeps the *last*
+   tokens, nearest to where the completion starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_trainer.data.checks import is_conversational
+from grpo_trainer.rollout.types import PromptBatch
+
+__all__ = ["tokenize_prompts"]
+
+
+def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | None,
+                     chat_template_kwargs: dict | None = None) -> PromptBatch:
+    """Left-padded prompt ids and mask, `[B, S]` each."""
+    if is_conversational(prompts[0]):
+        texts = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True,
+                                              **(chat_template_kwargs or {}))
+        add_special_tokens = False  # the template already wrote any BOS
+    else:
+        texts, add_special_tokens = prompts, True
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=add_special_tokens)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
+        ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]  # left padding: the tail is the text
+    return PromptBatch(ids, mask)

@@ -1,0 +1,48 @@
+"""Sampling settings for every backend, from a `GRPOConfig`: one `transformers.GenerationConfig`.
+
+Decisions:
+
+1. The named fields (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_completion_length`,
+   `cache_implementation`) fill the config, then `generation_kwargs` override them, as in TRL.
+2. Every EOS id of the tokenizer and of the model's generation config stops a sequence.
+3. Every field this project owns is set explicitly, so a checkpoint's own sampling defaults (an Instruct model's
+   `generation_config.json` with temperature 0.7, top_k 20, ...) never leak into the rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GenerationConfig
+
+__all__ = ["eos_token_ids", "make_generation_config", "max_new_tokens"]
+
+
+def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> list[int]:
+    """Every token id that ends a completion."""
+    ids = set()
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, (list, tuple)) else [source])
+    if not ids:
+        raise ValueError("the tokenizer and the model's generation config define no eos_token_id; set "
+                         "tokenizer.eos_token so completions can end.")
+    return sorted(ids)
+
+
+def make_generation_config(args: Any, model_config: GenerationConfig | None, tokenizer: Any,
+                           max_new: int) -> GenerationConfig:
+    """Sampling settings from a GRPOConfig; `generation_kwargs` override the named fields."""
+    settings = {
+        "do_sample": True, "max_new_tokens": max_new, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+        "eos_token_id": eos_token_ids(tokenizer, model_config), "pad_token_id": tokenizer.pad_token_id,
+        "cache_implementation": args.cache_implementation, "disable_compile": True,
+        "bos_token_id": getattr(model_config, "bos_token_id", None),
+    }
+    return GenerationConfig(**{**settings, **(args.generation_kwargs or {})})
+
+
+def max_new_tokens(config: GenerationConfig, prompt_length: int) -> int:
+    """New tokens a rollout may sample: `max_new_tokens`, else what `max_length` leaves after the prompt."""
+    return config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length

@@ -1,0 +1,54 @@
+"""The objects that cross the rollout boundary: the prompts going in (`PromptBatch`), the completions coming out
+(`Rollout`), and the completion mask every backend builds the same way.
+
+Shapes: `B` rows (each prompt already repeated G times), `S` prompt tokens, `T` completion tokens, `L` decoder
+layers, `E` hidden size, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PromptBatch", "Rollout", "completion_mask"]
+
+
+@dataclass
+class PromptBatch:
+    """Tokenised prompts, one row per completion to sample."""
+
+    ids: Tensor  # [B, S] left-padded, so every completion starts at the same column
+    mask: Tensor  # [B, S] 1 for real tokens
+
+    def to(self, device: torch.device | str) -> PromptBatch:
+        return PromptBatch(self.ids.to(device), self.mask.to(device))
+
+
+@dataclass
+class Rollout:
+    """One generation round's completions on one process, as a backend returns them."""
+
+    prompt_ids: Tensor  # [B, S] left-padded
+    prompt_mask: Tensor  # [B, S]
+    completion_ids: Tensor  # [B, T] right-padded with the pad id
+    completion_mask: Tensor  # [B, T] 1 up to and including the first EOS
+    is_truncated: Tensor  # [B] bool: the completion never emitted EOS
+    # log pi(token) and the entropy at each position under the weights that sampled, from the full tempered softmax
+    # (before top-k/top-p filtering), computed as the loss computes them. Only backends whose capabilities say
+    # `sampling_logps` fill them; `capture.drop_unusable` clears them where they are not the loss's distribution.
+    sampling_logps: Tensor | None = None  # [B, T] float32
+    sampling_entropy: Tensor | None = None  # [B, T] float32
+    # Kept on request for `replay` (`capture.Capture`): the whole tempered softmax at every step, and every decoder
+    # layer's output at every prompt and completion column (zeros for the last completion token, never fed back).
+    sampling_probs: Tensor | None = None  # [B, T, V] float32
+    layer_outputs: Tensor | None = None  # [B, L, S + T, E]
+
+
+def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Mask `[B, T]` that keeps each row up to and including its first EOS, and `[B]` truncated flags."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    # Number of EOS strictly before each position: 0 means "still inside the completion".
+    eos_before = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()
+    return (eos_before == 0).int(), ~is_eos.any(dim=1)

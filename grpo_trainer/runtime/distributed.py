@@ -1,0 +1,169 @@
+"""Multi-process set-up that accelerate and transformers leave to the trainer, and full-parameter gathering.
+
+Decisions:
+
+1. A launch that starts several processes but does not train them together is an error, raised when the
+   trainer is built. On a machine without CUDA, `accelerate launch` (or `torchrun`) starts N processes, but
+   accelerate only syncs them when told to use the CPU; otherwise each process trains alone on the same data
+   and exits 0. DeepSpeed on CPU also needs `ddp_backend="gloo"`, or accelerate counts one process while
+   DeepSpeed counts N. The error says which setting fixes the launch.
+2. FSDP2 on CPU: accelerate (1.15) never turns a CPU run into FSDP, even when `accelerate launch` was given an
+   FSDP config; it quietly runs DDP instead. `enable_fsdp2_on_cpu` switches the state to FSDP with a plugin
+   read from the `FSDP_*` variables that `accelerate launch` exports. This writes accelerate's private state
+   and may need updating when accelerate changes. FSDP1 cannot run on CPU, so it is refused.
+3. `full_parameters` returns every parameter's full value on every process, whatever the sharding (ZeRO-3
+   partitions, FSDP2 DTensors). It is a collective: every process must call it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import Tensor, nn
+
+__all__ = ["check_processes", "enable_fsdp2_on_cpu", "full_parameters", "is_zero3_partitioned", "launched_world_size",
+           "make_reference_model", "parameter_digest", "prepare_backend"]
+
+
+def launched_world_size() -> int:
+    """Processes started by the launcher (`WORLD_SIZE`, set by torchrun / `accelerate launch`); 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _fsdp_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def check_processes(accelerator: Accelerator) -> None:
+    """Raise when the launcher started several processes that accelerate will not train together."""
+    launched = launched_world_size()
+    state = accelerator.state
+    if launched <= 1 or (accelerator.num_processes == launched and state.distributed_type != DistributedType.NO):
+        return
+    if getattr(state, "deepspeed_plugin", None) is not None:
+        fix = "DeepSpeed without a GPU needs ddp_backend='gloo' (GRPOConfig(ddp_backend='gloo') or --ddp_backend gloo)"
+    else:
+        fix = ("without a GPU, set the environment variable ACCELERATE_USE_CPU=true (or GRPOConfig(use_cpu=True)) "
+               "so that accelerate syncs the processes over gloo")
+    raise RuntimeError(
+        f"{launched} processes were launched (WORLD_SIZE={launched}), but accelerate sees "
+        f"{accelerator.num_processes} with distributed_type={state.distributed_type.value}, so they would not "
+        f"train together (and might still exit 0). Fix: {fix}. See docs/DISTRIBUTED.md.")
+
+
+def enable_fsdp2_on_cpu(trainer: object) -> None:
+    """Turn a CPU run that `accelerate launch` started with an FSDP2 config from DDP into FSDP2.
+
+    Call it right after the trainer creates its accelerator, before any model is prepared.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    # TrainingArguments(fsdp=..., fsdp_config=...) if given, else the FSDP_* variables `accelerate launch` exports
+    plugin = FullyShardedDataParallelPlugin(**(getattr(trainer.args, "fsdp_plugin_args", None) or {}))
+    if plugin.fsdp_version != 2:
+        raise RuntimeError("FSDP1 cannot run without a GPU (accelerate refuses a CPU device); set "
+                           "fsdp_version: 2 in the accelerate config, or use DDP or DeepSpeed on CPU.")
+    state = trainer.accelerator.state
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # read by `accelerator.distributed_type`
+    trainer.is_fsdp_enabled = True
+
+
+def prepare_backend(trainer: object) -> None:
+    """Refuse silent non-distributed launches; run FSDP2 on CPU when it was asked for. Trainer hook."""
+    accelerator = trainer.accelerator
+    if _fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        enable_fsdp2_on_cpu(trainer)
+    check_processes(accelerator)
+
+
+def is_zero3_partitioned(model: nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 already partitioned the model's parameters (e.g. loaded under `zero.Init`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def make_reference_model(model: nn.Module, beta: float, model_init_kwargs: dict | None) -> nn.Module | None:
+    """`models.make_reference_model`, except for a ZeRO-3 partitioned policy: a deep copy of one holds empty
+    partitions, not weights, so the reference is loaded again from the policy's checkpoint (as TRL does)."""
+    from grpo_trainer.runtime import models
+
+    if beta == 0.0 or models.is_peft_model(model) or not is_zero3_partitioned(model):
+        return models.make_reference_model(model, beta)
+    path = getattr(model.config, "_name_or_path", "")
+    if not path:
+        raise ValueError("beta > 0 under DeepSpeed ZeRO-3 needs a reference model loaded from a checkpoint, but "
+                         "the policy has no config._name_or_path. Pass the model as a Hub id or local path, "
+                         "build it before GRPOConfig (so it is not partitioned yet), or set beta=0.")
+    kwargs = {"dtype": next(model.parameters()).dtype, **(model_init_kwargs or {})}
+    reference = models.load_policy(path, kwargs).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def is_fsdp_module(model: nn.Module) -> bool:
+    """True when `model` or one of its submodules is sharded with FSDP2 (`fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
+                             temperature: float = 1.0, chunk_size: int = 1024,
+                             with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """`logprobs.completion_logprobs` for FSDP2-sharded models: the LM head runs inside the model's forward.
+
+    accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings). Projecting hidden
+    states through that head outside the model's forward lets FSDP free the group's weights in the backward
+    pass while the norm still needs them (a segfault on CPU). So the forward returns the completion positions'
+    logits `[B, T, V]` in the model's dtype, and each chunk is upcast to float32 under activation
+    checkpointing, which keeps one float32 chunk alive instead of `[B, T, V]`.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from grpo_trainer.algorithms.logprobs import token_logprobs
+
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as in generate, ignoring left padding
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_length + 1, use_cache=False).logits[:, :-1]  # [B, T, V]
+    tokens = input_ids[:, -completion_length:]  # [B, T]
+    flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # [B*T, V], [B*T]
+    logps, entropies = [], []
+    for start in range(0, flat_tokens.numel(), chunk_size):
+        args = (flat_logits[start:start + chunk_size], flat_tokens[start:start + chunk_size], temperature)
+        if torch.is_grad_enabled() and flat_logits.requires_grad:
+            chosen, entropy = checkpoint(token_logprobs, *args, use_reentrant=False)
+        else:
+            chosen, entropy = token_logprobs(*args)
+        logps.append(chosen)
+        entropies.append(entropy.detach())
+    return torch.cat(logps).view(tokens.shape), (torch.cat(entropies).view(tokens.shape) if with_entropy else None)
+
+
+def full_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """Full copies (on CPU) of the parameters of an unwrapped model, on every process. A collective."""
+    params = dict(model.named_parameters())
+    if is_zero3_partitioned(model):  # each process holds a partition
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name: p.detach().cpu().clone() for name, p in params.items()}
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in params.items()}
+
+
+def parameter_digest(params: dict[str, Tensor]) -> str:
+    """A short hash of parameter values, to compare processes cheaply."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        digest.update(name.encode())
+        digest.update(params[name].to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,503 @@
+"""`GRPOTrainer`: a `transformers.Trainer` that trains a causal LM with GRPO, RLOO or any advantage estimator.
+
+What this trainer does, and how it differs from the papers and from TRL:
+
+1. One generation round serves `steps_per_generation x num_iterations` micro-steps. The sampler repeats each
+   prompt G times inside one round, in the same order on every process; rewards are gathered across processes
+   before advantages are computed, so a group may span processes, and each process keeps its slice.
+2. Advantages come from a pluggable estimator (`advantage_estimator`: a registry name, an `Advantage`, or any
+   callable with its signature). RLOO is `advantage_estimator="rloo"`, not a second trainer. Missing rewards
+   (None) are left out of the baselines.
+3. Loss = surrogate then aggregation (+ beta * k3 KL), chosen by `loss_type` (see `losses`). The loss already
+   includes gradient-accumulation scaling (`loss_is_scaled_for_ga = True`).
+4. Old log-probs are needed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
+   more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()). A
+   rollout backend with the `sampling_logps` capability returns each token's log-prob and entropy under the
+   weights that sampled it: they are the old log-probs, and on-policy they are the current values too, so the
+   loss forward skips the LM-head projection (its backward still recomputes the logits exactly). What a rollout
+   keeps for the loss is decided in `rollout.capture`.
+5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
+6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion
+   once, before any forward pass (`round`), and log-probs never materialise float32 `[B, T, V]` logits
+   (`algorithms.logprobs`).
+
+Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object, set_seed
+from torch import Tensor, nn
+from torch.utils.data import IterableDataset
+from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
+from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+
+from grpo_trainer import rollout
+from grpo_trainer.algorithms import losses
+from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
+from grpo_trainer.algorithms.logprobs import completion_logprobs
+from grpo_trainer.config import GRPOConfig
+from grpo_trainer.data.checks import check_dataset, is_conversational
+from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
+from grpo_trainer.reporting import hub, metrics
+from grpo_trainer.reporting.completions import CompletionLog
+from grpo_trainer.rewards import scoring as rewards
+from grpo_trainer.rewards.checks import check_reward_setup
+from grpo_trainer.rollout import capture, replay
+from grpo_trainer.rollout.prompts import tokenize_prompts
+from grpo_trainer.rollout.settings import make_generation_config
+from grpo_trainer.runtime import checkpoints, distributed, models
+from grpo_trainer.trainer.round import Round
+
+__all__ = ["GRPOTrainer"]
+
+ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards barely differ from being amplified 1e8-fold
+
+
+def _identity(features: list[dict]) -> list[dict]:
+    return features
+
+
+class GRPOTrainer(Trainer):
+    """Group Relative Policy Optimization (Shao et al. 2024) through `transformers.Trainer`.
+
+    Same constructor as `trl.GRPOTrainer`; `reward_funcs` takes callables (TRL's contract), reward models or
+    model ids. `args.advantage_estimator` may also be given here as `advantage_estimator=`.
+    """
+
+    _tag_names = ["grpo_trainer", "grpo"]
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | nn.Module,
+        reward_funcs: Any,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: Any = None,
+        quantization_config: Any = None,
+        advantage_estimator: str | Advantage | Any = None,
+    ) -> None:
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        check_reward_setup(reward_funcs, args, reward_processing_classes)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id, padding_side="left", truncation_side="left")
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        check_dataset(train_dataset, "train_dataset", processing_class)
+        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
+            check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+        if isinstance(train_dataset, IterableDataset):
+            if args.max_steps <= 0:
+                raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
+            # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
+            args.accelerator_config.dispatch_batches = False
+        if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
+            raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
+                             "model, which never changes. Set sync_ref_model=False.")
+        self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+        self.rollout_backend = rollout.select(args)
+
+        model = models.load_policy(model, args.model_init_kwargs, quantization_config)
+        if peft_config is not None:
+            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
+            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
+        if args.disable_dropout:
+            models.disable_dropout(model)
+        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
+        self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
+
+        super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers)
+        self._prepare_auxiliary_models()
+        self._buffer: list[Round] | None = None
+        self._micro_step = 0
+        self._nonfinite_in_a_row = self._nonfinite_since_log = 0
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print)
+        self._num_tokens = 0
+        set_seed(args.seed, device_specific=True)  # processes must sample different completions
+
+    # ----------------------------------------------------------------------------------------------- set-up
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
+
+    def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
+        """Every reward as a callable with the reward-function contract; reward models are loaded here."""
+        if not isinstance(processing_classes, (list, tuple)):
+            processing_classes = [processing_classes] * len(funcs)
+        batch_size = args.reward_model_batch_size or args.per_device_train_batch_size
+        built = []
+        for func, tokenizer in zip(funcs, processing_classes):
+            if isinstance(func, str):
+                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs)
+                tokenizer = tokenizer or loaded_tokenizer
+            if isinstance(func, nn.Module):
+                if tokenizer is None:
+                    tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
+                func = rewards.RewardModel(func, tokenizer, batch_size)
+            built.append(func)
+        return built, [rewards.reward_name(f) for f in built]
+
+    def _prepare_auxiliary_models(self) -> None:
+        """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
+        deepspeed = self.is_deepspeed_enabled
+
+        def prepare(module: nn.Module, shard_under_fsdp: bool = False) -> nn.Module:
+            if deepspeed:
+                return prepare_deepspeed(module, self.accelerator)
+            if shard_under_fsdp and self.is_fsdp_enabled:
+                return prepare_fsdp(module, self.accelerator)
+            # device_placement: accelerate does not move models under FSDP by default
+            return self.accelerator.prepare_model(module, evaluation_mode=True, device_placement=True)
+
+        if self.ref_model is not None:
+            self.ref_model = prepare(self.ref_model, shard_under_fsdp=True)
+            if self.args.sync_ref_model:
+                from trl import SyncRefModelCallback
+
+                self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
+        for func in self.reward_funcs:
+            if isinstance(func, rewards.RewardModel):
+                func.model = prepare(func.model)
+
+    # -------------------------------------------------------------------------------------------- sampling
+
+    def get_train_dataloader(self):
+        # One dataloader batch is one local generation round (steps_per_generation micro-batches).
+        dataset, args = self.train_dataset, self.args
+        if isinstance(dataset, IterableDataset):  # no sampler: repeat the stream the way RepeatSampler would
+            dataset = repeat_iterable(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
+                                      args.num_iterations * args.steps_per_generation)
+        return self._get_dataloader(dataset, "Training",
+                                    self._train_batch_size * self.args.steps_per_generation,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
+    def _get_train_sampler(self, dataset: Any = None) -> RepeatSampler:
+        dataset = self.train_dataset if dataset is None else dataset
+        args = self.args
+        return RepeatSampler(dataset, mini_repeat_count=args.num_generations,
+                             batch_size=args.generation_batch_size // args.num_generations,
+                             repeat_count=args.num_iterations * args.steps_per_generation,
+                             shuffle=args.shuffle_dataset, seed=args.seed)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable(dataset, self._num_generations("eval"), 1, 1)
+        return super().get_eval_dataloader(dataset)
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
+        G = self._num_generations("eval")
+        return RepeatSampler(eval_dataset, mini_repeat_count=G, shuffle=False, seed=self.args.seed)
+
+    def _num_generations(self, mode: str) -> int:
+        return (self.args.num_generations_eval or self.args.num_generations) if mode == "eval" \
+            else self.args.num_generations
+
+    # ------------------------------------------------------------------------------------ rollout + scoring
+
+    def _prepare_inputs(self, generation_batch: list[dict]) -> Round:
+        """Generate once per round; serve the round's micro-batches on the following micro-steps."""
+        if not self.model.training:
+            return self._micro_batch(self._generate_and_score(generation_batch, "eval"), "eval")
+        args = self.args
+        if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
+            round_ = self._generate_and_score(generation_batch, "train")
+            self._buffer = [self._micro_batch(part, "train") for part in round_.split(args.steps_per_generation)]
+        inputs = self._buffer[self._micro_step % args.steps_per_generation]
+        self._micro_step += 1
+        return inputs
+
+    def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
+        args, device = self.args, self.accelerator.device
+        prompts = [row["prompt"] for row in batch]
+        prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
+                                        args.chat_template_kwargs).to(device)
+        out = self._rollout(prompt_batch, mode)
+        completions = self._completion_texts(out, prompts)
+        columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
+                                                                            "completion_ids")}
+        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
+        local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
+                                                  completion_ids, columns, args.reward_error_policy,
+                                                  trainer_state=self.state).to(device)  # [B, F]
+        all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
+        if torch.isnan(all_rewards).all(dim=1).any():
+            warnings.warn("every reward function returned None (or failed) for some completions; they get "
+                          "advantage 0. A group with no reward at all teaches nothing.")
+        G = self._num_generations(mode)
+        weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
+        advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
+                                       reward_weights=weights)
+        start = self.accelerator.process_index * len(prompts)
+        advantages = advantages[start:start + len(prompts)].to(device)  # [B]
+        loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
+            if args.mask_truncated_completions else out.completion_mask
+        self._record_rollout_metrics(mode, out, all_rewards, weights, G)
+        if args.log_completions and mode == "train":
+            self._completions.add(gather_object(_as_text(prompts)), gather_object(completions),
+                                  all_rewards.cpu(), gather(advantages).cpu())
+        return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                     completion_mask=loss_mask.int(), advantages=advantages,
+                     window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
+                     sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
+                     layer_outputs=out.layer_outputs)
+
+    def _on_policy(self, mode: str) -> bool:
+        """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
+        args = self.args
+        return mode != "train" or args.gradient_accumulation_steps % (
+            args.steps_per_generation * args.num_iterations) == 0
+
+    def _rollout(self, prompts: rollout.PromptBatch, mode: str) -> rollout.Rollout:
+        plan = capture.plan(training=mode == "train", on_policy=self._on_policy(mode),
+                            plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
+                            and not self.is_fsdp_enabled,
+                            checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
+            config = make_generation_config(self.args, model.generation_config, self.processing_class,
+                                            self.args.max_completion_length)
+            with torch.no_grad():
+                out = self.rollout_backend.generate(model, prompts, config, plan)
+        return capture.drop_unusable(out, config, self.args.temperature)
+
+    def _completion_texts(self, out: rollout.Rollout, prompts: list) -> list:
+        texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
+        if is_conversational(prompts[0]):
+            return [[{"role": "assistant", "content": text}] for text in texts]
+        return texts
+
+    def _micro_batch(self, part: Round, mode: str) -> Round:
+        """`part` trimmed once, with the old log-probs (only when the round outlives an optimizer step) and the
+        reference log-probs (only when beta != 0) that its loss needs."""
+        part = part.trimmed()
+        old = ref = None
+        with torch.no_grad():
+            if not self._on_policy(mode):
+                # The sampler's log-probs are the old policy's; after an optimizer step they are no stand-ins for
+                # the current ones, and replaying the rollout would be wrong.
+                old = part.sampling_logps if part.sampling_logps is not None else self._no_grad_logps(self.model,
+                                                                                                      part)
+                part = dataclasses.replace(part, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
+                                           layer_outputs=None)
+            if self.args.beta != 0.0:
+                if self.ref_model is not None:
+                    ref = self._no_grad_logps(self.ref_model, part)
+                else:
+                    with models.reference_context(self.model):
+                        ref = self._no_grad_logps(self.model, part)
+        return dataclasses.replace(part, old_logps=old, ref_logps=ref)
+
+    def _no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
+        """Log-probs `[B, T]` of a (trimmed) round, `per_device_train_batch_size` rows per forward."""
+        size, width = self.args.per_device_train_batch_size, part.completion_ids.shape[1]
+        pieces = [self._logps(model, part.select(slice(i, i + size)).trimmed())[0] for i in range(0, part.rows, size)]
+        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
+
+    def _window_tokens(self, loss_mask: Tensor, mode: str) -> Tensor:
+        """The `dapo` normaliser: active tokens per process per gradient-accumulation window."""
+        args = self.args
+        if mode == "eval":  # evaluation: each batch on its own
+            return loss_mask.sum().float()
+        global_tokens = gather(loss_mask.sum().reshape(1).float()).sum()
+        return global_tokens / self.accelerator.num_processes * args.gradient_accumulation_steps \
+            / args.steps_per_generation
+
+    # ---------------------------------------------------------------------------------------------- loss
+
+    def _logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False):
+        """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
+        this round, on-policy, so the rollout's values stand in for the forward's (and its layer outputs, if kept,
+        are replayed)."""
+        input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
+        attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
+        width = inputs.completion_ids.shape[1]
+        if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
+            return distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
+                                                        self.args.logprob_chunk_size, with_entropy)
+        known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
+        replayed = contextlib.nullcontext()
+        if policy and inputs.layer_outputs is not None and model.training:
+            replayed = replay.replayed_layers(models.causal_lm(model).get_decoder().layers, inputs.layer_outputs)
+        with replayed:
+            return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
+                                       self.args.logprob_chunk_size, with_entropy, *known)
+
+    def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Tensor:
+        args = self.args
+        mode = "train" if model.training else "eval"
+        logps, entropy, measured = self._policy_logps(model, inputs, mode)  # [B, T] each
+        mask = inputs.completion_mask
+        loss_mask = mask.float()
+        if args.top_entropy_quantile < 1.0:
+            loss_mask = loss_mask * losses.high_entropy_mask(entropy, mask, args.top_entropy_quantile)
+        norm = losses.LossNorm(args.gradient_accumulation_steps if mode == "train" else 1,
+                               inputs.window_tokens, args.max_completion_length)
+        out = losses.policy_loss(logps, inputs.advantages, loss_mask, norm, loss_type=args.loss_type,
+                                 old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, beta=args.beta,
+                                 epsilon_low=args.epsilon,
+                                 epsilon_high=args.epsilon_high, delta=args.delta,
+                                 importance_sampling_level=args.importance_sampling_level,
+                                 sapo_temperature_pos=args.sapo_temperature_pos,
+                                 sapo_temperature_neg=args.sapo_temperature_neg)
+        window = self._metrics[mode]
+        for key, value in out.metrics.items():
+            window[key].append(value)
+        window["entropy"].append((entropy * measured).sum() / measured.sum().clamp(min=1))
+        return (out.loss, None) if return_outputs else out.loss
+
+    def _policy_logps(self, model: nn.Module, inputs: Round, mode: str) -> tuple[Tensor, Tensor, Tensor]:
+        """Policy log-probs and entropies `[B, T]`, and the mask of tokens whose entropy was computed. With
+        beta == 0 and no entropy mask, a completion whose advantage is exactly 0 adds 0 to the loss and to its
+        gradient whatever its log-probs, so only the other rows run forward and backward; skipped rows keep their
+        place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
+        args = self.args
+        advantages, mask = inputs.advantages, inputs.completion_mask  # [B] or [B, T]; [B, T]
+        nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
+        if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or bool(nonzero.all()):
+            logps, entropy = self._logps(model, inputs, with_entropy=True, policy=True)
+            return logps, entropy, mask
+        keep = nonzero.nonzero().squeeze(1)
+        keep = keep if keep.numel() else keep.new_zeros(1)  # one row keeps the graph (and DDP's hooks) alive
+        part_logps, part_entropy = self._logps(model, inputs.select(keep).trimmed(), True, policy=True)
+        B, T = mask.shape
+        width = part_logps.shape[1]
+        logps = inputs.old_logps.clone() if inputs.old_logps is not None else part_logps.new_zeros(B, T)
+        logps[keep, :width] = part_logps
+        entropy = part_logps.new_zeros(B, T)
+        entropy[keep, :width] = part_entropy
+        measured = torch.zeros_like(mask)
+        measured[keep] = mask[keep]
+        return logps, entropy, measured
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+        if finite:
+            self._nonfinite_in_a_row = 0
+            return loss
+        self._nonfinite_in_a_row += 1
+        self._nonfinite_since_log += 1
+        warnings.warn(f"non-finite loss or gradient at step {self.state.global_step}; its gradients are dropped.")
+        if self._nonfinite_in_a_row > self.args.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self._nonfinite_in_a_row} micro-steps in a row had a non-finite loss or gradient. Check the "
+                "rewards for huge values, lower learning_rate, set max_grad_norm, or use fp32 instead of fp16.")
+        for p in model.parameters():
+            p.grad = None  # an optimizer skips parameters without a gradient
+        return loss.new_zeros(())
+
+    # --------------------------------------------------------------------------------- checkpoints, resume
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """RNG states, plus the generation buffer and its position: a resumed run replays the same micro-steps.
+        Written before `trainer_state.json`, whose presence marks a checkpoint as complete."""
+        super()._save_rng_state(output_dir)
+        state = {"buffer": self._buffer, "micro_step": self._micro_step, "num_tokens": self._num_tokens}
+        torch.save(state, os.path.join(output_dir, f"grpo_state_{self.accelerator.process_index}.pt"))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
+        if checkpoint is not None and os.path.isfile(path):
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+        """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM
+        saves a checkpoint and stops training cleanly."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = checkpoints.latest_complete(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
+                                 "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
+        with checkpoints.save_on_sigterm(self):
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.mean().detach(), None, None
+
+    # ------------------------------------------------------------------------------------------- metrics
+
+    def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor, weights: Tensor,
+                                G: int) -> None:
+        self._num_tokens += int(gather(out.prompt_mask.sum() + out.completion_mask.sum()).sum())
+        round_metrics = metrics.rollout_metrics(gather(out.completion_mask.sum(1)), gather(out.is_truncated.int()),
+                                                all_rewards, weights, G, self.reward_names,
+                                                with_pass_at_k=mode == "eval")
+        for key, value in {"num_tokens": self._num_tokens, **round_metrics}.items():
+            self._metrics[mode][key].append(value)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        if mode == "train":  # skipped micro-steps since the last log, summed over processes below
+            self._metrics[mode]["nonfinite_steps"] = [self._nonfinite_since_log * self.accelerator.num_processes]
+            self._nonfinite_since_log = 0
+        keys, local = metrics.window_means(self._metrics[mode])  # the same keys on every process
+        reduced = self.accelerator.reduce(local.to(self.accelerator.device), "mean").tolist() if keys else []
+        averaged = {prefix + k: v for k, v in zip(keys, reduced)}
+        logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+        if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
+            self._completions.flush(self.state.global_step)
+
+    # -------------------------------------------------------------------------------------- saving + Hub
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (only the adapter and tokenizer for a PeftModel), then the run's model card: every
+        `save_model` and every checkpoint folder gets a README.md."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            hub.write_model_card(self, output_dir or self.args.output_dir)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Write `output_dir/README.md` (`push_to_hub` calls this before uploading `output_dir`)."""
+        if self.is_world_process_zero():
+            hub.write_model_card(self, self.args.output_dir, model_name=model_name, dataset_name=dataset_name,
+                                 tags=tags)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies a checkpoint's weights into output_dir and uploads output_dir; the card goes with them.
+        if self.is_world_process_zero():
+            self.create_model_card()
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def save_merged_model(self, output_dir: str) -> str:
+        """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
+        peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
+        return hub.save_merged_model(self, output_dir)
+
+
+def _as_text(prompts: list) -> list[str]:
+    return [p[-1]["content"] if is_conversational(p) else p for p in prompts]

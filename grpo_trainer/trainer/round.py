@@ -1,0 +1,97 @@
+"""A generation round as the loss consumes it: one typed object from the rollout to the last micro-step.
+
+Decisions:
+
+1. A `Round` holds every per-row tensor the loss reads, each field documented with its shape. Fields declare which
+   axis of columns they span (`columns` metadata): prompt columns, completion columns, or the whole sequence. So
+   selecting rows and trimming padding are written once, for every field, present and future.
+2. A round is shuffled once and cut into `steps_per_generation` micro-batches (advantages are already computed, so
+   groups no longer need to stay together), and each micro-batch is trimmed to its own longest prompt and
+   completion once, before any forward pass: a micro-batch of short completions does not pay for the round's
+   longest one.
+
+Shapes: `B` rows, `S` prompt tokens, `T` completion tokens, `L` decoder layers, `E` hidden size, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Round"]
+
+_PROMPT, _COMPLETION, _SEQUENCE = "prompt", "completion", "sequence"
+
+
+def _columns(axis: str, dim: int = 1) -> Any:
+    return field(default=None, metadata={"columns": axis, "dim": dim})
+
+
+@dataclass
+class Round:
+    """One process's share of a generation round (or one micro-batch of it)."""
+
+    prompt_ids: Tensor = _columns(_PROMPT)  # [B, S] left-padded
+    prompt_mask: Tensor = _columns(_PROMPT)  # [B, S]
+    completion_ids: Tensor = _columns(_COMPLETION)  # [B, T] right-padded
+    completion_mask: Tensor = _columns(_COMPLETION)  # [B, T] int: tokens in the loss (after every loss mask)
+    advantages: Tensor = field(default=None)  # [B] or [B, T] (a [B, T] one is trimmed with the completion)
+    # The `dapo`/`cispo` normaliser: active tokens per process per gradient-accumulation window, `[]`.
+    window_tokens: Tensor | None = None
+    old_logps: Tensor | None = _columns(_COMPLETION)  # [B, T] pi_old, when the round outlives an optimizer step
+    ref_logps: Tensor | None = _columns(_COMPLETION)  # [B, T] the reference model's, when beta != 0
+    # The rollout's own values under the sampling weights (`rollout.types.Rollout`): on-policy stand-ins for the
+    # loss forward's, and for `replay`.
+    sampling_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    sampling_entropy: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
+    layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
+
+    @property
+    def rows(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, index: slice | Tensor) -> Round:
+        """The rows `index` of every per-row field; the round-wide normaliser is shared."""
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            per_row = isinstance(value, Tensor) and value.dim() > 0 or hasattr(value, "select_rows")
+            values[f.name] = (value.select_rows(index) if hasattr(value, "select_rows") else value[index]) \
+                if per_row else value
+        return Round(**values)
+
+    def split(self, parts: int) -> list[Round]:
+        """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy)."""
+        if parts == 1:
+            return [self]
+        order = torch.randperm(self.rows, device=self.completion_ids.device)
+        size = self.rows // parts
+        return [self.select(order[i * size:(i + 1) * size]) for i in range(parts)]
+
+    def kept_columns(self) -> tuple[int, int]:
+        """The first prompt column and the completion length that `trimmed` keeps."""
+        first = int(self.prompt_mask.any(0).int().argmax())
+        return first, max(int(self.completion_mask.sum(1).max()), 1)
+
+    def trimmed(self) -> Round:
+        """This round without the columns that are padding in every row: left of the longest prompt, right of the
+        longest completion (at least one completion column is kept)."""
+        first, last = self.kept_columns()
+        width = self.prompt_ids.shape[1]
+        keep = {_PROMPT: slice(first, None), _COMPLETION: slice(0, last), _SEQUENCE: slice(first, width + last)}
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            axis = f.metadata.get("columns")
+            if f.name == "advantages" and isinstance(value, Tensor) and value.dim() == 2:
+                axis = _COMPLETION  # token-level advantages
+            if axis is not None and isinstance(value, Tensor):
+                index = (slice(None),) * f.metadata.get("dim", 1) + (keep[axis],)
+                value = value[index]
+            values[f.name] = value
+        return Round(**values)

@@ -1,0 +1,167 @@
+"""Chunked completion log-probs equal the naive full-logits computation, in value and gradient, without keeping
+a `[B, T, V]` tensor for backward."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from grpo_trainer.algorithms.logprobs import completion_logprobs, token_logprobs
+from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
+
+T = 6  # completion tokens
+ATOL = 1e-5
+
+
+def batch(tokenizer, generator_seed: int = 0):
+    """3 rows: prompts of 5, 3 and 1 real tokens left-padded to S = 5; completions of 6, 4 and 1 tokens
+    right-padded to T = 6 (the completion mask is the attention mask there, as in the trainer)."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    pad = tokenizer.pad_token_id
+    prompt_lengths, completion_lengths, S = [5, 3, 1], [6, 4, 1], 5
+    ids = torch.randint(10, 90, (3, S + T), generator=generator)
+    mask = torch.zeros(3, S + T, dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        mask[row, S - p : S + c] = 1
+    return ids.masked_fill(mask == 0, pad), mask
+
+
+def naive(model, ids, mask, temperature):
+    """log_softmax over the full `[B, S+T, V]` logits, with the same position ids as completion_logprobs."""
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+    logits = logits[:, -T - 1 : -1].float() / temperature  # position t predicts token t+1
+    logp_all = torch.log_softmax(logits, -1)
+    chosen = logp_all.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return chosen, entropy
+
+
+def test_token_logprobs_by_hand():
+    # logits [0, ln 3] -> probs [1/4, 3/4]: log p(1) = ln .75 = -0.287682;
+    # entropy -(.25 ln .25 + .75 ln .75) = .25 * 1.386294 + .75 * 0.287682 = 0.562335
+    # temperature 2: logits [0, ln 3 / 2] -> probs [1/(1+sqrt 3), sqrt 3/(1+sqrt 3)] = [0.366025, 0.633975]
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]])
+    chosen, entropy = token_logprobs(logits, torch.tensor([1, 0]))
+    torch.testing.assert_close(chosen, torch.tensor([math.log(0.75), math.log(0.25)]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, torch.full((2,), 0.562335), atol=1e-6, rtol=0)
+    chosen, _ = token_logprobs(logits.to(torch.bfloat16), torch.tensor([1, 0]), temperature=2.0)
+    assert chosen.dtype == torch.float32  # upcast before the softmax
+    q = 1 / (1 + math.sqrt(3))
+    torch.testing.assert_close(chosen, torch.tensor([math.log(1 - q), math.log(q)]), atol=2e-3, rtol=0)  # bf16 ln 3
+
+
+def test_in_place_logsumexp_by_hand():
+    from grpo_trainer.algorithms.logprobs import _logsumexp_
+
+    # [0, ln 3] -> ln(1 + 3) = ln 4 = 1.386294; [1000, 1000] -> 1000 + ln 2 (the max is taken out first, so
+    # exp never overflows); [-5] -> -5.
+    logits = torch.tensor([[0.0, math.log(3.0)], [1000.0, 1000.0]])
+    torch.testing.assert_close(_logsumexp_(logits), torch.tensor([math.log(4.0), 1000.0 + math.log(2.0)]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(_logsumexp_(torch.tensor([[-5.0]])), torch.tensor([-5.0]), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("chunk_size", "temperature"), [(1, 0.7), (7, 1.0), (3 * T + 5, 0.7)])
+def test_matches_naive_values_entropy_and_gradients(tiny_model, tokenizer, chunk_size, temperature):
+    ids, mask = batch(tokenizer)
+    weights = torch.randn(3, T, generator=torch.Generator().manual_seed(1))  # a generic downstream loss
+
+    logps, entropy = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=chunk_size,
+                                         with_entropy=True)
+    assert logps.shape == entropy.shape == (3, T) and logps.dtype == torch.float32
+    (logps * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+    tiny_model.zero_grad()
+
+    expected, expected_entropy = naive(tiny_model, ids, mask, temperature)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(logps, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), atol=ATOL, rtol=0)
+    assert not entropy.requires_grad  # a metric / mask, never differentiated
+    for name, param in tiny_model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def test_without_grad_and_without_entropy(tiny_model, tokenizer):
+    ids, mask = batch(tokenizer)
+    with torch.no_grad():
+        logps, entropy = completion_logprobs(tiny_model, ids, mask, T, chunk_size=4)
+        expected, _ = naive(tiny_model, ids, mask, 1.0)
+    assert entropy is None and not logps.requires_grad
+    torch.testing.assert_close(logps, expected, atol=ATOL, rtol=0)
+
+
+def test_invariant_to_extra_left_padding(tiny_model, tokenizer):
+    ids, mask = batch(tokenizer)
+    pad = torch.full((3, 4), tokenizer.pad_token_id)
+    padded_ids, padded_mask = torch.cat([pad, ids], 1), torch.cat([torch.zeros_like(pad), mask], 1)
+    with torch.no_grad():
+        logps, entropy = completion_logprobs(tiny_model, ids, mask, T, with_entropy=True)
+        padded, padded_entropy = completion_logprobs(tiny_model, padded_ids, padded_mask, T, with_entropy=True)
+    active = mask[:, -T:].bool()
+    torch.testing.assert_close(padded[active], logps[active], atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_entropy[active], entropy[active], atol=ATOL, rtol=0)
+
+
+def test_unwraps_a_ddp_style_wrapper(tiny_model, tokenizer):
+    class Wrapper(nn.Module):  # like DDP / a DeepSpeed engine: the model sits in `.module`
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    ids, mask = batch(tokenizer)
+    with torch.no_grad():
+        wrapped, _ = completion_logprobs(Wrapper(tiny_model), ids, mask, T)
+        direct, _ = completion_logprobs(tiny_model, ids, mask, T)
+    torch.testing.assert_close(wrapped, direct, atol=0, rtol=0)
+
+
+def test_model_without_lm_head_is_rejected(tokenizer):
+    class Headless(nn.Module):
+        def get_output_embeddings(self):
+            return None
+
+        def forward(self, **kwargs):
+            return type("Out", (), {"hidden_states": (torch.zeros(1, 3, 4),)})()
+
+    with pytest.raises(ValueError, match="Headless has no output embeddings"):
+        completion_logprobs(Headless(), torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3), 1)
+
+
+def test_no_full_vocab_tensor_is_saved_for_backward():
+    """With chunk_size < B*T, backward keeps no float32 tensor with a V-wide last dim beyond one chunk (the
+    chunks are recomputed in backward); the naive path keeps several [B, T, V]."""
+    tokenizer = make_tokenizer(extra_vocab=4000)
+    model = make_tiny_model(tokenizer)
+    vocab = model.config.vocab_size  # 4104, far from every other dim here (H = 64, B*T = 2*24 = 48)
+    B, S, completion, chunk = 2, 4, 24, 8
+    ids = torch.randint(10, 90, (B, S + completion), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def vocab_wide_saved(run) -> list[tuple[int, ...]]:
+        saved = []
+
+        def pack(tensor):
+            is_parameter = tensor.untyped_storage().data_ptr() in parameter_storages  # the LM head weight itself
+            if tensor.dtype == torch.float32 and tensor.dim() and tensor.shape[-1] == vocab and not is_parameter:
+                saved.append(tuple(tensor.shape))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = run()
+        out.sum().backward()  # the recomputation in backward must work under the same graph
+        return saved
+
+    naive_saved = vocab_wide_saved(lambda: torch.log_softmax(
+        model(input_ids=ids, attention_mask=mask).logits[:, -completion - 1 : -1].float(), -1)[..., 0])
+    assert (B, completion, vocab) in naive_saved  # the detector sees the naive [B, T, V] log-softmax output
+
+    chunked_saved = vocab_wide_saved(lambda: completion_logprobs(model, ids, mask, completion, chunk_size=chunk)[0])
+    assert all(math.prod(shape) <= chunk * vocab for shape in chunked_saved), chunked_saved
+    assert sum(math.prod(shape) for shape in chunked_saved) < B * completion * vocab

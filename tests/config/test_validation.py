@@ -1,0 +1,131 @@
+"""Every bad input of docs/ERRORS.md raises one clear error, naming the field and the fix, before any model is
+loaded or any token generated."""
+
+import pytest
+from datasets import Dataset
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.cli.toy import copy_digits_reward
+
+BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_generations": 1}, "num_generations must be >= 2"),
+    ({"per_device_train_batch_size": 3}, "must be divisible by num_generations"),
+    ({"generation_batch_size": 8, "steps_per_generation": 2}, "cannot both be set"),
+    ({"generation_batch_size": 6}, "must be a multiple of per_device_train_batch_size"),
+    ({"epsilon": 0.0}, "epsilon must be > 0"),
+    ({"epsilon": 0.2, "epsilon_high": 0.1}, "epsilon_high (0.1) must be >= epsilon (0.2)"),
+    ({"delta": 0.5}, "delta must be > 1"),
+    ({"temperature": 0.0}, "temperature must be > 0"),
+    ({"beta": -0.1}, "beta must be >= 0"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"max_completion_length": 0}, "max_completion_length must be >= 1"),
+    ({"max_prompt_length": 0}, "max_prompt_length must be >= 1 or None"),
+    ({"num_iterations": 0}, "num_iterations must be >= 1"),
+    ({"top_entropy_quantile": 0.0}, "top_entropy_quantile must be in (0, 1]"),
+    ({"loss_type": "ppo"}, "unknown loss_type 'ppo'; choose one of"),
+    ({"advantage_estimator": "gae"}, "unknown advantage_estimator 'gae'; choose one of"),
+    ({"importance_sampling_level": "seq"}, "unknown importance_sampling_level 'seq'"),
+    ({"scale_rewards": "prompt"}, "unknown scale_rewards 'prompt'"),
+    ({"reward_error_policy": "skip"}, "unknown reward_error_policy 'skip'"),
+    ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
+])
+def test_config_rejects(overrides, message):
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(**{**BASE, **overrides})
+    assert message in str(error.value)
+
+
+def test_scale_rewards_accepts_booleans_like_trl():
+    assert GRPOConfig(**BASE, scale_rewards=True).scale_rewards == "group"
+    assert GRPOConfig(**BASE, scale_rewards=False).scale_rewards == "none"
+
+
+def test_generation_batch_defaults_follow_trl():
+    args = GRPOConfig(**BASE, gradient_accumulation_steps=3)
+    assert (args.steps_per_generation, args.generation_batch_size) == (3, 12)
+    args = GRPOConfig(**BASE, generation_batch_size=8)
+    assert args.steps_per_generation == 2
+
+
+def test_precision_follows_the_hardware_on_cpu():
+    assert GRPOConfig(**BASE).bf16 is False  # no native bf16 here: fp32, not a 30x slower bf16 path
+
+
+@pytest.fixture
+def args(tmp_path):
+    return GRPOConfig(**{**BASE, "output_dir": str(tmp_path)})
+
+
+def make(args, tokenizer, model=None, reward_funcs=copy_digits_reward, dataset=None, **kwargs):
+    dataset = Dataset.from_dict({"prompt": ["copy 1:"] * 4}) if dataset is None else dataset
+    return GRPOTrainer("a/model-id-that-is-never-downloaded" if model is None else model, reward_funcs, args=args,
+                       train_dataset=dataset, processing_class=tokenizer, **kwargs)
+
+
+@pytest.mark.parametrize("reward_funcs, kwargs, message", [
+    ([], {}, "reward_funcs is empty"),
+    ([copy_digits_reward, 3], {}, "reward_funcs[1] is a int"),
+    ([copy_digits_reward], {"reward_processing_classes": [None, None]},
+     "reward_processing_classes has 2 entries but there are 1 reward functions"),
+])
+def test_reward_setup_is_checked_before_loading(args, tokenizer, reward_funcs, kwargs, message):
+    with pytest.raises(ValueError) as error:
+        make(args, tokenizer, reward_funcs=reward_funcs, **kwargs)
+    assert message in str(error.value)
+
+
+def test_reward_weights_length(tmp_path, tokenizer):
+    args = GRPOConfig(**{**BASE, "output_dir": str(tmp_path), "reward_weights": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1 reward functions"):
+        make(args, tokenizer)
+
+
+@pytest.mark.parametrize("dataset, message", [
+    (Dataset.from_dict({"question": ["a"]}), "train_dataset has no 'prompt' column"),
+    (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
+    (Dataset.from_dict({"prompt": [3]}), "must hold strings or lists of {'role', 'content'} messages"),
+    (Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "must hold strings or lists of {'role', 'content'}"),
+])
+def test_dataset_is_checked_before_loading(args, tokenizer, dataset, message):
+    with pytest.raises(ValueError) as error:
+        make(args, tokenizer, dataset=dataset)
+    assert message in str(error.value)
+
+
+def test_conversational_prompts_need_a_chat_template(args, tokenizer):
+    plain = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, pad_token="<pad>", eos_token="<eos>")
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]]})
+    with pytest.raises(ValueError, match="the tokenizer has no chat_template"):
+        make(args, plain, dataset=dataset)
+
+
+def test_sync_ref_model_with_peft_is_rejected(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    args = GRPOConfig(**{**BASE, "output_dir": str(tmp_path), "sync_ref_model": True, "beta": 0.1})
+    with pytest.raises(ValueError, match="sync_ref_model is not supported with PEFT"):
+        make(args, tokenizer, peft_config=LoraConfig(r=2))
+
+
+def test_iterable_dataset_needs_max_steps(args, tokenizer):
+    dataset = Dataset.from_dict({"prompt": ["copy 1:"] * 4}).to_iterable_dataset()
+    with pytest.raises(ValueError, match="set max_steps > 0"):
+        make(args, tokenizer, dataset=dataset)
+
+
+def test_unknown_estimator_object_is_rejected(args, tokenizer):
+    with pytest.raises(ValueError, match="advantage_estimator must be a name, an Advantage or a callable"):
+        make(args, tokenizer, advantage_estimator=42)
+
+
+def test_checkpointing_defaults_on_like_trl_and_either_name_turns_it_off():
+    assert GRPOConfig(**BASE).gradient_checkpointing is True
+    assert GRPOConfig(**BASE, activation_checkpointing=False).gradient_checkpointing is False
+    with pytest.warns(FutureWarning):  # transformers' deprecated alias still works, as TRL scripts use it
+        assert GRPOConfig(**BASE, gradient_checkpointing=False).activation_checkpointing is False

@@ -1,0 +1,210 @@
+"""The reward-function contract: keyword arguments, missing values, async functions, errors, pass@k, reward models."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+from grpo_trainer.reporting.metrics import pass_at_k
+from grpo_trainer.rewards.scoring import RewardError, RewardModel, reward_name, score_completions
+
+PROMPTS = ["p0", "p1", "p2"]
+COMPLETIONS = ["a", "bb", "ccc"]
+COMPLETION_IDS = [[1], [2, 2], [3, 3, 3]]
+
+
+def score(funcs, policy="raise", columns=None, **extra):
+    return score_completions(funcs, [reward_name(f) for f in funcs], PROMPTS, COMPLETIONS, COMPLETION_IDS,
+                             columns or {}, policy, **extra)
+
+
+def length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_every_argument_arrives_by_keyword():
+    seen = {}
+
+    def spy(*args, prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        assert args == ()  # keyword-only contract, as TRL
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer,
+                    trainer_state=trainer_state, rest=kwargs)
+        return [1.0, 2.0, 3.0]
+
+    out = score([spy], columns={"answer": ["x", "y", "z"], "level": [1, 2, 3]}, trainer_state="STATE")
+    assert seen == {"prompts": PROMPTS, "completions": COMPLETIONS, "completion_ids": COMPLETION_IDS,
+                    "answer": ["x", "y", "z"], "trainer_state": "STATE", "rest": {"level": [1, 2, 3]}}
+    assert out.tolist() == [[1.0], [2.0], [3.0]]
+
+
+def test_columns_of_several_functions_and_none_becomes_nan():
+    def only_first(completions, **kwargs):
+        return [0.5, None, None]
+
+    out = score([length, only_first])
+    assert out.shape == (3, 2) and out.dtype == torch.float32
+    assert out[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert out[0, 1].item() == 0.5 and torch.isnan(out[1:, 1]).all()
+
+
+def test_tensor_return_value_is_accepted():
+    out = score([lambda completions, **kwargs: torch.tensor([0.0, 1.0, 0.0])])
+    assert out[:, 0].tolist() == [0.0, 1.0, 0.0]
+
+
+def test_async_functions_run_concurrently():
+    # `waiter` is first in the list and can only finish once `setter` has run: sequential execution would time out.
+    state = {}
+
+    async def waiter(completions, **kwargs):
+        state["event"] = state.get("event") or asyncio.Event()
+        await asyncio.wait_for(state["event"].wait(), timeout=5)
+        return [1.0] * len(completions)
+
+    async def setter(completions, **kwargs):
+        state["event"] = state.get("event") or asyncio.Event()
+        await asyncio.sleep(0)
+        state["event"].set()
+        return [2.0] * len(completions)
+
+    out = score([waiter, length, setter])
+    assert out.tolist() == [[1.0, 1.0, 2.0], [1.0, 2.0, 2.0], [1.0, 3.0, 2.0]]
+
+
+def test_async_function_inside_a_running_loop():
+    async def half(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5] * len(completions)
+
+    async def caller():  # e.g. a notebook: score_completions is called while an event loop runs
+        return score([half])
+
+    assert asyncio.run(caller())[:, 0].tolist() == [0.5, 0.5, 0.5]
+
+
+def test_wrong_length_names_the_function():
+    def two_values(completions, **kwargs):
+        return [1.0, 2.0]
+
+    with pytest.raises((ValueError, RewardError), match="reward function 'two_values' returned 2 values"):
+        score([two_values])
+
+
+def test_raising_function_names_function_sample_and_prompt():
+    def fragile(prompts, completions, **kwargs):
+        return [1.0 / (len(c) - 2) for c in completions]  # "bb" (sample 1) divides by zero
+
+    with pytest.raises(RewardError) as info:
+        score([fragile])
+    message = str(info.value)
+    assert "'fragile'" in message and "sample 1" in message and "'p1'" in message
+    assert "ZeroDivisionError" in message and "reward_error_policy='none'" in message
+
+
+def test_async_raising_function_is_located_too():
+    async def fragile(completions, **kwargs):
+        if "bb" in completions:
+            raise KeyError("no answer")
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"'fragile' failed on sample 1 \(KeyError"):
+        score([fragile])
+
+
+def test_policy_none_turns_only_the_failing_sample_into_nan():
+    def fragile(completions, **kwargs):
+        return [1.0 / (len(c) - 2) for c in completions]  # 1/(1-2) = -1, fails, 1/(3-2) = 1
+
+    out = score([fragile, length], policy="none")
+    assert out[0, 0].item() == -1.0 and math.isnan(out[1, 0].item()) and out[2, 0].item() == 1.0
+    assert out[:, 1].tolist() == [1.0, 2.0, 3.0]  # the other function is untouched
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_computed_nan_or_inf_reward_is_an_error(bad):
+    calls = []
+
+    def explodes(completions, **kwargs):
+        calls.append(len(completions))
+        return [0.0, bad, 0.5]  # a batch-level score: it would change if the function were re-called per sample
+
+    with pytest.raises(RewardError, match=r"'explodes' failed on sample 1 \(returned (-?inf|nan)\); prompt: 'p1'"):
+        score([explodes])
+    out = score([explodes], policy="none")
+    assert out[0, 0].item() == 0.0 and math.isnan(out[1, 0].item()) and out[2, 0].item() == 0.5
+    assert calls == [3, 3]  # the batch result names the sample: no per-sample re-calls
+
+
+def test_infinite_reward_found_while_locating_another_failure():
+    def fragile(completions, **kwargs):
+        if len(completions) > 1:
+            raise RuntimeError("batch failed")
+        return [math.inf if completions[0] == "ccc" else 1.0]
+
+    with pytest.raises(RewardError, match=r"'fragile' failed on sample 2 \(ValueError: returned NaN or inf\)"):
+        score([fragile])
+    out = score([fragile], policy="none")
+    assert out[:2, 0].tolist() == [1.0, 1.0] and math.isnan(out[2, 0].item())
+
+
+def test_reward_name():
+    assert reward_name(length) == "length"
+    assert reward_name("org/some-reward-model/") == "some-reward-model"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pass@k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_by_hand():
+    # one group, n = 4, c = 1 correct: pass@k = 1 - C(n-c, k) / C(n, k)
+    #   pass@1 = 1 - C(3,1)/C(4,1) = 1 - 3/4 = 0.25
+    #   pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5
+    #   pass@4 = 1 - C(3,4)/C(4,4) = 1 - 0/1 = 1
+    assert pass_at_k(torch.tensor([0.0, 1.0, 0.0, 0.0]), 4) == pytest.approx(
+        {"pass@1": 0.25, "pass@2": 0.5, "pass@4": 1.0}, abs=1e-12)
+    # two groups (c = 1 and c = 0) are averaged: pass@1 = (0.25 + 0) / 2, pass@2 = 0.25, pass@4 = 0.5
+    rewards = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert pass_at_k(rewards, 4) == pytest.approx({"pass@1": 0.125, "pass@2": 0.25, "pass@4": 0.5}, abs=1e-12)
+
+
+def test_pass_at_k_ks_include_g():
+    # G = 6: k = 1, 2, 4 and 6; c = 2: pass@4 = 1 - C(4,4)/C(6,4) = 1 - 1/15, pass@6 = 1 - C(4,6)/1 = 1
+    out = pass_at_k(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), 6)
+    assert out == pytest.approx({"pass@1": 2 / 6, "pass@2": 1 - 6 / 15, "pass@4": 1 - 1 / 15, "pass@6": 1.0})
+
+
+def test_pass_at_k_non_binary_rewards():
+    assert pass_at_k(torch.tensor([0.0, 0.5, 1.0, 0.0]), 4) == {}
+    assert pass_at_k(torch.tensor([0.0, math.nan, 1.0, 0.0]), 4) == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reward models
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_reward_model_scores_in_micro_batches(tokenizer):
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    prompts, completions = ["copy 12:", "copy 3:", "x"], ["12", "3<eos>", "a long completion"]
+    reward = RewardModel(model, tokenizer, batch_size=1)
+    assert reward.__name__ == "Qwen2ForSequenceClassification"
+    assert model.config.pad_token_id == tokenizer.pad_token_id  # set so the model finds each row's last token
+    one_by_one = reward(prompts=prompts, completions=completions)
+    reward.batch_size = 3
+    together = reward(prompts=prompts, completions=completions)
+    assert len(one_by_one) == 3 and len(set(one_by_one)) == 3  # distinct texts, distinct scores
+    assert together == pytest.approx(one_by_one, abs=1e-5)
+    # the score is logits[:, 0] of prompt + completion
+    with torch.no_grad():
+        single = model(**tokenizer(["x" + "a long completion"], return_tensors="pt")).logits[0, 0].item()
+    assert one_by_one[2] == pytest.approx(single, abs=1e-5)
+    # through score_completions like any reward function
+    out = score_completions([reward], ["rm"], prompts, completions, [[0]] * 3, {})
+    assert out[:, 0].tolist() == pytest.approx(one_by_one, abs=1e-5)

@@ -1,0 +1,55 @@
+"""The rollout-backend interface: the registry, selection by name, and a user backend driving a real training run."""
+
+import pytest
+import torch
+
+from grpo_trainer import GRPOConfig, GRPOTrainer, rollout
+from grpo_trainer.rewards.library import copy_digits_reward
+from grpo_trainer.rollout import BACKENDS, Capabilities, RolloutBackend, register_backend
+from grpo_trainer.rollout.generate import generate_rollout
+
+
+def _args(tmp_path, **overrides):
+    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
+                "max_completion_length": 4, "max_steps": 1, "report_to": "none", "save_strategy": "no"}
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def test_built_in_backends_declare_their_capabilities():
+    assert set(BACKENDS) >= {"fast", "generate"}
+    fast, generate = BACKENDS["fast"].capabilities, BACKENDS["generate"].capabilities
+    assert fast.sampling_logps and fast.layer_outputs and fast.sampling_probs
+    assert not (generate.sampling_logps or generate.layer_outputs or generate.sampling_probs)
+    assert generate.stop_strings and not fast.stop_strings
+
+
+def test_an_unknown_backend_is_refused_before_any_model_is_loaded(tmp_path, tokenizer, toy_dataset):
+    args = _args(tmp_path, generation_backend="nonexistent")
+    # The model id does not exist: loading it would fail differently; the backend is checked first.
+    with pytest.raises(ValueError, match="unknown generation_backend 'nonexistent'; choose one of"):
+        GRPOTrainer("no/such-model", copy_digits_reward, args=args, train_dataset=toy_dataset,
+                    processing_class=tokenizer)
+
+
+def test_a_registered_backend_is_selected_by_name_and_trains(tmp_path, tiny_model, tokenizer, toy_dataset,
+                                                             monkeypatch):
+    calls = []
+
+    class Recording(RolloutBackend):
+        capabilities = Capabilities()
+
+        def generate(self, model, prompts, config, capture=rollout.capture.KEEP_NOTHING):
+            calls.append((prompts.ids.shape, config.max_new_tokens, capture))
+            return generate_rollout(model, prompts, config)
+
+    monkeypatch.setitem(BACKENDS, "recording", Recording)  # undone after the test
+    register_backend("recording")(Recording)
+    with pytest.raises(ValueError, match="already registered as 'recording'"):
+        register_backend("recording")(type("Other", (Recording,), {}))
+    trainer = GRPOTrainer(tiny_model, copy_digits_reward, args=_args(tmp_path, generation_backend="recording"),
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert len(calls) == 1 and calls[0][0][0] == 8 and calls[0][1] == 4
+    assert isinstance(calls[0][2], rollout.Capture)
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))

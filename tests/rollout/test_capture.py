@@ -1,0 +1,97 @@
+"""What a rollout keeps for the loss (`rollout.capture`): by the trainer's settings, within the memory budget."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.rewards.library import copy_digits_reward
+from grpo_trainer.rollout import capture
+from grpo_trainer.rollout.types import Rollout
+
+
+def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
+    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
+                "max_completion_length": 8, "report_to": "none", "save_strategy": "no", "temperature": 1.3}
+    args = GRPOConfig(**{**settings, **overrides})
+    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer.model.activation_checkpointing_enable()  # what Trainer.train does first
+    trainer.model.train()
+    return trainer
+
+
+@pytest.mark.parametrize(("overrides", "keeps"), [
+    ({}, ("layer_outputs", "sampling_probs")),
+    ({"num_iterations": 2}, ()),  # the second pass over the round runs after an optimizer step
+    ({"generation_backend": "generate"}, ()),  # generate keeps none of them
+    ({"gradient_checkpointing": False}, ("sampling_probs",)),  # no checkpointed forward to stand in for
+    ({"temperature": 1.0, "generation_kwargs": {"temperature": 0.5}}, ("layer_outputs",)),  # not the loss's softmax
+])
+def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset, overrides, keeps):
+    trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides)
+    if overrides.get("gradient_checkpointing") is False:
+        trainer.model.activation_checkpointing_disable()
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps
+    evaluation = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "eval")
+    assert evaluation.layer_outputs is None and evaluation.sampling_probs is None
+
+
+@pytest.mark.parametrize(("cap", "keeps"), [
+    # 8 rows x 2 layers x (prompt + 8 new tokens) x 64 floats is over 8 x 2 x 8 x 64 x 4 bytes; the sampling
+    # distributions, 8 rows x 8 tokens x V floats, fit that alone.
+    (8 * 2 * 8 * 64 * 4, ("sampling_probs",)),
+    (8 * 8 * 4, ()),  # under 8 x 8 x V floats: neither
+])
+def test_replay_tensors_over_the_memory_cap_are_not_kept(tmp_path, tokenizer, toy_dataset, monkeypatch, cap, keeps):
+    trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset)
+    monkeypatch.setattr(capture, "REPLAY_MAX_BYTES", cap)
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps
+
+
+@pytest.mark.parametrize(("training", "on_policy", "plain", "checkpointing", "expected"), [
+    (True, True, True, True, (True, True)),
+    (True, True, False, True, (False, True)),  # DDP/DeepSpeed/FSDP hook the forward: no layer replay
+    (True, True, True, False, (False, True)),  # no checkpointed forward to stand in for
+    (True, False, True, True, (False, False)),  # weights change before the round's last micro-step
+    (False, True, True, True, (False, False)),  # evaluation has no backward
+])
+def test_plan_keeps_replay_tensors_only_where_they_can_stand_in(training, on_policy, plain, checkpointing,
+                                                                 expected):
+    plan = capture.plan(training=training, on_policy=on_policy, plain_single_process=plain,
+                        checkpointing=checkpointing)
+    assert (plan.layer_outputs, plan.probs) == expected
+    assert plan.max_bytes == capture.REPLAY_MAX_BYTES
+
+
+def test_replay_buffers_fill_the_budget_layer_outputs_first():
+    # rows 2, layers 3, prompt 4 + 5 new tokens, width 8: outputs 2 * 3 * 9 * 8 = 432 floats = 1728 bytes;
+    # softmax 2 * 5 * V=10 floats = 100 floats = 400 bytes.
+    shapes = {"rows": 2, "prompt_length": 4, "max_new_tokens": 5, "layers": 3, "hidden_size": 8, "vocab_size": 10,
+              "dtype": torch.float32, "device": torch.device("cpu")}
+    both = capture.Capture(layer_outputs=True, probs=True, max_bytes=1728 + 400)
+    outputs, probs = capture.replay_buffers(both, **shapes)
+    assert outputs.shape == (2, 3, 9, 8) and not outputs.any() and probs.shape == (2, 5, 10)
+    one_short = capture.Capture(layer_outputs=True, probs=True, max_bytes=1728 + 399)
+    outputs, probs = capture.replay_buffers(one_short, **shapes)
+    assert outputs is not None and probs is None  # layer outputs first, then nothing else fits
+    only_probs = capture.Capture(layer_outputs=True, probs=True, max_bytes=1727)
+    outputs, probs = capture.replay_buffers(only_probs, **shapes)
+    assert outputs is None and probs.shape == (2, 5, 10)
+    assert capture.replay_buffers(capture.Capture(), **shapes) == (None, None)  # nothing asked for
+
+
+def test_sampling_values_are_dropped_where_they_are_not_the_losss_distribution():
+    ones = torch.ones(2, 3)
+    out = Rollout(ones.long(), ones.long(), ones.long(), ones.long(), torch.zeros(2, dtype=torch.bool),
+                  sampling_logps=ones, sampling_entropy=ones, sampling_probs=ones[..., None],
+                  layer_outputs=ones[:, None, :, None])
+    sampled = GenerationConfig(do_sample=True, temperature=0.7)
+    assert capture.drop_unusable(out, sampled, 0.7) is out
+    for config, temperature in ((sampled, 1.0), (GenerationConfig(do_sample=False), 0.7)):
+        kept = capture.drop_unusable(out, config, temperature)
+        assert kept.sampling_logps is None and kept.sampling_entropy is None and kept.sampling_probs is None
+        assert kept.layer_outputs is out.layer_outputs  # hidden states do not depend on the temperature

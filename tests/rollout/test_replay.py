@@ -1,0 +1,144 @@
+"""Replay: the rollout's layer outputs and softmax stand in for the checkpointed loss forward's first pass and the LM
+head's recomputed logits, giving the plain gradients, and a real run replays every step."""
+
+import contextlib
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.algorithms.logprobs import completion_logprobs
+from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.rewards.library import copy_digits_reward
+from grpo_trainer.rollout import replay
+from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
+
+
+def _count_layer_runs(model, monkeypatch) -> list[int]:
+    """Counts calls of every decoder layer's MLP: one per layer per forward or backward recompute."""
+    runs = [0]
+    for layer in model.get_decoder().layers:
+        original = layer.mlp.forward
+
+        def counted(*args, _original=original, **kwargs):
+            runs[0] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(layer.mlp, "forward", counted)
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "lora"])
+def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokenizer, kind, monkeypatch):
+    """The rollout's layer outputs stand in for the checkpointed forward's first pass: the loss's gradients are
+    those of the plain checkpointed forward (prompts of three lengths, so left padding differs per row; sampled
+    completions that end at different lengths), and each layer runs once (the backward's recompute), not twice."""
+    model = model_of_kind("llama" if kind == "llama" else "qwen2", tokenizer)
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                                                 init_lora_weights=False))
+        model.enable_input_require_grads()
+    lm = model.get_base_model() if kind == "lora" else model
+    lm.activation_checkpointing_enable()
+    model.train()
+    checkpoints = [layer._gradient_checkpointing_func for layer in lm.get_decoder().layers]
+    prompts = grouped_prompts(tokenizer)
+    ids, mask = prompts.ids, prompts.mask
+    torch.manual_seed(3)
+    rollout = fast_rollout(model, prompts, greedy_config(tokenizer, do_sample=True, max_new_tokens=10),
+                           layer_outputs=True)
+    B, T = rollout.completion_ids.shape
+    assert rollout.layer_outputs.shape == (B, len(lm.get_decoder().layers), prompts.ids.shape[1] + T, 64)
+    assert 1 < int(rollout.completion_mask.sum(1).min()) < T  # rows end at different lengths
+    weights = torch.randn(B, T) * rollout.completion_mask  # any loss that reads only completion tokens
+    input_ids = torch.cat([ids, rollout.completion_ids], 1)
+    attention_mask = torch.cat([mask, rollout.completion_mask], 1)
+    runs = _count_layer_runs(lm, monkeypatch)
+
+    def grads(replayed: bool):
+        model.zero_grad()
+        runs[0] = 0
+        context = replay.replayed_layers(lm.get_decoder().layers, rollout.layer_outputs) if replayed \
+            else contextlib.nullcontext()
+        with context:
+            logps, _ = completion_logprobs(model, input_ids, attention_mask, T, known_logps=rollout.sampling_logps)
+        (logps * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, runs[0]
+
+    plain, plain_runs = grads(False)
+    replayed, replayed_runs = grads(True)
+    layers = len(lm.get_decoder().layers)
+    assert (plain_runs, replayed_runs) == (2 * layers, layers)
+    assert [layer._gradient_checkpointing_func for layer in lm.get_decoder().layers] == checkpoints  # restored
+    assert plain.keys() == replayed.keys() and any("lora" in n for n in plain) == (kind == "lora")
+    for name in plain:
+        torch.testing.assert_close(replayed[name], plain[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
+    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
+                "max_completion_length": 8, "report_to": "none", "save_strategy": "no", "temperature": 1.3}
+    args = GRPOConfig(**{**settings, **overrides})
+    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer.model.activation_checkpointing_enable()  # what Trainer.train does first
+    trainer.model.train()
+    return trainer
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_gradients(tmp_path, tokenizer,
+                                                                                      toy_dataset, beta,
+                                                                                      monkeypatch):
+    """A round cut into micro-batches of rows with different prompt and completion lengths: each micro-batch's
+    slice of the layer outputs and of the sampling distributions (rows, then `Round.trimmed`'s columns) gives the
+    loss and gradients of the plain forward."""
+    trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, beta=beta, gradient_accumulation_steps=2,
+                                     per_device_train_batch_size=4)
+    batch = [toy_dataset[i // 4] for i in range(8)]
+    batch[4:] = [{**toy_dataset[0], "prompt": "c 1:"}] * 4  # a shorter prompt: its micro-batch trims left columns
+    torch.manual_seed(0)
+    round_ = trainer._generate_and_score(batch, "train")
+    T = round_.completion_ids.shape[1]
+    assert round_.layer_outputs.shape[:2] == (8, 2) and round_.sampling_probs.shape == (8, T, len(tokenizer))
+    model = trainer.model
+
+    def loss_and_grads(inputs):
+        model.zero_grad()
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    runs = _count_layer_runs(model, monkeypatch)
+    for rows in (slice(0, 4), slice(4, 8), torch.tensor([1, 6, 2, 5])):
+        assert (round_.select(rows).kept_columns()[0] > 0) == (rows == slice(4, 8))
+        inputs = trainer._micro_batch(round_.select(rows), "train")
+        runs[0] = 0
+        replayed = loss_and_grads(inputs)
+        assert runs[0] == 2  # 2 layers, each run once (the backward's recompute)
+        plain = loss_and_grads(dataclasses.replace(inputs, layer_outputs=None, sampling_probs=None))
+        torch.testing.assert_close(replayed[0], plain[0], atol=1e-6, rtol=0)
+        for got, want in zip(replayed[1], plain[1]):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_training_replays_the_rollout_and_learns(tmp_path, tokenizer, toy_dataset, monkeypatch):
+    """A real run with the defaults (activation checkpointing on, on-policy): every loss forward replays."""
+    calls = []
+    original = replay.replayed_layers
+    monkeypatch.setattr(replay, "replayed_layers", lambda *a: calls.append(a[1].shape) or original(*a))
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, learning_rate=1e-2, max_steps=3, report_to="none",
+                      save_strategy="no", logging_steps=1)
+    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    # One per step; rows of zero advantage are skipped (beta 0), so up to 8 rows x 2 layers.
+    assert len(calls) == 3 and all(shape[0] <= 8 and shape[1] == 2 for shape in calls)
+    assert all(math.isfinite(row["loss"]) for row in trainer.state.log_history if "loss" in row)
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))

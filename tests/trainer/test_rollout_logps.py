@@ -1,0 +1,116 @@
+"""The rollout's own log-probs in the loss: on-policy they stand in for the loss forward's (same loss, metrics and
+gradients), off-policy they are the old log-probs, and rows whose advantage is exactly 0 skip the forward."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.rewards.library import copy_digits_reward
+
+
+def _trainer(tmp_path, tokenizer, dataset, seed=2, **overrides):
+    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
+                "max_completion_length": 6, "report_to": "none", "save_strategy": "no"}
+    args = GRPOConfig(**{**settings, **overrides})
+    return GRPOTrainer(make_tiny_model(tokenizer, seed=seed), copy_digits_reward, args=args, train_dataset=dataset,
+                       processing_class=tokenizer)
+
+
+def _micro_batch(trainer, dataset):
+    """One 8-row micro-batch of two prompts' groups, as `_prepare_inputs` serves it (trimmed, with its old and
+    reference log-probs)."""
+    round_ = trainer._generate_and_score([dataset[i // 4] for i in range(8)], "train")
+    return trainer._micro_batch(round_, "train")
+
+
+def _without_rollout_values(inputs):
+    return dataclasses.replace(inputs, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
+                               layer_outputs=None)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradients_with_rollout_logps_equal_a_full_forward(tmp_path, tokenizer, toy_dataset, beta):
+    """On-policy, compute_loss with the sampler's log-probs (the forward skips the LM head) gives the loss, the
+    metrics and the gradients of the plain forward."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, beta=beta, temperature=0.9)
+    model = trainer.model
+    inputs = _micro_batch(trainer, toy_dataset)
+    assert inputs.sampling_logps is not None
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        return loss.detach(), {k: float(v[-1]) for k, v in trainer._metrics["train"].items()}, \
+            [p.grad.clone() for p in model.parameters()]
+
+    if beta:  # the reference log-probs are the reference model's, whatever the round carries
+        with torch.no_grad():
+            reference = trainer._no_grad_logps(trainer.ref_model, _without_rollout_values(inputs))
+        torch.testing.assert_close(inputs.ref_logps, reference, atol=0, rtol=0)
+    fast = loss_and_grads(inputs)
+    plain = loss_and_grads(_without_rollout_values(inputs))
+    torch.testing.assert_close(fast[0], plain[0], atol=1e-6, rtol=0)
+    assert fast[1].keys() == plain[1].keys()
+    for key in fast[1]:
+        assert fast[1][key] == pytest.approx(plain[1][key], abs=1e-5), key
+    for got, want in zip(fast[2], plain[2]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokenizer, toy_dataset):
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, num_iterations=2)
+    inputs = _micro_batch(trainer, toy_dataset)
+    # The losses after the first optimizer step must recompute the current log-probs: no sampling values left.
+    assert inputs.sampling_logps is None and inputs.sampling_probs is None and inputs.old_logps is not None
+    with torch.no_grad():
+        recomputed = trainer._no_grad_logps(trainer.model, inputs)
+    active = inputs.completion_mask.bool()
+    torch.testing.assert_close(inputs.old_logps[active], recomputed[active], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("loss_type", "num_iterations"), [("dapo", 1), ("grpo", 1), ("bnpo", 2), ("dr_grpo", 2)])
+def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(tmp_path, tokenizer, toy_dataset,
+                                                                               monkeypatch, loss_type,
+                                                                               num_iterations):
+    """beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its gradient, so only the
+    other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens, dr_grpo's B * T,
+    dapo's window). With num_iterations = 2 the round carries old log-probs, used as the skipped rows' values."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, loss_type=loss_type, num_iterations=num_iterations)
+    model = trainer.model
+    inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset),
+                                 advantages=torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75]))
+    rows_seen = []
+    model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                    with_kwargs=True)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    skipped = loss_and_grads()
+    assert rows_seen == [5]  # the three zero-advantage rows never ran
+    monkeypatch.setattr(trainer, "_policy_logps", lambda m, batch, mode: (
+        *trainer._logps(m, batch, with_entropy=True, policy=True), batch.completion_mask))
+    plain = loss_and_grads()
+    assert rows_seen == [5, 8]
+    torch.testing.assert_close(skipped[0], plain[0], atol=1e-7, rtol=1e-6)
+    for got, want in zip(skipped[1], plain[1]):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in skipped[1])
+
+
+def test_zero_advantage_rows_are_not_skipped_with_a_kl_term(tmp_path, tokenizer, toy_dataset):
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, beta=0.1)
+    inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset), advantages=torch.zeros(8))
+    rows_seen = []  # the KL term still has a gradient on every row
+    trainer.model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    trainer.compute_loss(trainer.model, inputs)
+    assert rows_seen == [8]
