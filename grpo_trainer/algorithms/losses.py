@@ -191,6 +191,7 @@ def policy_loss(
     old_logps: Tensor | None = None,
     ref_logps: Tensor | None = None,
     beta: float = 0.0,
+    kl_bias_correction: bool = False,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
@@ -205,6 +206,10 @@ def policy_loss(
         advantages: `[B]` (one per completion) or `[B, T]`.
         mask: `[B, T]` 1 for tokens in the loss.
         old_logps / ref_logps: `[B, T]` or None (on-policy / no KL term).
+        kl_bias_correction: multiply each token's KL by the (differentiable) importance ratio rho, token- or
+            sequence-level as `importance_sampling_level` says (DeepSeek-V3.2, arXiv:2512.02556): the KL term's
+            gradient becomes the unbiased reverse-KL gradient under samples from pi_old. On-policy rho is 1 in
+            value, so only the gradient changes: d(rho * k3)/d logp = k3 + d k3/d logp.
     Returns: the loss and detached metrics: `kl` (mean token k3), `clip_ratio/low_mean`, `clip_ratio/high_mean`,
     `clip_ratio/region_mean`, each a masked token mean over this micro-batch.
     """
@@ -223,6 +228,8 @@ def policy_loss(
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps (the reference model's log-probs).")
         kl = kl_k3(logps, ref_logps)
+        if kl_bias_correction:
+            kl = kl * torch.exp(log_ratio)  # [B, T] (token ratios) or [B, T] * [B, 1] (sequence ratios)
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     loss = AGGREGATIONS[aggregation_name](per_token, mask, norm)

@@ -11,7 +11,26 @@ from typing import Any
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
-__all__ = ["check_config"]
+__all__ = ["PENDING", "check_config", "check_pending"]
+
+# Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
+# Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
+PENDING: dict[str, tuple[Any, str]] = {
+    "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
+    "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
+    "use_transformers_continuous_batching": (lambda v: v, "transformers' continuous-batching backend (issue 19)"),
+    "log_completions_hub_repo": (lambda v: v is not None, "pushing completions to the Hub (issue 19)"),
+    "log_unique_prompts": (lambda v: v, "de-duplicated completion tables (issue 19)"),
+    "entropy_coef": (lambda v: v != 0.0, "the entropy bonus (issue 19)"),
+    "use_adaptive_entropy": (lambda v: v, "adaptive entropy control (issue 19)"),
+    "off_policy_mask_threshold": (lambda v: v is not None, "off-policy sequence masking (issue 19)"),
+    "multi_objective_aggregation": (lambda v: v != "sum_then_normalize", "normalize_then_sum (GDPO) (issue 19)"),
+    "loss_type": (lambda v: v in ("luspo", "vespo"), "the luspo and vespo losses (issue 19)"),
+    "cast_lm_head_to_fp32": (lambda v: v, "a float32 LM head (issue 19)"),
+    "router_aux_loss_coef": (lambda v: v is not None, "the MoE router auxiliary loss (issue 19)"),
+    "pad_to_multiple_of": (lambda v: v is not None, "padding to a multiple (issue 19)"),
+    "trust_remote_code": (lambda v: v, "models with custom code (issue 19)"),
+}
 
 
 def _rules(args: Any) -> list[tuple[bool, str]]:
@@ -56,11 +75,66 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
          "reward_weights must be numbers, not NaN."),
+        (args.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"),
+         f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose 'sum_then_normalize' or "
+         "'normalize_then_sum'."),
+        (args.vllm_mode not in ("colocate", "server"),
+         f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
+        (args.vllm_importance_sampling_mode not in IS_MODES,
+         f"unknown vllm_importance_sampling_mode {args.vllm_importance_sampling_mode!r}; choose one of {IS_MODES}."),
+        (None not in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+         and args.vllm_importance_sampling_clip_min >= args.vllm_importance_sampling_clip_max,
+         f"vllm_importance_sampling_clip_min ({args.vllm_importance_sampling_clip_min}) must be less than "
+         f"vllm_importance_sampling_clip_max ({args.vllm_importance_sampling_clip_max})."),
+        (args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("_truncate")
+         and args.vllm_importance_sampling_clip_min is None and args.vllm_importance_sampling_clip_max is None,
+         "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max; set one "
+         "(clip_max=3.0 is the default)."),
+        (args.log_completions_hub_repo is not None and not args.log_completions,
+         "log_completions_hub_repo is set but log_completions is False; set log_completions=True to upload the "
+         "completions, or unset log_completions_hub_repo."),
+        (args.entropy_coef_min > args.entropy_coef_max,
+         f"entropy_coef_min ({args.entropy_coef_min}) must be <= entropy_coef_max ({args.entropy_coef_max})."),
+        (args.off_policy_mask_threshold is not None and args.off_policy_mask_threshold <= 0,
+         f"off_policy_mask_threshold must be > 0 or None (got {args.off_policy_mask_threshold}); 0.5 is typical."),
+        (args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1,
+         f"pad_to_multiple_of must be >= 1 or None (got {args.pad_to_multiple_of})."),
+        (_sequence_parallel(args),
+         "GRPO does not support context or sequence parallelism (parallelism_config cp_size/sp_size > 1): rollouts "
+         "build their inputs inside the trainer. Set cp_size=1 and sp_size=1."),
+        (_evaluates(args) and (args.per_device_eval_batch_size * args.world_size)
+         % (args.num_generations_eval or G) != 0,
+         f"the global eval batch (per_device_eval_batch_size {args.per_device_eval_batch_size} x "
+         f"{args.world_size} processes) must be divisible by the evaluation's num_generations "
+         f"({args.num_generations_eval or G}): each prompt's completions are scored together."),
     ]
 
 
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _sequence_parallel(args: Any) -> bool:
+    config = getattr(args, "parallelism_config", None)
+    return config is not None and bool(getattr(config, "cp_enabled", False) or getattr(config, "sp_enabled", False))
+
+
+def _evaluates(args: Any) -> bool:
+    return bool(args.do_eval) and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
+
+
+def check_pending(args: Any) -> None:
+    """NotImplementedError for the first field set to a value whose feature is not built yet (`PENDING`)."""
+    for name, (requested, feature) in PENDING.items():
+        value = getattr(args, name)
+        if requested(value):
+            default = type(args).__dataclass_fields__[name].default
+            raise NotImplementedError(f"{name}={value!r} asks for {feature}, which grpo_trainer does not implement "
+                                      f"yet; leave {name} at its default ({default!r}).")
+
+
 def check_config(args: Any) -> None:
-    """Raise the first rule that `args` (a GRPOConfig) breaks."""
+    """Refuse fields whose feature is pending, then raise the first rule that `args` (a GRPOConfig) breaks."""
+    check_pending(args)
     for wrong, message in _rules(args):
         if wrong:
             raise ValueError(message)

@@ -1,14 +1,16 @@
 """`GRPOConfig`: every GRPO option, its default, its help text, and the checks across fields.
 
-Fields TRL 1.16's `GRPOConfig` also has keep its name, meaning and default, so a TRL script runs unchanged.
-Two documented differences: `bf16` defaults to what the hardware runs fast (bf16 on a GPU that supports it,
-fp32 on CPU, where bf16 matmuls are ~30x slower), and `max_prompt_length` exists (None = no truncation).
-Only the fields whose behaviour this package implements are declared, so a TRL-only knob fails loudly as an
-unknown field instead of being silently ignored.
+Every field of TRL 1.16's `GRPOConfig` is here with its name, type, default and meaning, so a TRL script runs
+unchanged (tests/config/test_trl_parity.py compares the two field by field). Documented differences: `bf16`
+defaults to what the hardware runs fast (bf16 on a GPU that supports it, fp32 on CPU, where bf16 matmuls are
+~30x slower), activation checkpointing is on by default under its current name, and this project's own fields
+(`max_prompt_length`, `generation_backend`, `advantage_estimator`, ...). A field whose feature is not built yet
+raises `NotImplementedError` naming the feature when set (`config.checks.PENDING`), never silently ignored.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,14 +45,23 @@ class GRPOConfig(TrainingArguments):
                                               "(prompts and columns), so there is nothing to pin.")
 
     # Model
-    model_init_kwargs: dict | str | None = _opt(None, "kwargs for from_pretrained when `model` is a string.")
+    model_init_kwargs: dict[str, Any] | str | None = _opt(None, "kwargs for from_pretrained when `model` is a string.")
+    trust_remote_code: bool = _opt(
+        False, "Allow models and tokenizers that ship their own Python code (an `auto_map` in their config): the "
+        "policy, its processor, reward models and their tokenizers. Only for code you trust.")
     disable_dropout: bool = _opt(False, "Disable dropout in the policy and reference model.")
+    router_aux_loss_coef: float | None = _opt(
+        None, "Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss (logged as "
+        "aux_loss). None takes the model config's own coefficient, 0 turns it off; an error on a dense model.")
+    cast_lm_head_to_fp32: bool = _opt(
+        False, "Keep the policy's and reference model's LM head in float32 (the ScaleRL recipe). Needs an untied "
+        "head (tie_word_embeddings=False).")
 
     # Data and generation
-    num_generations: int = _opt(8, "G: completions sampled per prompt. At least 2 for training.")
+    num_generations: int | None = _opt(8, "G: completions sampled per prompt. At least 2 for training.")
     num_generations_eval: int | None = _opt(None, "G during evaluation (None = num_generations).")
     max_prompt_length: int | None = _opt(None, "Keep only the last N prompt tokens (None = no truncation).")
-    max_completion_length: int = _opt(512, "Maximum new tokens per completion.")
+    max_completion_length: int | None = _opt(512, "Maximum new tokens per completion.")
     generation_batch_size: int | None = _opt(
         None, "Completions per generation round, over all processes. Exclusive with steps_per_generation.")
     steps_per_generation: int | None = _opt(
@@ -68,12 +79,59 @@ class GRPOConfig(TrainingArguments):
         "once for its G completions and a tight decode loop over a preallocated KV cache (Llama-family models; "
         "anything it does not reproduce falls back to model.generate). 'generate': always model.generate, the "
         "reference path.")
+    pad_to_multiple_of: int | str | None = _opt(
+        "auto", "Pad prompt and completion ids to a multiple of this many columns (fixed shapes for compilers). "
+        "'auto': 128 on Neuron (AWS Trainium), no padding elsewhere; None: no padding.")
     ds3_gather_for_generation: bool = _opt(
         True, "ZeRO-3: gather full weights for generation (fast). False keeps them sharded (slow, less memory).")
-    shuffle_dataset: bool = _opt(True, "Shuffle prompts each epoch (same order on every process).")
+    shuffle_dataset: bool | None = _opt(True, "Shuffle prompts each epoch (same order on every process).")
+
+    use_transformers_continuous_batching: bool = _opt(
+        False, "Generate with transformers' continuous-batching engine (`generate_batch`, transformers >= 5.8) "
+        "instead of `generation_backend`. Text models only.")
+    transformers_continuous_batching_config: dict | str | None = _opt(
+        None, "kwargs for transformers' ContinuousBatchingConfig (max_memory_percent defaults to 0.5).")
+    use_transformers_paged: bool = _opt(False, "Deprecated name of use_transformers_continuous_batching.")
+
+    # vLLM
+    use_vllm: bool = _opt(False, "Generate with vLLM instead of generation_backend.")
+    vllm_mode: str = _opt(
+        "colocate", "'colocate': a vLLM engine inside each training process, sharing its devices; 'server': a "
+        "separately started vLLM server (vllm_server_* fields).")
+    vllm_model_impl: str = _opt("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
+    vllm_enable_sleep_mode: bool = _opt(
+        False, "Colocate: offload vLLM's weights and KV cache while the trainer runs (less memory, slower wake-up).")
+    vllm_structured_outputs_regex: str | None = _opt(None, "Constrain vLLM's completions to this regex.")
+    vllm_server_base_url: str | None = _opt(
+        None, "Server mode: the server's base URL (e.g. http://localhost:8000); overrides host and port.")
+    vllm_server_host: str = _opt("0.0.0.0", "Server mode: the server's host (when vllm_server_base_url is None).")
+    vllm_server_port: int = _opt(8000, "Server mode: the server's port (when vllm_server_base_url is None).")
+    vllm_server_timeout: float = _opt(240.0, "Server mode: seconds to wait for the server before an error.")
+    vllm_group_port: int = _opt(51216, "Server mode: port of the weight-update communicator.")
+    vllm_gpu_memory_utilization: float = _opt(
+        0.3, "Colocate: fraction of each device's memory vLLM may use (weights and KV cache).")
+    vllm_max_model_length: int | None = _opt(
+        None, "Colocate: vLLM's context length; at least the longest prompt plus max_completion_length (None: "
+        "the model's).")
+    vllm_tensor_parallel_size: int = _opt(1, "Colocate: tensor-parallel size of each vLLM engine; divides the "
+                                             "number of processes.")
+    vllm_importance_sampling_correction: bool = _opt(
+        True, "Correct for the difference between vLLM's sampling log-probs and the trainer's with an "
+        "importance weight on each token or sequence.")
+    vllm_importance_sampling_mode: str = _opt(
+        "sequence_mask", "How that weight is bounded: 'token_truncate' / 'sequence_truncate' clip it to "
+        "[clip_min, clip_max], 'token_mask' / 'sequence_mask' zero it outside that range; per token, or one "
+        "weight per sequence (the exponential of the summed log-ratio).")
+    vllm_importance_sampling_clip_max: float | None = _opt(3.0, "Upper bound C_max of the importance weight.")
+    vllm_importance_sampling_clip_min: float | None = _opt(None, "Lower bound C_min of the importance weight.")
+    vllm_importance_sampling_cap: float | None = _opt(None, "Deprecated name of vllm_importance_sampling_clip_max.")
 
     # Rewards and advantages
     reward_weights: list[float] | None = _opt(None, "One weight per reward function (None = all 1.0).")
+    multi_objective_aggregation: str = _opt(
+        "sum_then_normalize", "Several reward functions: 'sum_then_normalize' weights and sums them, then "
+        "normalises as scale_rewards says; 'normalize_then_sum' (GDPO) normalises each within its group, sums "
+        "them with their weights, then normalises the sum over the batch.")
     scale_rewards: str = _opt("group", "Advantage scale: 'group', 'batch' or 'none' (True/False accepted).")
     advantage_estimator: str = _opt(
         "grpo", "Advantage estimator by registry name: 'grpo', 'rloo', 'dr_grpo', 'reinforce_pp_baseline' or one "
@@ -96,6 +154,27 @@ class GRPOConfig(TrainingArguments):
     top_entropy_quantile: float = _opt(1.0, "rho: keep only the top-rho highest-entropy tokens in the loss.")
     sapo_temperature_neg: float = _opt(1.05, "SAPO gate temperature for negative advantages.")
     sapo_temperature_pos: float = _opt(1.0, "SAPO gate temperature for positive advantages.")
+    vespo_k_pos: float = _opt(2.0, "VESPO: Gamma-weight exponent k for non-negative advantages.")
+    vespo_lambda_pos: float = _opt(3.0, "VESPO: Gamma-weight decay lambda for non-negative advantages.")
+    vespo_k_neg: float = _opt(3.0, "VESPO: Gamma-weight exponent k for negative advantages.")
+    vespo_lambda_neg: float = _opt(2.0, "VESPO: Gamma-weight decay lambda for negative advantages.")
+    use_bias_correction_kl: bool = _opt(
+        True, "Multiply each token's KL term by its (differentiable) importance ratio, which makes the KL gradient "
+        "the unbiased reverse-KL gradient (DeepSeek-V3.2). Changes the gradient whenever beta != 0, on-policy too.")
+    off_policy_mask_threshold: float | None = _opt(
+        None, "DeepSeek-V3.2 off-policy sequence mask: drop from the loss each sequence whose advantage is "
+        "negative and whose mean log-ratio of sampling to current policy exceeds this threshold (e.g. 0.5).")
+    entropy_coef: float = _opt(
+        0.0, "Entropy bonus: subtract this times the mean per-token entropy (over the loss's tokens) from the "
+        "loss, whatever the loss_type. The initial coefficient when use_adaptive_entropy is on.")
+    use_adaptive_entropy: bool = _opt(
+        False, "Skywork-OR1's adaptive entropy control: after each optimizer step the coefficient moves by "
+        "entropy_coef_delta towards keeping the entropy at entropy_target, and applies only at or below it.")
+    entropy_coef_min: float = _opt(0.0, "Adaptive entropy control: lower bound of the coefficient.")
+    entropy_coef_max: float = _opt(1.0, "Adaptive entropy control: upper bound of the coefficient.")
+    entropy_coef_delta: float = _opt(0.005, "Adaptive entropy control: the coefficient's step per optimizer step.")
+    entropy_target: float = _opt(
+        0.2, "Adaptive entropy control: target mean per-token entropy in nats, over the loss's tokens.")
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once.")
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
@@ -105,9 +184,18 @@ class GRPOConfig(TrainingArguments):
     ref_model_mixup_alpha: float = _opt(0.6, "alpha in ref <- alpha * policy + (1 - alpha) * ref.")
     ref_model_sync_steps: int = _opt(512, "Optimizer steps between reference-model syncs.")
 
+    # Multi-turn
+    max_tool_calling_iterations: int | None = _opt(
+        None, "Tool calling: the most tool-call turns per completion (None: until the model stops calling tools).")
+
     # Logging
     log_completions: bool = _opt(False, "Print a table of sampled completions and save them at each log step.")
     num_completions_to_print: int | None = _opt(None, "Rows of that table printed (None = all).")
+    log_unique_prompts: bool = _opt(False, "Completions table: one row per distinct prompt.")
+    log_multimodal: bool = _opt(True, "Completions table: include the prompts' images.")
+    log_completions_hub_repo: str | None = _opt(
+        None, "Also push the completions files to this Hub dataset repo ('user/name', or 'name' in your own "
+        "namespace); needs log_completions. Public unless hub_private_repo=True.")
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -119,8 +207,30 @@ class GRPOConfig(TrainingArguments):
             raise ValueError("auto_find_batch_size is not supported: shrinking the batch would split prompt groups. "
                              "Set it to False and lower per_device_train_batch_size instead.")
         super().__post_init__()
+        self._resolve_deprecated_names()
+        self._resolve_padding()
         self._resolve_generation_batch()
         check_config(self)
+
+    def _resolve_deprecated_names(self) -> None:
+        """TRL's deprecated spellings, mapped to their replacements with the warning TRL gives."""
+        if self.use_transformers_paged:
+            warnings.warn("use_transformers_paged is deprecated; use use_transformers_continuous_batching instead.",
+                          FutureWarning, stacklevel=4)
+            self.use_transformers_continuous_batching = True
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn("vllm_importance_sampling_cap is deprecated; use vllm_importance_sampling_clip_max "
+                          "instead.", FutureWarning, stacklevel=4)
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+    def _resolve_padding(self) -> None:
+        # From the command line the value arrives as a string.
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
+            value = self.pad_to_multiple_of.strip().lower()
+            self.pad_to_multiple_of = None if value in ("none", "null", "") else int(value)
+        if self.pad_to_multiple_of == "auto":
+            # Neuron compiles once per input shape, so padding bounds the number of compilations.
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
 
     def _resolve_generation_batch(self) -> None:
         global_batch = self.per_device_train_batch_size * self.world_size

@@ -45,6 +45,7 @@ from grpo_trainer.algorithms import losses
 from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config.checks import check_config
 from grpo_trainer.data.checks import check_dataset, is_conversational
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import hub, metrics
@@ -93,6 +94,7 @@ class GRPOTrainer(Trainer):
     ) -> None:
         model_id = model if isinstance(model, str) else model.config._name_or_path
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
+        check_config(args)  # again: scripts set fields after building the config
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         check_reward_setup(reward_funcs, args, reward_processing_classes)
         if processing_class is None:
@@ -358,7 +360,7 @@ class GRPOTrainer(Trainer):
                                inputs.window_tokens, args.max_completion_length)
         out = losses.policy_loss(logps, inputs.advantages, loss_mask, norm, loss_type=args.loss_type,
                                  old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, beta=args.beta,
-                                 epsilon_low=args.epsilon,
+                                 kl_bias_correction=args.use_bias_correction_kl, epsilon_low=args.epsilon,
                                  epsilon_high=args.epsilon_high, delta=args.delta,
                                  importance_sampling_level=args.importance_sampling_level,
                                  sapo_temperature_pos=args.sapo_temperature_pos,

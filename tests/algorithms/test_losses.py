@@ -143,6 +143,33 @@ def test_kl_enters_the_loss_with_beta():
         policy_loss(logps, t([0.0]), t([[1.0]]), LossNorm(), beta=0.1)
 
 
+def test_bias_corrected_kl_by_hand():
+    """One token: logp ln .5, ref ln .25, k3 = .5 + ln 2 - 1 = 0.193147. Off-policy with old ln .4 the ratio is
+    .5 / .4 = 1.25, so the corrected KL is 1.25 x 0.193147 = 0.241434 (A = 0: the surrogate is 0; beta 1).
+    On-policy the ratio is 1 in value (same loss) but not in gradient: d(rho k3)/d logp = k3 + dk3/d logp, with
+    dk3/d logp = 1 - exp(ref - logp) = 1 - .5 = .5, so .193147 + .5 = ln 2 instead of .5."""
+    ref, mask, zero = torch.log(t([[0.25]])), t([[1.0]]), t([0.0])
+    off = policy_loss(torch.log(t([[0.5]])), zero, mask, LossNorm(), loss_type="grpo", ref_logps=ref, beta=1.0,
+                      old_logps=torch.log(t([[0.4]])), kl_bias_correction=True)
+    close(off.loss, 1.25 * (0.5 + math.log(2) - 1))
+    close(off.metrics["kl"], 1.25 * (0.5 + math.log(2) - 1))  # the logged KL is the corrected one, as TRL's
+    grads = {}
+    for corrected in (False, True):
+        logps = torch.log(t([[0.5]])).requires_grad_(True)
+        out = policy_loss(logps, zero, mask, LossNorm(), loss_type="grpo", ref_logps=ref, beta=1.0,
+                          kl_bias_correction=corrected)
+        close(out.loss, 0.5 + math.log(2) - 1)
+        (grads[corrected],) = torch.autograd.grad(out.loss, logps)
+    close(grads[False], [[0.5]])
+    close(grads[True], [[math.log(2)]])
+    # sequence level: the row's ratio exp(mean token log-ratio) multiplies every token's KL. Tokens: logp ln .5
+    # and ln .5, old ln .4 and ln .5 -> mean log-ratio ln(1.25) / 2 -> ratio sqrt(1.25) = 1.118034.
+    two = policy_loss(torch.log(t([[0.5, 0.5]])), zero, t([[1.0, 1.0]]), LossNorm(), loss_type="grpo",
+                      ref_logps=torch.log(t([[0.25, 0.25]])), beta=1.0, old_logps=torch.log(t([[0.4, 0.5]])),
+                      kl_bias_correction=True, importance_sampling_level="sequence")
+    close(two.loss, math.sqrt(1.25) * (0.5 + math.log(2) - 1))
+
+
 def test_log_importance_ratio_token_and_sequence():
     logps = t([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
     old = t([[-1.1, -2.3, 2.0], [-0.3, -9.0, -9.0]])

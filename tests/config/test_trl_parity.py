@@ -1,0 +1,97 @@
+"""`GRPOConfig` against the installed `trl.GRPOConfig`, field by field: a TRL upgrade that adds a field or changes a
+default fails here, naming it. Our own fields and deliberate differences are listed, each with its reason."""
+
+import dataclasses
+import typing
+
+import pytest
+import trl
+from transformers import TrainingArguments
+
+from grpo_trainer import GRPOConfig
+
+# Fields TRL does not have, each a feature of this project (README "Differences from trl.GRPOConfig").
+OURS_ONLY = {
+    "max_prompt_length": "prompt truncation (TRL removed it); None = no truncation, TRL's behaviour",
+    "generation_backend": "the rollout backend by registry name",
+    "advantage_estimator": "the pluggable advantage estimator",
+    "reward_error_policy": "what a failing reward function does",
+    "reward_model_batch_size": "reward models score in micro-batches",
+    "logprob_chunk_size": "completion tokens per LM-head chunk",
+    "max_nonfinite_steps": "the non-finite-loss guard",
+}
+# Shared fields whose default differs on purpose: field -> (ours, reason). (`bf16` is None in both dataclasses; TRL
+# resolves it to True, we to what the hardware runs fast: tests/config/test_validation.py.)
+DIFFERENT_DEFAULTS = {
+    "gradient_checkpointing": (None, "on by default under transformers' current name, activation_checkpointing"),
+    "dataloader_pin_memory": (False, "rows are Python objects: nothing to pin"),
+}
+
+
+def _default(field: dataclasses.Field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+THEIRS, OURS = _fields(trl.GRPOConfig), _fields(GRPOConfig)
+
+
+def test_every_trl_field_exists_here():
+    missing = sorted(set(THEIRS) - set(OURS))
+    assert not missing, f"trl {trl.__version__} GRPOConfig has fields grpo_trainer lacks: {missing}"
+
+
+def test_our_extra_fields_are_the_listed_ones():
+    extra = sorted(set(OURS) - set(THEIRS))
+    assert extra == sorted(OURS_ONLY), f"unlisted fields of our own (add them to OURS_ONLY with a reason): {extra}"
+
+
+@pytest.mark.parametrize("name", sorted(THEIRS))
+def test_defaults_equal_trls_unless_listed(name):
+    ours, theirs = _default(OURS[name]), _default(THEIRS[name])
+    if name in DIFFERENT_DEFAULTS:
+        assert ours == DIFFERENT_DEFAULTS[name][0] and ours != theirs, f"{name}: update DIFFERENT_DEFAULTS"
+        return
+    assert repr(ours) == repr(theirs), f"{name}: default {ours!r} here, {theirs!r} in trl {trl.__version__}"
+
+
+@pytest.mark.parametrize("name", sorted(set(THEIRS) - set(_fields(TrainingArguments))))
+def test_types_equal_trls(name):
+    ours, theirs = typing.get_type_hints(GRPOConfig)[name], typing.get_type_hints(trl.GRPOConfig)[name]
+    assert ours == theirs, f"{name}: {ours} here, {theirs} in trl {trl.__version__}"
+
+
+def test_trls_1_16_defaults_that_changed_since_older_releases():
+    config = GRPOConfig(output_dir="unused", report_to="none")
+    assert config.use_bias_correction_kl is True and config.loss_type == "dapo" and config.beta == 0.0
+    assert config.router_aux_loss_coef is None
+    assert config.pad_to_multiple_of is None  # "auto" resolves to no padding off Neuron
+
+
+def test_deprecated_spellings_map_to_their_replacements_with_trls_warning():
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
+        config = GRPOConfig(output_dir="unused", report_to="none", vllm_importance_sampling_cap=2.5)
+    assert config.vllm_importance_sampling_clip_max == 2.5
+    assert GRPOConfig(output_dir="unused", report_to="none", pad_to_multiple_of="none").pad_to_multiple_of is None
+
+
+@pytest.mark.parametrize(("field", "value", "feature"), [
+    ("use_vllm", True, "vLLM generation"),
+    ("max_tool_calling_iterations", 3, "multi-turn tool calling"),
+])
+def test_fields_of_pending_features_are_refused_by_name(field, value, feature):
+    with pytest.raises(NotImplementedError, match=f"{field}={value!r} asks for {feature}"):
+        GRPOConfig(output_dir="unused", report_to="none", **{field: value})
+
+
+def test_a_pending_feature_set_after_construction_is_refused_by_the_trainer(tokenizer, tiny_model, toy_dataset):
+    from grpo_trainer import GRPOTrainer
+    from grpo_trainer.rewards.library import copy_digits_reward
+
+    args = GRPOConfig(output_dir="unused", report_to="none", per_device_train_batch_size=8, num_generations=4)
+    args.use_vllm = True  # what scripts do after parsing their arguments
+    with pytest.raises(NotImplementedError, match="use_vllm=True asks for vLLM generation"):
+        GRPOTrainer(tiny_model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
