@@ -14,7 +14,7 @@ from torch import Tensor
 
 from grpo_trainer.algorithms.advantage import group_std
 
-__all__ = ["pass_at_k", "rollout_metrics", "window_means"]
+__all__ = ["pass_at_k", "rollout_metrics", "tool_metrics", "window_means"]
 
 
 def _nanstd(x: Tensor) -> Tensor:
@@ -48,6 +48,13 @@ def rollout_metrics(lengths: Tensor, truncated: Tensor, rewards: Tensor, weights
     if with_pass_at_k:
         out.update(pass_at_k(total.cpu(), num_generations))
     return out
+
+
+def tool_metrics(calls: Tensor, failures: Tensor, rollouts: Tensor) -> dict[str, Tensor]:
+    """TRL's tool metrics of a round, from counts summed over processes: tool calls per rollout, and the fraction
+    of calls that failed (0 without calls)."""
+    return {"tools/call_frequency": calls / rollouts,
+            "tools/failure_frequency": failures / calls if calls > 0 else torch.zeros_like(calls, dtype=torch.float)}
 
 
 def window_means(window: dict[str, list]) -> tuple[list[str], Tensor]:

@@ -8,10 +8,13 @@ from typing import Any
 __all__ = ["check_reward_setup"]
 
 
-def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing_classes: Any) -> None:
-    """Reward functions, their weights and processing classes must line up."""
-    if len(reward_funcs) == 0:
-        raise ValueError("reward_funcs is empty; pass at least one reward function, reward model or model id.")
+def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing_classes: Any,
+                       environment_rewards: int = 0) -> None:
+    """Reward functions, their weights and processing classes must line up; `environment_rewards` counts the
+    rewards environments own (`get_reward`), which need no reward function and take no weight."""
+    if len(reward_funcs) + environment_rewards == 0:
+        raise ValueError("No reward source provided. Pass `reward_funcs` (reward functions, reward models or model "
+                         "ids), or an `environment_factory` whose environment defines a `get_reward` method.")
     for i, func in enumerate(reward_funcs):
         if not (callable(func) or isinstance(func, str)):
             raise ValueError(f"reward_funcs[{i}] is a {type(func).__name__}; each reward must be a callable, a "

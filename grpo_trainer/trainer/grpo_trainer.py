@@ -52,9 +52,9 @@ from grpo_trainer.reporting import hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import check_reward_setup
-from grpo_trainer.rollout import capture, replay
+from grpo_trainer.rollout import capture, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from grpo_trainer.rollout.settings import make_generation_config
+from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
 from grpo_trainer.runtime import checkpoints, distributed, models
 from grpo_trainer.trainer.round import Round
 
@@ -71,7 +71,8 @@ class GRPOTrainer(Trainer):
     """Group Relative Policy Optimization (Shao et al. 2024) through `transformers.Trainer`.
 
     Same constructor as `trl.GRPOTrainer`; `reward_funcs` takes callables (TRL's contract), reward models or
-    model ids. `args.advantage_estimator` may also be given here as `advantage_estimator=`.
+    model ids. `args.advantage_estimator` may also be given here as `advantage_estimator=`. `tools`,
+    `environment_factory` and `rollout_func` make rollouts multi-turn (`rollout.multiturn`, docs/TOOLS.md).
     """
 
     _tag_names = ["grpo_trainer", "grpo"]
@@ -80,7 +81,7 @@ class GRPOTrainer(Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel | nn.Module,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -90,18 +91,26 @@ class GRPOTrainer(Trainer):
         optimizers: tuple = (None, None),
         peft_config: Any = None,
         quantization_config: Any = None,
+        tools: list | None = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
         advantage_estimator: str | Advantage | Any = None,
     ) -> None:
         model_id = model if isinstance(model, str) else model.config._name_or_path
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
         check_config(args)  # again: scripts set fields after building the config
-        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        check_reward_setup(reward_funcs, args, reward_processing_classes)
+        reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+            else [reward_funcs]
+        # Environments first: the rewards they own count as reward sources (rollout.multiturn.environments).
+        environments = multiturn.Environments.of(environment_factory, tools)
+        owned_rewards = environments.reward_funcs if environments else []
+        check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, padding_side="left", truncation_side="left")
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        check_dataset(train_dataset, "train_dataset", processing_class)
+        train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
+                                                train_dataset)
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
             check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
         if isinstance(train_dataset, IterableDataset):
@@ -122,7 +131,15 @@ class GRPOTrainer(Trainer):
         if args.disable_dropout:
             models.disable_dropout(model)
         self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
+        if self._multi_turn is not None:
+            self._multi_turn.attach_model(eos_token_ids(processing_class, model.generation_config),
+                                          getattr(model.config, "max_position_embeddings", None))
         self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
+        # Environment-owned rewards come after `reward_funcs`, each with weight 1 (TRL).
+        self.reward_weights = torch.tensor((args.reward_weights or [1.0] * len(self.reward_funcs))
+                                           + [1.0] * len(owned_rewards))
+        self.reward_funcs += owned_rewards
+        self.reward_names += [func.__name__ for func in owned_rewards]
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -142,6 +159,25 @@ class GRPOTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
+    def _set_up_multi_turn(self, processing_class: Any, args: GRPOConfig, tools: list | None,
+                           environments: multiturn.Environments | None, rollout_func: Any, train_dataset: Any) -> Any:
+        """`self._multi_turn` (None for single-turn runs) and TRL's attributes for it; the train dataset, checked
+        (a placeholder when an environment owns the data)."""
+        self._multi_turn = multiturn.MultiTurn(processing_class, args, tools, environments, rollout_func) \
+            if tools or environments or rollout_func else None
+        # TRL's attributes: every tool, the rollout_func, the latest round's environments, each one's tools and pool
+        self.tools, self.rollout_func, self.environments = [], rollout_func, None
+        if self._multi_turn is not None:
+            self.tools = self._multi_turn.tools
+        if environments is not None:
+            self._env_tools, self._environment_pool = environments.tools, environments.pools
+        if train_dataset is None:
+            train_dataset = multiturn.placeholder_dataset(environments, args)
+        check_dataset(train_dataset, "train_dataset", processing_class, prompt_optional=environments is not None)
+        if self._multi_turn is not None:
+            self._multi_turn.check_dataset(train_dataset, "train_dataset")
+        return train_dataset
+
     def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
         """Every reward as a callable with the reward-function contract; reward models are loaded here."""
         if not isinstance(processing_classes, (list, tuple)):
@@ -158,6 +194,11 @@ class GRPOTrainer(Trainer):
                 func = rewards.RewardModel(func, tokenizer, batch_size)
             built.append(func)
         return built, [rewards.reward_name(f) for f in built]
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's name for `reward_names`: each reward source's metric name."""
+        return self.reward_names
 
     def _prepare_auxiliary_models(self) -> None:
         """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
@@ -233,13 +274,17 @@ class GRPOTrainer(Trainer):
 
     def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
         args, device = self.args, self.accelerator.device
-        prompts = [row["prompt"] for row in batch]
-        prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
-                                        args.chat_template_kwargs).to(device)
-        out = self._rollout(prompt_batch, mode)
-        completions = self._completion_texts(out, prompts)
+        if self._multi_turn is None:
+            prompts = [row["prompt"] for row in batch]
+            prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
+                                            args.chat_template_kwargs).to(device)
+            out = self._rollout(prompt_batch, mode)
+            completions, episode_columns = self._completion_texts(out, prompts), {}
+        else:
+            prompts, out, completions, episode_columns = self._episode(batch, mode)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
+        columns.update(episode_columns)
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
                                                   completion_ids, columns, args.reward_error_policy,
@@ -249,22 +294,23 @@ class GRPOTrainer(Trainer):
             warnings.warn("every reward function returned None (or failed) for some completions; they get "
                           "advantage 0. A group with no reward at all teaches nothing.")
         G = self._num_generations(mode)
-        weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
+        weights = self.reward_weights
         advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
                                        reward_weights=weights)
         start = self.accelerator.process_index * len(prompts)
         advantages = advantages[start:start + len(prompts)].to(device)  # [B]
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
-            if args.mask_truncated_completions else out.completion_mask
+            if args.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
         self._record_rollout_metrics(mode, out, all_rewards, weights, G)
         if args.log_completions and mode == "train":
             self._completions.add(gather_object(_as_text(prompts)), gather_object(completions),
                                   all_rewards.cpu(), gather(advantages).cpu())
         return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-                     completion_mask=loss_mask.int(), advantages=advantages,
-                     window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
-                     sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
-                     layer_outputs=out.layer_outputs)
+                     completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
+                     window_tokens=self._window_tokens(loss_mask if out.env_mask is None else loss_mask * out.env_mask,
+                                                       mode),
+                     sampling_logps=out.sampling_logps, sampling_entropy=out.sampling_entropy,
+                     sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs)
 
     def _on_policy(self, mode: str) -> bool:
         """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
@@ -272,18 +318,41 @@ class GRPOTrainer(Trainer):
         return mode != "train" or args.gradient_accumulation_steps % (
             args.steps_per_generation * args.num_iterations) == 0
 
-    def _rollout(self, prompts: rollout.PromptBatch, mode: str) -> rollout.Rollout:
-        plan = capture.plan(training=mode == "train", on_policy=self._on_policy(mode),
-                            plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
-                            and not self.is_fsdp_enabled,
-                            checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
+    def _rollout(self, prompts: rollout.PromptBatch, mode: str, max_new_tokens: int | None = None,
+                 continuation: bool = False) -> rollout.Rollout:
+        """Completions for `prompts` from the rollout backend. A multi-turn `continuation` (a turn after tool
+        results, `max_new_tokens` long) keeps only tokens (`capture`, decision 4)."""
+        plan = capture.KEEP_NOTHING if continuation else capture.plan(
+            training=mode == "train", on_policy=self._on_policy(mode),
+            plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
+            and not self.is_fsdp_enabled, checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
             config = make_generation_config(self.args, model.generation_config, self.processing_class,
-                                            self.args.max_completion_length)
+                                            max_new_tokens or self.args.max_completion_length)
             with torch.no_grad():
                 out = self.rollout_backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, self.args.temperature)
+
+    def _episode(self, batch: list[dict], mode: str) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
+        """A multi-turn round (`rollout.multiturn`): the prompts as the model saw them, the rollout, the completions
+        as chat messages, and the extra reward-function keyword arguments."""
+        device = self.accelerator.device
+
+        def generate(prompts: rollout.PromptBatch, max_new_tokens: int | None, continuation: bool) -> rollout.Rollout:
+            return self._rollout(prompts.to(device), mode, max_new_tokens, continuation)
+
+        episode = self._multi_turn.run(batch, generate, self._generate if self.rollout_func else None, device)
+        self.environments = self._multi_turn.last_environments
+        if episode.tool_counts is not None:
+            counts = torch.tensor([episode.tool_counts.calls, episode.tool_counts.failures, len(batch)], device=device)
+            self._metrics[mode].update({k: [v] for k, v in metrics.tool_metrics(*gather(counts[None]).sum(0)).items()})
+        return episode.prompts, episode.rollout, episode.completions, episode.reward_kwargs
+
+    def _generate(self, prompts: list) -> multiturn.RolloutFuncOutput:
+        """The user's `rollout_func(prompts, trainer)` on this process's prompts, its output checked (TRL's name
+        for this seam)."""
+        return multiturn.call_rollout_func(self.rollout_func, prompts, self)
 
     def _completion_texts(self, out: rollout.Rollout, prompts: list) -> list:
         texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
@@ -352,7 +421,7 @@ class GRPOTrainer(Trainer):
         args = self.args
         mode = "train" if model.training else "eval"
         logps, entropy, measured = self._policy_logps(model, inputs, mode)  # [B, T] each
-        mask = inputs.completion_mask
+        mask = inputs.loss_mask
         loss_mask = mask.float()
         if args.top_entropy_quantile < 1.0:
             loss_mask = loss_mask * losses.high_entropy_mask(entropy, mask, args.top_entropy_quantile)
@@ -377,7 +446,7 @@ class GRPOTrainer(Trainer):
         gradient whatever its log-probs, so only the other rows run forward and backward; skipped rows keep their
         place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
         args = self.args
-        advantages, mask = inputs.advantages, inputs.completion_mask  # [B] or [B, T]; [B, T]
+        advantages, mask = inputs.advantages, inputs.loss_mask  # [B] or [B, T]; [B, T]
         nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
         if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or bool(nonzero.all()):
             logps, entropy = self._logps(model, inputs, with_entropy=True, policy=True)
@@ -451,8 +520,8 @@ class GRPOTrainer(Trainer):
 
     def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor, weights: Tensor,
                                 G: int) -> None:
-        self._num_tokens += int(gather(out.prompt_mask.sum() + out.completion_mask.sum()).sum())
-        round_metrics = metrics.rollout_metrics(gather(out.completion_mask.sum(1)), gather(out.is_truncated.int()),
+        self._num_tokens += int(gather(out.prompt_mask.sum() + out.sampled_mask.sum()).sum())  # TRL: no tool tokens
+        round_metrics = metrics.rollout_metrics(gather(out.sampled_mask.sum(1)), gather(out.is_truncated.int()),
                                                 all_rewards, weights, G, self.reward_names,
                                                 with_pass_at_k=mode == "eval")
         for key, value in {"num_tokens": self._num_tokens, **round_metrics}.items():

@@ -34,6 +34,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"reward_error_policy": "skip"}, "unknown reward_error_policy 'skip'"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
+    ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:
@@ -69,7 +70,7 @@ def make(args, tokenizer, model=None, reward_funcs=copy_digits_reward, dataset=N
 
 
 @pytest.mark.parametrize("reward_funcs, kwargs, message", [
-    ([], {}, "reward_funcs is empty"),
+    ([], {}, "No reward source provided. Pass `reward_funcs`"),
     ([copy_digits_reward, 3], {}, "reward_funcs[1] is a int"),
     ([copy_digits_reward], {"reward_processing_classes": [None, None]},
      "reward_processing_classes has 2 entries but there are 1 reward functions"),
