@@ -24,6 +24,15 @@ def get() -> str:
     return "42"
 
 
+async def fetch() -> str:
+    """Read the secret, asynchronously.
+
+    Returns:
+        The secret.
+    """
+    return "42"
+
+
 def multiply(a: int, b: int) -> int:
     """Multiply two integers.
 
@@ -59,6 +68,7 @@ def qwen_tokenizer():
 
 
 def calling_kwargs(tokenizer, call: str = "<call>get</call><|end|>", after: str = "<|assistant|>") -> dict:
-    """generation_kwargs that make the model write `call` right after `after` (greedy or sampled alike)."""
+    """generation_kwargs that make the model write `call` right after `after` (greedy or sampled alike). Each token
+    is biased after the one before it, so `call` must not repeat a token with two different successors."""
     ids = tokenizer.convert_tokens_to_ids([after] + tokenizer.tokenize(call))
     return {"sequence_bias": {tuple(ids[i:i + 2]): 100.0 for i in range(len(ids) - 1)}}

@@ -112,7 +112,8 @@ class GRPOTrainer(Trainer):
         train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
                                                 train_dataset)
         for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
-            check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+            check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
+                          prompt_optional=environments is not None)
         if isinstance(train_dataset, IterableDataset):
             if args.max_steps <= 0:
                 raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
@@ -346,7 +347,8 @@ class GRPOTrainer(Trainer):
         self.environments = self._multi_turn.last_environments
         if episode.tool_counts is not None:
             counts = torch.tensor([episode.tool_counts.calls, episode.tool_counts.failures, len(batch)], device=device)
-            self._metrics[mode].update({k: [v] for k, v in metrics.tool_metrics(*gather(counts[None]).sum(0)).items()})
+            for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
+                self._metrics[mode][key].append(value)
         return episode.prompts, episode.rollout, episode.completions, episode.reward_kwargs
 
     def _generate(self, prompts: list) -> multiturn.RolloutFuncOutput:

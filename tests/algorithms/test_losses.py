@@ -402,3 +402,33 @@ def test_policy_loss_passes_the_sapo_temperatures():
                       sapo_temperature_pos=2.0)
     expected = -(4 / 2) * torch.sigmoid(torch.tensor(2 * (math.exp(0.5) - 1)))
     assert out.loss.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-turn: a hole in the mask (a tool's tokens between two sampled turns)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("loss_type", "value"), [
+    # One row, logps [-1, -2, -3], mask [1, 0, 1] (token 1 a tool's), A = 2, on-policy (rho = 1 in value).
+    # clip: per token -A * rho = -2; grpo/bnpo: token mean over the 2 sampled tokens = -2; dapo: sum -4 over the
+    # window's 2 tokens = -2; dr_grpo: sum -4 over B * max_completion_length = 1 * 4 -> -1.
+    ("grpo", -2.0), ("bnpo", -2.0), ("dapo", -2.0), ("dr_grpo", -1.0),
+    # cispo: -sg(min(rho, 5)) * A * logp = -2 * logp -> [2, ., 6], summed over sampled tokens 8 / 2 tokens = 4.
+    ("cispo", 4.0),
+    # sapo: -(4 / tau) sigmoid(0) A = -(4 / 1) * 0.5 * 2 = -4 per token, sequence mean -4.
+    ("sapo", -4.0),
+])
+def test_a_tool_token_adds_nothing_to_the_loss_or_its_gradient(loss_type, value):
+    logps = t([[-1.0, -2.0, -3.0]]).requires_grad_(True)
+    norm = LossNorm(accumulation_steps=1, window_tokens=2.0, max_completion_length=4)
+    out = policy_loss(logps, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, epsilon_high=5.0)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    close(out.loss, value)
+    # d loss / d logp_t on a sampled token, by loss type: grpo/bnpo/dapo -A/2 = -1 (mean over 2 tokens), dr_grpo
+    # -A/4 = -0.5; cispo -2 * 1/2 = -1; sapo -(4/tau) * tau * sigmoid'(0) * A / 2 = -4 * 0.25 * 2 / 2 = -1. The tool's
+    # token: exactly 0, whatever its log-prob.
+    sampled = -0.5 if loss_type == "dr_grpo" else -1.0
+    close(grad, [[sampled, 0.0, sampled]])
+    moved = t([[-1.0, -50.0, -3.0]])  # the tool token's log-prob changes nothing
+    close(policy_loss(moved, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, epsilon_high=5.0).loss, value)

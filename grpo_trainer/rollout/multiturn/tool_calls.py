@@ -6,8 +6,8 @@ Decisions:
    "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]}`): the form reward functions receive
    and chat templates render.
 2. The format is the chat template's own. A tokenizer with a `response_template` is parsed by transformers
-   (`tokenizer.parse_response`); otherwise each built-in format (`FORMATS`) is tried on the template's rendering of
-   a probe call, and the one that reads the probe back exactly is used. None reading it is an error at start-up,
+   (`tokenizer.parse_response`); otherwise each built-in format (`FORMATS`) is tried. Either way the parser must read
+   back exactly the call in the template's own rendering of a probe call; none reading it is an error at start-up,
    not a silent run without tool calls.
 3. A malformed call (no name, arguments that are not an object, JSON that does not parse, an unclosed tag) makes the
    whole turn plain text without tool calls, as in TRL: the model gets no tool result and its text is scored as is.
@@ -16,6 +16,7 @@ Decisions:
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -89,14 +90,17 @@ class TaggedJsonParser:
 
 
 class ResponseTemplateParser:
-    """transformers' response parsing, driven by the tokenizer's `response_template`."""
+    """transformers' response parsing, driven by the tokenizer's `response_template` (tool-typed arguments where the
+    installed transformers supports them)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.typed = "tools" in inspect.signature(tokenizer.parse_response).parameters
 
     def __call__(self, ids: Sequence[int], prefix: Sequence[int] = (), tools: Sequence[Any] = ()) -> dict:
+        typing = {"tools": list(tools) or None} if self.typed else {}
         try:
-            parsed = self.tokenizer.parse_response(list(ids), prefix=list(prefix), tools=list(tools) or None)
+            parsed = self.tokenizer.parse_response(list(ids), prefix=list(prefix), **typing)
             calls = [_function(c.get("function", c).get("name"), c.get("function", c).get("arguments"))
                      for c in parsed.get("tool_calls") or []]
         except (ValueError, TypeError, KeyError, AttributeError):
@@ -126,14 +130,17 @@ def _probe(tokenizer: Any, chat_template_kwargs: dict) -> tuple[list[int], list[
 
 def select_parser(tokenizer: Any, chat_template_kwargs: dict | None = None) -> ToolCallParser:
     """The parser for this tokenizer's tool-call format (decision 2)."""
-    if getattr(tokenizer, "response_template", None) is not None:
-        return ResponseTemplateParser(tokenizer)
+    own = getattr(tokenizer, "response_template", None) is not None
+    candidates = [ResponseTemplateParser] if own else list(FORMATS.values())
     prefix, turn = _probe(tokenizer, chat_template_kwargs or {})
-    for make in FORMATS.values():
+    for make in candidates:
         parser = make(tokenizer)
         if tool_calls_of(parser(turn, prefix, ())) == [(PROBE_NAME, PROBE_ARGUMENTS)]:
             return parser
-    rendered = tokenizer.decode(turn, skip_special_tokens=False)
+    rendered = tokenizer.decode(turn, skip_special_tokens=False)[:200]
+    if own:
+        raise ValueError(f"tokenizer.response_template does not read back the call in the chat template's own "
+                         f"rendering of one ({rendered!r}); make the two describe the same format.")
     raise ValueError(
-        f"the chat template writes tool calls as {rendered[:200]!r}, a format grpo_trainer cannot read (built-in: "
+        f"the chat template writes tool calls as {rendered!r}, a format grpo_trainer cannot read (built-in: "
         f"{sorted(FORMATS)}). Set tokenizer.response_template (transformers' response parsing) to describe it.")

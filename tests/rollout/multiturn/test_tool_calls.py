@@ -81,3 +81,11 @@ def test_a_template_writing_calls_in_an_unknown_format_is_refused_at_start_up():
         "{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(ValueError, match="a format grpo_trainer cannot read.*response_template"):
         select_parser(tokenizer)
+
+
+def test_a_response_template_that_misreads_the_templates_own_calls_is_refused():
+    tokenizer = make_tokenizer(tool_calling=True)
+    tokenizer.response_template = {**tokenizer.response_template, "fields": {
+        "content": {"close_pattern": r"<\|end\|>|$", "content": "text"}}}  # no tool_calls field
+    with pytest.raises(ValueError, match="response_template does not read back the call"):
+        select_parser(tokenizer)
