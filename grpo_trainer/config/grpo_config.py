@@ -148,10 +148,14 @@ class GRPOConfig(TrainingArguments):
     epsilon: float = _opt(0.2, "Lower clip range epsilon_low.")
     epsilon_high: float | None = _opt(None, "Upper clip range (None = epsilon); DAPO suggests 0.28.")
     delta: float | None = _opt(None, "Two-sided clipping: cap on the unclipped ratio (INTELLECT-2).")
-    loss_type: str = _opt("dapo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo' or 'sapo'.")
+    loss_type: str = _opt(
+        "dapo", "Surrogate and aggregation: 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo' (sequence "
+        "sums; pair it with importance_sampling_level='sequence') or 'vespo' (a Gamma-shaped sequence weight).")
     importance_sampling_level: str = _opt("token", "'token' or 'sequence' (GSPO).")
     mask_truncated_completions: bool = _opt(False, "Leave completions that never emitted EOS out of the loss.")
-    top_entropy_quantile: float = _opt(1.0, "rho: keep only the top-rho highest-entropy tokens in the loss.")
+    top_entropy_quantile: float = _opt(
+        1.0, "rho: train the policy term on the top-rho highest-entropy completion tokens only (the quantile is over "
+        "every process's tokens). 1.0 keeps every token, 0.0 the highest-entropy ones.")
     sapo_temperature_neg: float = _opt(1.05, "SAPO gate temperature for negative advantages.")
     sapo_temperature_pos: float = _opt(1.0, "SAPO gate temperature for positive advantages.")
     vespo_k_pos: float = _opt(2.0, "VESPO: Gamma-weight exponent k for non-negative advantages.")

@@ -140,7 +140,7 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
         else:
             chosen, entropy = token_logprobs(*args)
         logps.append(chosen)
-        entropies.append(entropy.detach())
+        entropies.append(entropy)  # differentiable: the entropy bonus trains through it
     return torch.cat(logps).view(tokens.shape), (torch.cat(entropies).view(tokens.shape) if with_entropy else None)
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 import os
 import warnings
 from collections import defaultdict
@@ -41,11 +43,12 @@ from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallbac
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from grpo_trainer import rollout
-from grpo_trainer.algorithms import losses
-from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
+from grpo_trainer.algorithms import losses, masks, surrogates
+from grpo_trainer.algorithms.advantage import MULTI_OBJECTIVE_AGGREGATIONS, Advantage, get_advantage_estimator
+from grpo_trainer.algorithms.entropy import EntropyControl, window_stats
 from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.config import GRPOConfig
-from grpo_trainer.config.checks import check_config
+from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.checks import check_dataset, is_conversational
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import hub, metrics
@@ -60,7 +63,11 @@ from grpo_trainer.trainer.round import Round
 
 __all__ = ["GRPOTrainer"]
 
+logger = logging.getLogger(__name__)
+
 ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards barely differ from being amplified 1e8-fold
+_ENTROPY_PAD = -1e9  # pads entropies (always >= 0) to a common length for the cross-process gather
+_ENTROPY_STATE = "entropy_ctrl_state.json"  # the adaptive entropy controller's state in a checkpoint (TRL's name)
 
 
 def _identity(features: list[dict]) -> list[dict]:
@@ -95,6 +102,8 @@ class GRPOTrainer(Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
         check_config(args)  # again: scripts set fields after building the config
+        for message in advisories(args):
+            logger.warning(message)
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         check_reward_setup(reward_funcs, args, reward_processing_classes)
         if processing_class is None:
@@ -113,6 +122,13 @@ class GRPOTrainer(Trainer):
             raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                              "model, which never changes. Set sync_ref_model=False.")
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+        self._surrogate_params = surrogates.SurrogateParams(
+            args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.delta,
+            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
+            args.vespo_k_neg, args.vespo_lambda_neg)
+        self._entropy = EntropyControl(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
+                                       args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
+        self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
         self.rollout_backend = rollout.select(args)
 
         model = models.load_policy(model, args.model_init_kwargs, quantization_config)
@@ -250,8 +266,8 @@ class GRPOTrainer(Trainer):
                           "advantage 0. A group with no reward at all teaches nothing.")
         G = self._num_generations(mode)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
-        advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
-                                       reward_weights=weights)
+        aggregate = MULTI_OBJECTIVE_AGGREGATIONS[args.multi_objective_aggregation]
+        advantages = aggregate(self.advantage_fn, all_rewards.cpu(), G, args.scale_rewards, weights, ADVANTAGE_EPS)
         start = self.accelerator.process_index * len(prompts)
         advantages = advantages[start:start + len(prompts)].to(device)  # [B]
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
@@ -353,33 +369,87 @@ class GRPOTrainer(Trainer):
         mode = "train" if model.training else "eval"
         logps, entropy, measured = self._policy_logps(model, inputs, mode)  # [B, T] each
         mask = inputs.completion_mask
-        loss_mask = mask.float()
+        entropy_mask = None
         if args.top_entropy_quantile < 1.0:
-            loss_mask = loss_mask * losses.high_entropy_mask(entropy, mask, args.top_entropy_quantile)
+            entropy_mask = self.get_high_entropy_mask(entropy.detach(), mask, 1.0 - args.top_entropy_quantile)
+        bonus = self._entropy.enabled
         norm = losses.LossNorm(args.gradient_accumulation_steps if mode == "train" else 1,
                                inputs.window_tokens, args.max_completion_length)
-        out = losses.policy_loss(logps, inputs.advantages, loss_mask, norm, loss_type=args.loss_type,
+        out = losses.policy_loss(logps, inputs.advantages, mask, norm, loss_type=args.loss_type,
                                  old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, beta=args.beta,
-                                 kl_bias_correction=args.use_bias_correction_kl, epsilon_low=args.epsilon,
-                                 epsilon_high=args.epsilon_high, delta=args.delta,
+                                 kl_bias_correction=args.use_bias_correction_kl, params=self._surrogate_params,
                                  importance_sampling_level=args.importance_sampling_level,
-                                 sapo_temperature_pos=args.sapo_temperature_pos,
-                                 sapo_temperature_neg=args.sapo_temperature_neg)
+                                 off_policy_threshold=args.off_policy_mask_threshold,
+                                 sampling_logps=inputs.sampling_logps, entropy_mask=entropy_mask,
+                                 entropy=entropy if bonus else None,
+                                 entropy_coef=self._entropy.applied() if bonus else None)
         window = self._metrics[mode]
         for key, value in out.metrics.items():
             window[key].append(value)
-        window["entropy"].append((entropy * measured).sum() / measured.sum().clamp(min=1))
+        for key, values in out.per_sequence.items():  # extremes over every process's completions
+            window[key].append(losses.SEQUENCE_METRICS[key][1](gather(values)))
+        window["entropy"].append((entropy.detach() * measured).sum() / measured.sum().clamp(min=1))
+        if bonus and mode == "train":
+            self._control_entropy(entropy, mask if entropy_mask is None else mask * entropy_mask)
         return (out.loss, None) if return_outputs else out.loss
+
+    def _control_entropy(self, entropy: Tensor, mask: Tensor) -> None:
+        """Adaptive entropy control: add this micro-batch's entropy to the window's; at the optimizer step, update
+        the coefficient from the window's token-weighted entropy over every process. Logs `entropy_coef` once per
+        optimizer step, as TRL."""
+        if self._entropy.adaptive:
+            stats = window_stats(entropy, mask)  # [2]
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(self._entropy_window, reduction="sum")
+                self._entropy.update((totals[0] / totals[1].clamp(min=1.0)).item())
+                self._entropy_window = None
+        if self.accelerator.sync_gradients:
+            self._metrics["train"]["entropy_coef"].append(self._entropy.coef)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute; adaptive control changes it each step)."""
+        return self._entropy.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self._entropy.coef = value
+
+    def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
+        """TRL's method: True for the completion tokens `[B, T]` whose entropy is at least the `threshold` quantile
+        of the completion-token entropies of every process (`masks.high_entropy_mask`)."""
+        local = entropies[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=_ENTROPY_PAD)
+        gathered = self.accelerator.gather(padded)
+        return masks.high_entropy_mask(entropies, mask, gathered[gathered != _ENTROPY_PAD], threshold)
+
+    @staticmethod
+    def get_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,
+                            mask: Tensor, off_policy_threshold: float) -> Tensor:
+        """TRL's static method: DeepSeek-V3.2's off-policy sequence mask `[B, 1]` (`masks.off_policy_mask`)."""
+        return masks.off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                     off_policy_threshold)
+
+    @staticmethod
+    def get_gamma_weights(advantages: Tensor, log_ratio_per_token: Tensor, mask: Tensor,
+                          importance_sampling_ratio: Tensor | None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                          k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+        """TRL's static method: VESPO's sequence weights phi(w) `[B, 1]` (`surrogates.gamma_weights`)."""
+        return surrogates.gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos,
+                                        lambda_pos, k_neg, lambda_neg)
 
     def _policy_logps(self, model: nn.Module, inputs: Round, mode: str) -> tuple[Tensor, Tensor, Tensor]:
         """Policy log-probs and entropies `[B, T]`, and the mask of tokens whose entropy was computed. With
         beta == 0 and no entropy mask, a completion whose advantage is exactly 0 adds 0 to the loss and to its
         gradient whatever its log-probs, so only the other rows run forward and backward; skipped rows keep their
-        place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
+        place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1). The entropy
+        bonus trains every row, so it turns this off."""
         args = self.args
         advantages, mask = inputs.advantages, inputs.completion_mask  # [B] or [B, T]; [B, T]
         nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
-        if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or bool(nonzero.all()):
+        if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or self._entropy.enabled \
+                or bool(nonzero.all()):
             logps, entropy = self._logps(model, inputs, with_entropy=True, policy=True)
             return logps, entropy, mask
         keep = nonzero.nonzero().squeeze(1)
@@ -422,6 +492,9 @@ class GRPOTrainer(Trainer):
         super()._save_rng_state(output_dir)
         state = {"buffer": self._buffer, "micro_step": self._micro_step, "num_tokens": self._num_tokens}
         torch.save(state, os.path.join(output_dir, f"grpo_state_{self.accelerator.process_index}.pt"))
+        if self._entropy.adaptive and self.args.should_save:  # the same on every process; TRL's file and keys
+            with open(os.path.join(output_dir, _ENTROPY_STATE), "w") as f:
+                json.dump(self._entropy.state_dict(), f)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
@@ -429,6 +502,10 @@ class GRPOTrainer(Trainer):
         if checkpoint is not None and os.path.isfile(path):
             state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
             self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
+        entropy_state = os.path.join(checkpoint or "", _ENTROPY_STATE)
+        if checkpoint is not None and self._entropy.adaptive and os.path.isfile(entropy_state):
+            with open(entropy_state) as f:
+                self._entropy.load_state_dict(json.load(f))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM

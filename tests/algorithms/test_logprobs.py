@@ -79,9 +79,73 @@ def test_matches_naive_values_entropy_and_gradients(tiny_model, tokenizer, chunk
     (expected * weights).sum().backward()
     torch.testing.assert_close(logps, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(entropy, expected_entropy.detach(), atol=ATOL, rtol=0)
-    assert not entropy.requires_grad  # a metric / mask, never differentiated
     for name, param in tiny_model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def _grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_grads(actual, expected):
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(("chunk_size", "temperature", "logps_too"), [(1, 0.7, True), (7, 1.0, False),
+                                                                       (3 * T + 5, 0.7, True)])
+def test_entropy_gradient_matches_autograd(tiny_model, tokenizer, chunk_size, temperature, logps_too):
+    """The entropy bonus differentiates H: the head's hand-written backward (dH/dz = -p (log p + H)) gives the
+    parameter gradients autograd gives through `token_logprobs` on the full logits, alone or with log p's."""
+    ids, mask = batch(tokenizer)
+    generator = torch.Generator().manual_seed(2)
+    w_logp, w_entropy = torch.randn(3, T, generator=generator), torch.randn(3, T, generator=generator)
+
+    def loss_of(logps, entropy):
+        return (entropy * w_entropy).sum() + ((logps * w_logp).sum() if logps_too else 0.0)
+
+    logps, entropy = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=chunk_size,
+                                         with_entropy=True)
+    assert entropy.requires_grad
+    chunked = _grads(tiny_model, loss_of(logps, entropy))
+    expected = _grads(tiny_model, loss_of(*naive(tiny_model, ids, mask, temperature)))
+    _assert_same_grads(chunked, expected)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_known_values_keep_the_entropy_gradient(tiny_model, tokenizer, with_probs):
+    """On-policy the rollout's log-probs, entropies (and softmax) stand in for the forward's values; the gradients
+    of log p and of H are still those of the full computation, not those of constants."""
+    ids, mask = batch(tokenizer)
+    generator = torch.Generator().manual_seed(3)
+    w_logp, w_entropy = torch.randn(3, T, generator=generator), torch.randn(3, T, generator=generator)
+    temperature = 0.8
+    with torch.no_grad():
+        known_logps, known_entropy = naive(tiny_model, ids, mask, temperature)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+        known_probs = torch.softmax(logits[:, -T - 1 : -1].float() / temperature, -1) if with_probs else None
+    logps, entropy = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=5,
+                                         with_entropy=True, known_logps=known_logps, known_entropy=known_entropy,
+                                         known_probs=known_probs)
+    assert torch.equal(logps, known_logps) and torch.equal(entropy, known_entropy)  # the forward returned them
+    fast = _grads(tiny_model, (logps * w_logp).sum() + (entropy * w_entropy).sum())
+    logps, entropy = naive(tiny_model, ids, mask, temperature)
+    _assert_same_grads(fast, _grads(tiny_model, (logps * w_logp).sum() + (entropy * w_entropy).sum()))
+
+
+def test_entropy_gradient_through_a_wrapped_head(tokenizer):
+    """A head with a forward hook (as accelerate's offloading adds) goes through checkpointed `token_logprobs`:
+    its entropy is differentiable there too."""
+    model = make_tiny_model(tokenizer)
+    ids, mask = batch(tokenizer)
+    weights = torch.randn(3, T, generator=torch.Generator().manual_seed(4))
+    expected = _grads(model, (naive(model, ids, mask, 1.0)[1] * weights).sum())
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: out)
+    _, entropy = completion_logprobs(model, ids, mask, T, chunk_size=4, with_entropy=True)
+    _assert_same_grads(_grads(model, (entropy * weights).sum()), expected)
 
 
 def test_without_grad_and_without_entropy(tiny_model, tokenizer):

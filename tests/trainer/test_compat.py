@@ -84,5 +84,6 @@ def test_trl_script_runs_after_swapping_the_import(assets):
     assert ours["steps"] == trl["steps"] == 2
     shared = {"reward", "reward_std", "kl", "entropy", "frac_reward_zero_std", "num_tokens",
               "rewards/format_reward/mean", "rewards/answer_reward/mean", "completions/mean_length",
-              "clip_ratio/region_mean", "loss", "grad_norm", "learning_rate"}
+              "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "loss", "grad_norm",
+              "learning_rate"}
     assert shared <= set(ours["keys"]) and shared <= set(trl["keys"])

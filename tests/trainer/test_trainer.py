@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from grpo_trainer import GRPOConfig, GRPOTrainer, RLOOAdvantage
+from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.cli.toy import copy_digits_reward
 
 
@@ -44,11 +45,23 @@ def varied_reward(completions, **kwargs):
     return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+# The metrics TRL logs for each loss type, besides the common ones.
+LOSS_METRICS = {"clip": {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                         "clip_ratio/low_min", "clip_ratio/high_max"},
+                "cispo": {"cispo_clip_ratio"}, "sapo": set(), "vespo": {"vespo/phi_seq_mean"}}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_each_loss_type_trains_every_parameter(tmp_path, tiny_model, tokenizer, toy_dataset, loss_type):
-    _, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, loss_type=loss_type,
-                       epsilon_high=5.0 if loss_type == "cispo" else None)
+    trainer, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, loss_type=loss_type,
+                             epsilon_high=5.0 if loss_type == "cispo" else None,
+                             importance_sampling_level="sequence" if loss_type == "luspo" else "token")
     assert all(changed.values())
+    logged_keys = set(trainer.state.log_history[0])
+    surrogate = LOSS_TYPES[loss_type][0]
+    assert LOSS_METRICS[surrogate] <= logged_keys
+    assert not (set().union(*LOSS_METRICS.values()) - LOSS_METRICS[surrogate]) & logged_keys
+    assert not {"policy_loss", "entropy_coef"} & logged_keys  # TRL logs these only with the entropy bonus
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo", "reinforce_pp_baseline"])
@@ -241,16 +254,6 @@ def test_sequence_level_importance_sampling_trains(tmp_path, tiny_model, tokeniz
                              importance_sampling_level="sequence", num_iterations=2, max_steps=2)
     assert all(changed.values())
     assert logged(trainer, "clip_ratio/region_mean")[1] > 0.0  # the sequence ratio left the band on pass 2
-
-
-def test_top_entropy_quantile_keeps_only_high_entropy_tokens():
-    from grpo_trainer.algorithms.losses import high_entropy_mask
-
-    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 9.0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])  # the 7.0 and 9.0 are padding: never in the quantile
-    # Valid entropies sorted: 0.1 0.2 0.3 0.5 0.7 0.9; the 1 - 0.5 quantile (linear) is 0.3 + 0.5*(0.5-0.3) = 0.4
-    kept = high_entropy_mask(entropy, mask, 0.5) * mask
-    assert kept.tolist() == [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
 def test_top_entropy_quantile_trains(tmp_path, tiny_model, tokenizer, toy_dataset):
