@@ -19,8 +19,6 @@ PENDING: dict[str, tuple[Any, str]] = {
     "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
     "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
     "use_transformers_continuous_batching": (lambda v: v, "transformers' continuous-batching backend (issue 19)"),
-    "log_completions_hub_repo": (lambda v: v is not None, "pushing completions to the Hub (issue 19)"),
-    "log_unique_prompts": (lambda v: v, "de-duplicated completion tables (issue 19)"),
     "entropy_coef": (lambda v: v != 0.0, "the entropy bonus (issue 19)"),
     "use_adaptive_entropy": (lambda v: v, "adaptive entropy control (issue 19)"),
     "off_policy_mask_threshold": (lambda v: v is not None, "off-policy sequence masking (issue 19)"),

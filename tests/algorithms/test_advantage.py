@@ -369,3 +369,13 @@ def test_permutation_equivariance_within_groups(cls, scale):
     perm = torch.cat([4 * g + torch.randperm(4, generator=generator) for g in range(6)])
     out = cls()(rewards, num_generations=4, scale=scale)
     torch.testing.assert_close(cls()(rewards[perm], num_generations=4, scale=scale), out[perm], atol=1e-12, rtol=0)
+
+
+def test_nanstd_by_hand():
+    # [1, NaN, 3]: mean 2, squares 1 + 1 over 2 - 1 -> 2 -> sqrt(2); one value or none -> NaN, never -0
+    assert advantage.nanstd(torch.tensor([1.0, math.nan, 3.0])).item() == pytest.approx(math.sqrt(2), abs=1e-7)
+    assert math.isnan(advantage.nanstd(torch.tensor([4.0, math.nan])).item())
+    assert math.isnan(advantage.nanstd(torch.tensor([math.nan, math.nan])).item())
+    # along a dim: rows [0, 2] -> sqrt(2), [NaN, NaN] -> NaN
+    rows = advantage.nanstd(torch.tensor([[0.0, 2.0], [math.nan, math.nan]]), dim=1)
+    assert rows[0].item() == pytest.approx(math.sqrt(2), abs=1e-7) and math.isnan(rows[1].item())
