@@ -22,7 +22,7 @@ def hub(monkeypatch, tmp_path):
         stand_in.started = uploads  # each test's uploads are stopped before the stand-in goes away
         yield stand_in
         for upload in uploads:
-            upload.scheduler.stop()
+            upload.stop()  # a last push (nothing new by then), then no more
 
 
 def write_step(folder, step):
