@@ -103,7 +103,8 @@ def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
     mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim=dim, keepdim=True)
     sq = torch.where(valid, (x - mean) ** 2, 0.0)
     total = sq.sum() if dim is None else sq.sum(dim=dim, keepdim=True)
-    return torch.sqrt(total / (count - 1))  # count 1 -> 0/0 = NaN, count 0 -> NaN
+    # count 1 -> 0/0 = NaN; count 0 would give sqrt(0/-1) = -0, so it is set to NaN explicitly
+    return torch.where(count > 0, torch.sqrt(total / (count - 1)), math.nan)
 
 
 def group_std(rewards: Tensor, num_generations: int) -> Tensor:

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -51,8 +52,9 @@ from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.checks import check_dataset, is_conversational
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
-from grpo_trainer.reporting import hub, metrics
+from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
+from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import check_reward_setup
 from grpo_trainer.rollout import capture, replay
@@ -68,6 +70,22 @@ logger = logging.getLogger(__name__)
 ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards barely differ from being amplified 1e8-fold
 _ENTROPY_PAD = -1e9  # pads entropies (always >= 0) to a common length for the cross-process gather
 _ENTROPY_STATE = "entropy_ctrl_state.json"  # the adaptive entropy controller's state in a checkpoint (TRL's name)
+
+
+def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
+                  peft_config: Any) -> None:
+    """Datasets and the options that depend on them, before any model is loaded."""
+    check_dataset(train_dataset, "train_dataset", processing_class)
+    for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
+        check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+    if isinstance(train_dataset, IterableDataset):
+        if args.max_steps <= 0:
+            raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
+        # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
+        args.accelerator_config.dispatch_batches = False
+    if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
+        raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
+                         "model, which never changes. Set sync_ref_model=False.")
 
 
 def _identity(features: list[dict]) -> list[dict]:
@@ -110,17 +128,7 @@ class GRPOTrainer(Trainer):
             processing_class = AutoTokenizer.from_pretrained(model_id, padding_side="left", truncation_side="left")
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        check_dataset(train_dataset, "train_dataset", processing_class)
-        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
-            check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
-        if isinstance(train_dataset, IterableDataset):
-            if args.max_steps <= 0:
-                raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
-            # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
-            args.accelerator_config.dispatch_batches = False
-        if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
-            raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
-                             "model, which never changes. Set sync_ref_model=False.")
+        _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         self._surrogate_params = surrogates.SurrogateParams(
             args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.delta,
@@ -148,8 +156,15 @@ class GRPOTrainer(Trainer):
         self._micro_step = 0
         self._nonfinite_in_a_row = self._nonfinite_since_log = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print)
-        self._num_tokens = 0
+        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print,
+                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
+        self._reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
+        self._step_time, self._micro_steps_timed = 0.0, 0
+        self._completions_upload = None
+        if args.log_completions and args.log_completions_hub_repo and self.accelerator.is_main_process:
+            self._completions_upload = completions_hub.start_upload(
+                args.log_completions_hub_repo, self._completions.directory, args.hub_private_repo, args.hub_token,
+                args.hub_model_id)
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
     # ----------------------------------------------------------------------------------------------- set-up
@@ -259,7 +274,8 @@ class GRPOTrainer(Trainer):
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
                                                   completion_ids, columns, args.reward_error_policy,
-                                                  trainer_state=self.state).to(device)  # [B, F]
+                                                  trainer_state=self.state, log_extra=self._reward_logs.log_extra,
+                                                  log_metric=self._reward_logs.log_metric).to(device)  # [B, F]
         all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
         if torch.isnan(all_rewards).all(dim=1).any():
             warnings.warn("every reward function returned None (or failed) for some completions; they get "
@@ -267,15 +283,18 @@ class GRPOTrainer(Trainer):
         G = self._num_generations(mode)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         aggregate = MULTI_OBJECTIVE_AGGREGATIONS[args.multi_objective_aggregation]
-        advantages = aggregate(self.advantage_fn, all_rewards.cpu(), G, args.scale_rewards, weights, ADVANTAGE_EPS)
+        all_advantages = aggregate(self.advantage_fn, all_rewards.cpu(), G, args.scale_rewards, weights,
+                                   ADVANTAGE_EPS)  # [B_global]
         start = self.accelerator.process_index * len(prompts)
-        advantages = advantages[start:start + len(prompts)].to(device)  # [B]
+        advantages = all_advantages[start:start + len(prompts)].to(device)  # [B]
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
             if args.mask_truncated_completions else out.completion_mask
         self._record_rollout_metrics(mode, out, all_rewards, weights, G)
+        extra = self._reward_logs.gather_columns(len(prompts), gather_object) if args.log_completions else {}
+        self._reward_logs.columns.clear()
         if args.log_completions and mode == "train":
-            self._completions.add(gather_object(_as_text(prompts)), gather_object(completions),
-                                  all_rewards.cpu(), gather(advantages).cpu())
+            self._completions.add(gather_object(prompts), gather_object(completions), all_rewards.cpu(),
+                                  all_advantages, extra)
         return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
                      completion_mask=loss_mask.int(), advantages=advantages,
                      window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
@@ -467,7 +486,9 @@ class GRPOTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
+        started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self._record_step_time(time.perf_counter() - started)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
         if finite:
@@ -490,7 +511,7 @@ class GRPOTrainer(Trainer):
         """RNG states, plus the generation buffer and its position: a resumed run replays the same micro-steps.
         Written before `trainer_state.json`, whose presence marks a checkpoint as complete."""
         super()._save_rng_state(output_dir)
-        state = {"buffer": self._buffer, "micro_step": self._micro_step, "num_tokens": self._num_tokens}
+        state = {"buffer": self._buffer, "micro_step": self._micro_step}
         torch.save(state, os.path.join(output_dir, f"grpo_state_{self.accelerator.process_index}.pt"))
         if self._entropy.adaptive and self.args.should_save:  # the same on every process; TRL's file and keys
             with open(os.path.join(output_dir, _ENTROPY_STATE), "w") as f:
@@ -501,7 +522,7 @@ class GRPOTrainer(Trainer):
         path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
         if checkpoint is not None and os.path.isfile(path):
             state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
-            self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
+            self._buffer, self._micro_step = state["buffer"], state["micro_step"]
         entropy_state = os.path.join(checkpoint or "", _ENTROPY_STATE)
         if checkpoint is not None and self._entropy.adaptive and os.path.isfile(entropy_state):
             with open(entropy_state) as f:
@@ -516,7 +537,10 @@ class GRPOTrainer(Trainer):
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
                                  "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
         with checkpoints.save_on_sigterm(self):
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
+            self._completions_upload.push_now()
+        return output
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -528,12 +552,33 @@ class GRPOTrainer(Trainer):
 
     def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor, weights: Tensor,
                                 G: int) -> None:
-        self._num_tokens += int(gather(out.prompt_mask.sum() + out.completion_mask.sum()).sum())
-        round_metrics = metrics.rollout_metrics(gather(out.completion_mask.sum(1)), gather(out.is_truncated.int()),
-                                                all_rewards, weights, G, self.reward_names,
-                                                with_pass_at_k=mode == "eval")
-        for key, value in {"num_tokens": self._num_tokens, **round_metrics}.items():
-            self._metrics[mode][key].append(value)
+        """TRL's round metrics, from the gathered round, and the round's `log_metric` values. `num_tokens` is the
+        running total of prompt and completion tokens trained on (`state.num_input_tokens_seen`)."""
+        window = self._metrics[mode]
+        lengths = gather(out.completion_mask.sum(1))  # [B_global]
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(gather(out.prompt_mask.sum().reshape(1)).sum() + lengths.sum())
+        window["num_tokens"] = [self.state.num_input_tokens_seen]
+        round_metrics = {**metrics.completion_length_metrics(lengths, gather(out.is_truncated.int())),
+                         **metrics.reward_metrics(all_rewards, weights, self.reward_names, G, self.args.scale_rewards,
+                                                  with_pass_at_k=mode == "eval"),
+                         **self._reward_logs.gather_metrics(gather_object)}
+        for key, value in round_metrics.items():
+            window[key].append(value)
+
+    def _record_step_time(self, seconds: float) -> None:
+        """TRL's `step_time`: seconds spent in `training_step` over the micro-steps of one optimizer step."""
+        self._step_time += seconds
+        self._micro_steps_timed += 1
+        if self._micro_steps_timed >= self.current_gradient_accumulation_steps:
+            self._metrics["train"]["step_time"].append(self._step_time)
+            self._step_time, self._micro_steps_timed = 0.0, 0
+
+    @property
+    def _logs(self) -> dict[str, Any]:
+        """The completions table's rows in the layout of `trl.GRPOTrainer._logs` (prompt, completion, rewards,
+        advantages, extra)."""
+        return self._completions.columns()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -541,10 +586,12 @@ class GRPOTrainer(Trainer):
         if mode == "train":  # skipped micro-steps since the last log, summed over processes below
             self._metrics[mode]["nonfinite_steps"] = [self._nonfinite_since_log * self.accelerator.num_processes]
             self._nonfinite_since_log = 0
-        keys, local = metrics.window_means(self._metrics[mode])  # the same keys on every process
-        reduced = self.accelerator.reduce(local.to(self.accelerator.device), "mean").tolist() if keys else []
-        averaged = {prefix + k: v for k, v in zip(keys, reduced)}
-        logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
+        keys, local = metrics.window_totals(self._metrics[mode])  # the same keys on every process
+        device = self.accelerator.device
+        local = local.to(device, torch.float32 if device.type == "mps" else torch.float64)  # MPS has no float64
+        reduced = self.accelerator.reduce(local, "sum").cpu() if keys else local
+        logs.update({prefix + k: v for k, v in metrics.window_means(keys, reduced).items()})
+        # `logs` is updated in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
         self._metrics[mode].clear()
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
@@ -576,7 +623,3 @@ class GRPOTrainer(Trainer):
         """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
         peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
         return hub.save_merged_model(self, output_dir)
-
-
-def _as_text(prompts: list) -> list[str]:
-    return [p[-1]["content"] if is_conversational(p) else p for p in prompts]

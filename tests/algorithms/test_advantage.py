@@ -441,3 +441,13 @@ def test_normalize_then_sum_with_another_estimator():
 def test_normalize_then_sum_checks_the_weights():
     with pytest.raises(ValueError, match="reward_weights has 1 entries but rewards have 2 columns"):
         advantage.normalize_then_sum(GRPOAdvantage(), [[1.0, 2.0], [0.0, 1.0]], 2, "group", [1.0], 1e-4)
+
+
+def test_nanstd_by_hand():
+    # [1, NaN, 3]: mean 2, squares 1 + 1 over 2 - 1 -> 2 -> sqrt(2); one value or none -> NaN, never -0
+    assert advantage.nanstd(torch.tensor([1.0, math.nan, 3.0])).item() == pytest.approx(math.sqrt(2), abs=1e-7)
+    assert math.isnan(advantage.nanstd(torch.tensor([4.0, math.nan])).item())
+    assert math.isnan(advantage.nanstd(torch.tensor([math.nan, math.nan])).item())
+    # along a dim: rows [0, 2] -> sqrt(2), [NaN, NaN] -> NaN
+    rows = advantage.nanstd(torch.tensor([[0.0, 2.0], [math.nan, math.nan]]), dim=1)
+    assert rows[0].item() == pytest.approx(math.sqrt(2), abs=1e-7) and math.isnan(rows[1].item())

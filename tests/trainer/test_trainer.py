@@ -280,19 +280,3 @@ def test_reward_model_given_as_a_path(tmp_path, tiny_model, tokenizer, toy_conve
                              str(tmp_path / "rm"))
     assert trainer.reward_names == ["rm"] and all(changed.values())
     assert trainer.reward_funcs[0].model.config.pad_token_id == tokenizer.pad_token_id  # set for batched scoring
-
-
-def test_rollout_metrics_by_hand():
-    from grpo_trainer.reporting.metrics import rollout_metrics
-
-    # Two groups of G=2, two reward functions weighted (1, 2); the second function abstains on row 3.
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, math.nan]])
-    out = rollout_metrics(torch.tensor([3, 5, 2, 4]), torch.tensor([0, 1, 0, 0]), rewards,
-                          torch.tensor([1.0, 2.0]), 2, ["a", "b"], with_pass_at_k=False)
-    # totals: 1, 2, 3, 1 (nansum) -> reward mean 7/4; group stds: |1-2|/sqrt(2), |3-1|/sqrt(2) -> mean 1.5/sqrt(2)
-    assert out["reward"].item() == pytest.approx(1.75)
-    assert out["reward_std"].item() == pytest.approx(1.5 / math.sqrt(2), abs=1e-6)
-    assert out["frac_reward_zero_std"].item() == 0.0
-    assert out["rewards/b/mean"].item() == pytest.approx(2 / 3)  # the abstention is left out
-    assert out["completions/mean_length"].item() == 3.5 and out["completions/clipped_ratio"].item() == 0.25
-    assert out["completions/mean_terminated_length"].item() == pytest.approx(3.0)  # (3 + 2 + 4) / 3
