@@ -26,10 +26,6 @@ PENDING: dict[str, tuple[Any, str]] = {
     "off_policy_mask_threshold": (lambda v: v is not None, "off-policy sequence masking (issue 19)"),
     "multi_objective_aggregation": (lambda v: v != "sum_then_normalize", "normalize_then_sum (GDPO) (issue 19)"),
     "loss_type": (lambda v: v in ("luspo", "vespo"), "the luspo and vespo losses (issue 19)"),
-    "cast_lm_head_to_fp32": (lambda v: v, "a float32 LM head (issue 19)"),
-    "router_aux_loss_coef": (lambda v: v is not None, "the MoE router auxiliary loss (issue 19)"),
-    "pad_to_multiple_of": (lambda v: v is not None, "padding to a multiple (issue 19)"),
-    "trust_remote_code": (lambda v: v, "models with custom code (issue 19)"),
 }
 
 
