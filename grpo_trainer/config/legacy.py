@@ -51,6 +51,8 @@ LEGACY: dict[str, Legacy] = {
     "vllm_guided_decoding_regex": Legacy(str | None, "TRL 0.28", "vllm_structured_outputs_regex"),
     # transformers' TrainingArguments, which GRPOConfig extends
     "evaluation_strategy": Legacy(str | None, "transformers 4.46", "eval_strategy"),
+    "warmup_ratio": Legacy(float | None, "transformers 5.0", "warmup_steps",
+                           note="a warmup_steps below 1 is a ratio of the total steps"),
     "no_cuda": Legacy(bool | None, "transformers 5.0", "use_cpu"),
     "per_gpu_train_batch_size": Legacy(int | None, "transformers 5.0", "per_device_train_batch_size"),
     "per_gpu_eval_batch_size": Legacy(int | None, "transformers 5.0", "per_device_eval_batch_size"),

@@ -19,6 +19,7 @@ MAPPED = {
     "use_liger_loss": (True, "use_liger_kernel", True),
     "vllm_guided_decoding_regex": (r"\d+", "vllm_structured_outputs_regex", r"\d+"),
     "evaluation_strategy": ("steps", "eval_strategy", "steps"),
+    "warmup_ratio": (0.1, "warmup_steps", 0.1),  # open-r1's recipes all set it
     "no_cuda": (True, "use_cpu", True),
     "per_gpu_train_batch_size": (16, "per_device_train_batch_size", 16),
     "per_gpu_eval_batch_size": (16, "per_device_eval_batch_size", 16),

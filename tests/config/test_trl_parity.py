@@ -30,6 +30,7 @@ OURS_ONLY = {
     "use_liger_loss": "legacy (TRL < 0.28) name of use_liger_kernel",
     "vllm_guided_decoding_regex": "legacy (TRL < 0.28) name of vllm_structured_outputs_regex",
     "evaluation_strategy": "legacy (transformers < 4.46) name of eval_strategy",
+    "warmup_ratio": "legacy (transformers < 5) name of warmup_steps (a value below 1 is a ratio there)",
     "no_cuda": "legacy (transformers < 5) name of use_cpu",
     "per_gpu_train_batch_size": "legacy (transformers < 5) name of per_device_train_batch_size",
     "per_gpu_eval_batch_size": "legacy (transformers < 5) name of per_device_eval_batch_size",
