@@ -32,7 +32,7 @@ from transformers.utils import cached_file
 
 from grpo_trainer.algorithms.logprobs import Float32Head
 
-__all__ = ["cast_lm_head_to_fp32", "causal_lm", "check_remote_code", "disable_dropout", "init_kwargs",
+__all__ = ["cast_lm_head_to_fp32", "causal_lm", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
            "is_checkpointing", "is_peft_model", "liger_kernel_config", "load_policy", "load_reward_model",
            "load_tokenizer", "make_reference_model", "reference_context", "router_aux_loss_coef", "wrap_peft"]
 
@@ -129,6 +129,7 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
 
     if is_peft_model(model):
         raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
+    _refuse_prompt_learning(peft_config)
     targets = getattr(peft_config, "target_modules", None) or []
     if "lm_head" in targets:  # as TRL 1.16; modules_to_save=["lm_head"] (a trained copy of the head) is fine
         raise ValueError("peft_config puts an adapter on lm_head (target_modules); an adapter on the LM head is not "
@@ -141,6 +142,19 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
     elif gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     return get_peft_model(model, peft_config)
+
+
+def _refuse_prompt_learning(peft_config: Any) -> None:
+    if getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(f"{type(peft_config).__name__} is a prompt-learning PEFT method (virtual tokens prepended by "
+                         "PeftModel.forward), which is not supported: rollouts and log-probs run the underlying model "
+                         "directly, so they would leave the virtual tokens out. Use LoRA (peft.LoraConfig).")
+
+
+def check_adapter(model: nn.Module) -> None:
+    """Refuse a PeftModel whose active adapter is a prompt-learning method (see `wrap_peft`)."""
+    if is_peft_model(model):
+        _refuse_prompt_learning(model.peft_config.get(model.active_adapter))
 
 
 def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:

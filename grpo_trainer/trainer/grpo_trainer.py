@@ -159,6 +159,7 @@ class GRPOTrainer(Trainer):
         if peft_config is not None:
             set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
             model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
+        models.check_adapter(model)
         if args.disable_dropout:
             models.disable_dropout(model)
         self.router_aux_loss_coef = models.router_aux_loss_coef(model, args.router_aux_loss_coef)

@@ -154,6 +154,19 @@ def test_an_adapter_on_lm_head_is_rejected(tmp_path, tiny_model, tokenizer):
                     processing_class=tokenizer, peft_config=peft_config)
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_prompt_learning_adapters_are_refused(tmp_path, tokenizer, wrapped):
+    """Prompt tuning prepends virtual tokens in PeftModel.forward, which the rollout backends and the log-prob
+    forward bypass: refused by name (TRL 1.16 accepts it; its older releases refused it with the Liger loss)."""
+    from peft import PromptTuningConfig, TaskType
+
+    prompt_tuning = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    model = get_peft_model(base_model(tokenizer), prompt_tuning) if wrapped else base_model(tokenizer)
+    with pytest.raises(ValueError, match="PromptTuningConfig is a prompt-learning PEFT method"):
+        GRPOTrainer(model, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
+                    processing_class=tokenizer, peft_config=None if wrapped else prompt_tuning)
+
+
 def test_modules_to_save_lm_head_trains_a_copy_of_the_head(tmp_path, tokenizer):
     """TRL 1.16 accepts `modules_to_save=["lm_head"]`: the head is a fully trained copy (not an adapter), which the
     log-probs reach through the wrapper's forward; the KL reference (adapter disabled) keeps the original head."""
