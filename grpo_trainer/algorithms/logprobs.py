@@ -17,15 +17,42 @@ the logits: per chunk one V-wide product instead of two for a frozen head (LoRA)
 trained one. Any other head (a wrapped,
 sharded or offloaded module) goes through `torch.utils.checkpoint` around `token_logprobs`, which calls the module
 and so keeps its hooks.
+
+A `Float32Head` (`cast_lm_head_to_fp32`) is a plain head too: its float32 weight multiplies the hidden states cast
+to float32, with autocast off, in the chunked path as in its own forward (generation). A Mixture-of-Experts model
+asked for its router's load-balancing loss (`with_aux_loss`) returns it from the same forward; the result is one
+typed `LogProbs`, whatever was asked for.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["completion_logprobs", "token_logprobs"]
+__all__ = ["Float32Head", "LogProbs", "completion_logprobs", "token_logprobs"]
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """What `completion_logprobs` computed for `B` completions of `T` tokens."""
+
+    logps: Tensor  # [B, T] float32 log pi(token)
+    entropy: Tensor | None = None  # [B, T] float32 entropy of each position's distribution (with_entropy)
+    aux_loss: Tensor | None = None  # [] the MoE router's load-balancing loss, differentiable (with_aux_loss)
+
+
+class Float32Head(nn.Linear):
+    """An LM head whose weight is float32 and which computes in float32 whatever its input's dtype, autocast
+    included (ScaleRL's float32 head: logits of a bf16 model without bf16 rounding)."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -160,7 +187,7 @@ def _chunk_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: 
 def _is_plain_linear(head: nn.Module) -> bool:
     """A head whose weight can be used directly: no wrapper, hook, sharding (ZeRO-3, FSDP) or offloading."""
     weight = head.weight
-    return (type(head) is nn.Linear and not hasattr(head, "_hf_hook") and not hasattr(weight, "ds_id")
+    return (type(head) in (nn.Linear, Float32Head) and not hasattr(head, "_hf_hook") and not hasattr(weight, "ds_id")
             and type(weight.data) is torch.Tensor and not head._forward_hooks and not head._forward_pre_hooks)
 
 
@@ -175,7 +202,8 @@ def completion_logprobs(
     known_logps: Tensor | None = None,
     known_entropy: Tensor | None = None,
     known_probs: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    with_aux_loss: bool = False,
+) -> LogProbs:
     """Log-probs of the last `completion_length` tokens of each row.
 
     Args:
@@ -190,13 +218,20 @@ def completion_logprobs(
             returns them; gradients are computed exactly as without them.
         known_probs: `[B, T, V]` the tempered softmax at each position under these weights (the rollout's), used
             with `known_logps` only: the backward then takes the softmax from it instead of recomputing the logits.
+        with_aux_loss: a Mixture-of-Experts model also returns its router's load-balancing loss (the model is asked
+            for its router logits, `output_router_logits=True`).
     Returns:
-        logps `[B, T]` float32 and entropies `[B, T]` float32 (or None).
+        `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None).
     """
     # Positions count real tokens only, as in `generate`, so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    router = {"output_router_logits": True} if with_aux_loss else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
-                output_hidden_states=True, use_cache=False)
+                output_hidden_states=True, use_cache=False, **router)
+    aux_loss = getattr(out, "aux_loss", None) if with_aux_loss else None
+    if with_aux_loss and aux_loss is None:
+        raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
+                         "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
     # Position t predicts token t+1: the hidden states S-1 .. S+T-2 score completion tokens S .. S+T-1.
     hidden = out.hidden_states[-1][:, -completion_length - 1 : -1]  # [B, T, H]
     tokens = input_ids[:, -completion_length:]  # [B, T]
@@ -208,9 +243,14 @@ def completion_logprobs(
         if known_logps is not None and (known_entropy is not None or not with_entropy):
             known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
                      None if known_probs is None else known_probs.reshape(-1, known_probs.shape[-1]))
-        logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature,
-                                                   chunk_size, with_entropy, known)
-        return logps_t.view(shape), (entropies_t.view(shape) if with_entropy else None)
+        precision = contextlib.nullcontext()
+        if type(head) is Float32Head:  # as its forward computes: float32 hidden states, float32 weight, no autocast
+            flat_hidden = flat_hidden.float()
+            precision = torch.autocast(flat_hidden.device.type, enabled=False)
+        with precision:
+            logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens,
+                                                       temperature, chunk_size, with_entropy, known)
+        return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
     logps, entropies = [], []
     for start in range(0, flat_tokens.numel(), chunk_size):
         args = (head, flat_hidden[start : start + chunk_size], flat_tokens[start : start + chunk_size], temperature)
@@ -221,7 +261,7 @@ def completion_logprobs(
         logps.append(chosen)
         entropies.append(entropy)
     logps_t = torch.cat(logps).view(shape)
-    return logps_t, (torch.cat(entropies).view(shape) if with_entropy else None)
+    return LogProbs(logps_t, torch.cat(entropies).view(shape) if with_entropy else None, aux_loss)
 
 
 def _output_head(model: nn.Module) -> nn.Module:

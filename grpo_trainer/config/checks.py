@@ -19,10 +19,6 @@ PENDING: dict[str, tuple[Any, str]] = {
     "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
     "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
     "use_transformers_continuous_batching": (lambda v: v, "transformers' continuous-batching backend (issue 19)"),
-    "cast_lm_head_to_fp32": (lambda v: v, "a float32 LM head (issue 19)"),
-    "router_aux_loss_coef": (lambda v: v is not None, "the MoE router auxiliary loss (issue 19)"),
-    "pad_to_multiple_of": (lambda v: v is not None, "padding to a multiple (issue 19)"),
-    "trust_remote_code": (lambda v: v, "models with custom code (issue 19)"),
 }
 
 

@@ -5,7 +5,8 @@ unchanged (tests/config/test_trl_parity.py compares the two field by field). Doc
 defaults to what the hardware runs fast (bf16 on a GPU that supports it, fp32 on CPU, where bf16 matmuls are
 ~30x slower), activation checkpointing is on by default under its current name, and this project's own fields
 (`max_prompt_length`, `generation_backend`, `advantage_estimator`, ...). A field whose feature is not built yet
-raises `NotImplementedError` naming the feature when set (`config.checks.PENDING`), never silently ignored.
+raises `NotImplementedError` naming the feature when set (`config.checks.PENDING`), never silently ignored. Names that
+older TRL releases had are accepted with a warning naming their replacement (`config.legacy`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_trainer.config.checks import check_config
+from grpo_trainer.config.legacy import LegacyFields, resolve_legacy
 
 __all__ = ["GRPOConfig"]
 
@@ -33,7 +35,7 @@ def _bf16_is_fast() -> bool:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(LegacyFields, TrainingArguments):
     """Configuration for `GRPOTrainer`. `per_device_train_batch_size` counts *completions*, as in TRL."""
 
     # Defaults TRL changes on TrainingArguments.
@@ -202,6 +204,7 @@ class GRPOConfig(TrainingArguments):
         "namespace); needs log_completions. Public unless hub_private_repo=True.")
 
     def __post_init__(self) -> None:
+        resolve_legacy(self)  # first: a legacy name's value is then checked and converted like its replacement's
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and _bf16_is_fast()
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:

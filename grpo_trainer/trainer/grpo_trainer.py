@@ -40,23 +40,23 @@ import torch
 from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
-from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import losses, masks, surrogates
 from grpo_trainer.algorithms.advantage import MULTI_OBJECTIVE_AGGREGATIONS, Advantage, get_advantage_estimator
 from grpo_trainer.algorithms.entropy import EntropyControl, window_stats
-from grpo_trainer.algorithms.logprobs import completion_logprobs
+from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import advisories, check_config
-from grpo_trainer.data.checks import check_dataset, is_conversational
+from grpo_trainer.data.checks import check_dataset, eval_datasets, is_conversational, prepare_for_streaming
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
-from grpo_trainer.rewards.checks import check_reward_setup
+from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
 from grpo_trainer.rollout import capture, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
@@ -76,13 +76,11 @@ def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset
                   peft_config: Any) -> None:
     """Datasets and the options that depend on them, before any model is loaded."""
     check_dataset(train_dataset, "train_dataset", processing_class)
-    for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
+    for name, dataset in eval_datasets(eval_dataset):
         check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
-    if isinstance(train_dataset, IterableDataset):
-        if args.max_steps <= 0:
-            raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
-        # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
-        args.accelerator_config.dispatch_batches = False
+    prepare_for_streaming(train_dataset, eval_dataset, args)
+    if args.use_liger_kernel:
+        args.liger_kernel_config = models.liger_kernel_config(args.liger_kernel_config)
     if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
         raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                          "model, which never changes. Set sync_ref_model=False.")
@@ -105,7 +103,7 @@ class GRPOTrainer(Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel | nn.Module,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -122,12 +120,10 @@ class GRPOTrainer(Trainer):
         check_config(args)  # again: scripts set fields after building the config
         for message in advisories(args):
             logger.warning(message)
-        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+            else [reward_funcs]
         check_reward_setup(reward_funcs, args, reward_processing_classes)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id, padding_side="left", truncation_side="left")
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        processing_class = self._load_processing_class(model, processing_class, args)
         _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         self._surrogate_params = surrogates.SurrogateParams(
@@ -139,13 +135,7 @@ class GRPOTrainer(Trainer):
         self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
         self.rollout_backend = rollout.select(args)
 
-        model = models.load_policy(model, args.model_init_kwargs, quantization_config)
-        if peft_config is not None:
-            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
-            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
-        if args.disable_dropout:
-            models.disable_dropout(model)
-        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
+        model = self._build_models(model, args, peft_config, quantization_config)
         self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
@@ -173,21 +163,58 @@ class GRPOTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
+    @staticmethod
+    def _load_processing_class(model: str | nn.Module, processing_class: Any, args: GRPOConfig) -> Any:
+        """The given tokenizer, else the model's own (left padding and truncation), with a pad token. A model id
+        whose code is untrusted is refused first: loading its tokenizer may already run that code."""
+        kwargs = models.init_kwargs(args.model_init_kwargs, args.trust_remote_code)
+        trust, revision = kwargs["trust_remote_code"], kwargs.get("revision") if isinstance(model, str) else None
+        if isinstance(model, str):
+            models.check_remote_code(model, trust, revision)
+        if processing_class is None:
+            model_id = model if isinstance(model, str) else model.config._name_or_path
+            processing_class = models.load_tokenizer(model_id, trust, revision, padding_side="left",
+                                                     truncation_side="left")
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        return processing_class
+
+    def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
+                      quantization_config: Any) -> nn.Module:
+        """The policy (loaded, adapter-wrapped, head cast as asked) and `self.ref_model`; resolves the MoE router's
+        auxiliary loss (`self.router_aux_loss_coef`, `self.aux_loss_enabled`, TRL's names)."""
+        model = models.load_policy(model, args.model_init_kwargs, quantization_config, args.trust_remote_code)
+        if peft_config is not None:
+            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
+            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
+        models.check_adapter(model)
+        if args.disable_dropout:
+            models.disable_dropout(model)
+        self.router_aux_loss_coef = models.router_aux_loss_coef(model, args.router_aux_loss_coef)
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
+        if args.cast_lm_head_to_fp32:
+            models.cast_lm_head_to_fp32(model)
+        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs,
+                                                          args.trust_remote_code)
+        if args.cast_lm_head_to_fp32 and self.ref_model is not None:
+            models.cast_lm_head_to_fp32(self.ref_model)  # a copy of the policy already has it; a reloaded one not
+        return model
+
     def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
-        """Every reward as a callable with the reward-function contract; reward models are loaded here."""
-        if not isinstance(processing_classes, (list, tuple)):
-            processing_classes = [processing_classes] * len(funcs)
+        """Every reward as a callable with the reward-function contract; reward models are loaded here.
+        `self.reward_processing_classes`: each reward's tokenizer (None for reward functions), as in TRL."""
         batch_size = args.reward_model_batch_size or args.per_device_train_batch_size
-        built = []
-        for func, tokenizer in zip(funcs, processing_classes):
+        built, self.reward_processing_classes = [], []
+        for func, tokenizer in zip(funcs, as_processing_classes(processing_classes, len(funcs))):
             if isinstance(func, str):
-                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs)
+                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs, args.trust_remote_code)
                 tokenizer = tokenizer or loaded_tokenizer
             if isinstance(func, nn.Module):
                 if tokenizer is None:
-                    tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
+                    tokenizer = models.load_tokenizer(func.config._name_or_path, args.trust_remote_code)
                 func = rewards.RewardModel(func, tokenizer, batch_size)
             built.append(func)
+            self.reward_processing_classes.append(tokenizer)
         return built, [rewards.reward_name(f) for f in built]
 
     def _prepare_auxiliary_models(self) -> None:
@@ -236,9 +263,19 @@ class GRPOTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
             dataset = self.eval_dataset[dataset]
-        if isinstance(dataset, IterableDataset):
-            dataset = repeat_iterable(dataset, self._num_generations("eval"), 1, 1)
-        return super().get_eval_dataloader(dataset)
+        if not isinstance(dataset, IterableDataset):
+            return super().get_eval_dataloader(dataset)
+        # A stream (also one first seen here, via `evaluate(eval_dataset=...)`): each process reads its own share,
+        # with one worker, so that each prompt's repeats stay together (`data.checks.prepare_for_streaming`).
+        if self.args.accelerator_config.dispatch_batches:
+            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                             "`accelerator_config`; set it to False, or pass a map-style eval dataset.")
+        self.accelerator.dataloader_config.dispatch_batches = False
+        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
+        try:
+            return super().get_eval_dataloader(repeat_iterable(dataset, self._num_generations("eval"), 1, 1))
+        finally:
+            self.args.dataloader_num_workers = workers
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         G = self._num_generations("eval")
@@ -266,7 +303,7 @@ class GRPOTrainer(Trainer):
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in batch]
         prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
-                                        args.chat_template_kwargs).to(device)
+                                        args.chat_template_kwargs, args.pad_to_multiple_of).to(device)
         out = self._rollout(prompt_batch, mode)
         completions = self._completion_texts(out, prompts)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
@@ -276,10 +313,13 @@ class GRPOTrainer(Trainer):
                                                   completion_ids, columns, args.reward_error_policy,
                                                   trainer_state=self.state, log_extra=self._reward_logs.log_extra,
                                                   log_metric=self._reward_logs.log_metric).to(device)  # [B, F]
+        unrewarded = torch.isnan(local_rewards).all(dim=1).nonzero()  # rows no reward function scored
+        if len(unrewarded):
+            row = int(unrewarded[0])
+            sample = {**{k: v[row] for k, v in columns.items()}, "prompt": prompts[row], "completion": completions[row]}
+            logger.warning(f"All reward functions returned None for the following kwargs:\n{sample}\nSuch completions "
+                           "get advantage 0; make sure at least one reward function returns a valid reward.")
         all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
-        if torch.isnan(all_rewards).all(dim=1).any():
-            warnings.warn("every reward function returned None (or failed) for some completions; they get "
-                          "advantage 0. A group with no reward at all teaches nothing.")
         G = self._num_generations(mode)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         aggregate = MULTI_OBJECTIVE_AGGREGATIONS[args.multi_objective_aggregation]
@@ -299,7 +339,8 @@ class GRPOTrainer(Trainer):
                      completion_mask=loss_mask.int(), advantages=advantages,
                      window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
                      sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
-                     layer_outputs=out.layer_outputs)
+                     layer_outputs=out.layer_outputs,
+                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self.processing_class.pad_token_id)
 
     def _on_policy(self, mode: str) -> bool:
         """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
@@ -350,7 +391,8 @@ class GRPOTrainer(Trainer):
     def _no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
         """Log-probs `[B, T]` of a (trimmed) round, `per_device_train_batch_size` rows per forward."""
         size, width = self.args.per_device_train_batch_size, part.completion_ids.shape[1]
-        pieces = [self._logps(model, part.select(slice(i, i + size)).trimmed())[0] for i in range(0, part.rows, size)]
+        pieces = [self._logps(model, part.select(slice(i, i + size)).trimmed()).logps
+                  for i in range(0, part.rows, size)]
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
 
     def _window_tokens(self, loss_mask: Tensor, mode: str) -> Tensor:
@@ -364,29 +406,31 @@ class GRPOTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------- loss
 
-    def _logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False):
+    def _logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False) -> LogProbs:
         """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
         this round, on-policy, so the rollout's values stand in for the forward's (and its layer outputs, if kept,
-        are replayed)."""
+        are replayed); the policy's forward also returns the MoE router's auxiliary loss when it is enabled."""
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
+        with_aux_loss = policy and self.aux_loss_enabled
         if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
             return distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                                        self.args.logprob_chunk_size, with_entropy)
+                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss)
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = contextlib.nullcontext()
         if policy and inputs.layer_outputs is not None and model.training:
             replayed = replay.replayed_layers(models.causal_lm(model).get_decoder().layers, inputs.layer_outputs)
         with replayed:
             return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                       self.args.logprob_chunk_size, with_entropy, *known)
+                                       self.args.logprob_chunk_size, with_entropy, *known,
+                                       with_aux_loss=with_aux_loss)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
         args = self.args
         mode = "train" if model.training else "eval"
-        logps, entropy, measured = self._policy_logps(model, inputs, mode)  # [B, T] each
+        logps, entropy, measured, aux_loss = self._policy_logps(model, inputs, mode)  # [B, T] each; [] or None
         mask = inputs.completion_mask
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
@@ -410,7 +454,11 @@ class GRPOTrainer(Trainer):
         window["entropy"].append((entropy.detach() * measured).sum() / measured.sum().clamp(min=1))
         if bonus and mode == "train":
             self._control_entropy(entropy, mask if entropy_mask is None else mask * entropy_mask)
-        return (out.loss, None) if return_outputs else out.loss
+        loss = out.loss
+        if aux_loss is not None:  # TRL: scaled for gradient accumulation like the policy loss (auto-scaling is off)
+            loss = loss + self.router_aux_loss_coef * aux_loss / norm.accumulation_steps
+            window["aux_loss"].append(aux_loss.detach())
+        return (loss, None) if return_outputs else loss
 
     def _control_entropy(self, entropy: Tensor, mask: Tensor) -> None:
         """Adaptive entropy control: add this micro-batch's entropy to the window's; at the optimizer step, update
@@ -458,22 +506,24 @@ class GRPOTrainer(Trainer):
         return surrogates.gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos,
                                         lambda_pos, k_neg, lambda_neg)
 
-    def _policy_logps(self, model: nn.Module, inputs: Round, mode: str) -> tuple[Tensor, Tensor, Tensor]:
-        """Policy log-probs and entropies `[B, T]`, and the mask of tokens whose entropy was computed. With
-        beta == 0 and no entropy mask, a completion whose advantage is exactly 0 adds 0 to the loss and to its
-        gradient whatever its log-probs, so only the other rows run forward and backward; skipped rows keep their
-        place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1). The entropy
-        bonus trains every row, so it turns this off."""
+    def _policy_logps(self, model: nn.Module, inputs: Round, mode: str
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Policy log-probs and entropies `[B, T]`, the mask of tokens whose entropy was computed, and the MoE
+        router's auxiliary loss (None unless enabled). With beta == 0, no entropy mask, no entropy bonus and no
+        auxiliary loss, a completion whose advantage is exactly 0 adds 0 to the loss and to its gradient whatever
+        its log-probs, so only the other rows run forward and backward; skipped rows keep their place in every loss
+        normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
         args = self.args
         advantages, mask = inputs.advantages, inputs.completion_mask  # [B] or [B, T]; [B, T]
         nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
         if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or self._entropy.enabled \
-                or bool(nonzero.all()):
-            logps, entropy = self._logps(model, inputs, with_entropy=True, policy=True)
-            return logps, entropy, mask
+                or self.aux_loss_enabled or bool(nonzero.all()):
+            out = self._logps(model, inputs, with_entropy=True, policy=True)
+            return out.logps, out.entropy, mask, out.aux_loss
         keep = nonzero.nonzero().squeeze(1)
         keep = keep if keep.numel() else keep.new_zeros(1)  # one row keeps the graph (and DDP's hooks) alive
-        part_logps, part_entropy = self._logps(model, inputs.select(keep).trimmed(), True, policy=True)
+        part = self._logps(model, inputs.select(keep).trimmed(), True, policy=True)
+        part_logps, part_entropy = part.logps, part.entropy
         B, T = mask.shape
         width = part_logps.shape[1]
         logps = inputs.old_logps.clone() if inputs.old_logps is not None else part_logps.new_zeros(B, T)
@@ -482,7 +532,7 @@ class GRPOTrainer(Trainer):
         entropy[keep, :width] = part_entropy
         measured = torch.zeros_like(mask)
         measured[keep] = mask[keep]
-        return logps, entropy, measured
+        return logps, entropy, measured, None
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""

@@ -73,10 +73,14 @@ def make(args, tokenizer, model=None, reward_funcs=copy_digits_reward, dataset=N
 
 
 @pytest.mark.parametrize("reward_funcs, kwargs, message", [
-    ([], {}, "reward_funcs is empty"),
+    ([], {}, "No reward source provided"),
+    (None, {}, "No reward source provided"),  # TRL 1.16's reward_funcs is optional, a reward is not
     ([copy_digits_reward, 3], {}, "reward_funcs[1] is a int"),
     ([copy_digits_reward], {"reward_processing_classes": [None, None]},
-     "reward_processing_classes has 2 entries but there are 1 reward functions"),
+     "The number of reward processing classes (2) must match the number of reward functions (1)"),
+    # TRL: a single processing class is a list of one, so two rewards need a list of two
+    ([copy_digits_reward, copy_digits_reward], {"reward_processing_classes": "one-tokenizer"},
+     "The number of reward processing classes (1) must match the number of reward functions (2)"),
 ])
 def test_reward_setup_is_checked_before_loading(args, tokenizer, reward_funcs, kwargs, message):
     with pytest.raises(ValueError) as error:

@@ -60,7 +60,7 @@ def test_entropy_bonus_covers_every_row_when_advantages_are_zero(tmp_path, tiny_
     plain = dataclasses.replace(inputs, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
                                 layer_outputs=None)
     with torch.no_grad():
-        _, entropy = trainer._logps(trainer.model, plain, with_entropy=True)
+        entropy = trainer._logps(trainer.model, plain, with_entropy=True).entropy
     mask = inputs.completion_mask.float()
     assert loss.item() == pytest.approx(-0.1 * ((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)
 
@@ -105,7 +105,7 @@ def test_off_policy_mask_drops_a_drifted_negative_completion(tmp_path, tiny_mode
     assert inputs.old_logps is not None and (inputs.advantages < 0).any()
     drifted = dataclasses.replace(inputs, old_logps=inputs.old_logps + 10.0 * (inputs.advantages < 0)[:, None])
     with torch.no_grad():
-        logps, _ = trainer._logps(trainer.model, inputs)
+        logps = trainer._logps(trainer.model, inputs).logps
     per_row = torch.exp(logps - inputs.old_logps)  # ratio 1 here: the policy has not moved yet
     assert torch.allclose(per_row, torch.ones_like(per_row))
     # drifted: the negative rows' surrogate is dropped; their ratio e^-10 would otherwise clip to 0.8 * |A|

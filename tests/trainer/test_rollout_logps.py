@@ -98,8 +98,11 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
 
     skipped = loss_and_grads()
     assert rows_seen == [5]  # the three zero-advantage rows never ran
-    monkeypatch.setattr(trainer, "_policy_logps", lambda m, batch, mode: (
-        *trainer._logps(m, batch, with_entropy=True, policy=True), batch.completion_mask))
+    def full_forward(m, batch, mode):
+        out = trainer._logps(m, batch, with_entropy=True, policy=True)
+        return out.logps, out.entropy, batch.completion_mask, out.aux_loss
+
+    monkeypatch.setattr(trainer, "_policy_logps", full_forward)
     plain = loss_and_grads()
     assert rows_seen == [5, 8]
     torch.testing.assert_close(skipped[0], plain[0], atol=1e-7, rtol=1e-6)
