@@ -56,7 +56,7 @@ def reference(size: str, T: int) -> dict[str, float]:
 
     def transformers_forward():
         with torch.no_grad():
-            return completion_logprobs(model, ids, mask, T)[0]
+            return completion_logprobs(model, ids, mask, T).logps
 
     def fused_forward():
         with torch.inference_mode():

@@ -53,3 +53,82 @@ def assert_same_rollout(fast: Rollout, reference: Rollout) -> None:
     assert torch.equal(fast.completion_ids, reference.completion_ids)
     assert torch.equal(fast.completion_mask, reference.completion_mask)
     assert torch.equal(fast.is_truncated, reference.is_truncated)
+
+
+# A model architecture that transformers does not ship: it exists only as the Python files saved beside the weights
+# (an `auto_map` in config.json and tokenizer_config.json), so it loads only with trust_remote_code=True.
+REMOTE_CODE = {
+    "configuration_tinyremote.py": """
+from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+""",
+    "modeling_tinyremote.py": """
+from torch import nn
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel, LlamaPreTrainedModel
+
+from .configuration_tinyremote import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+
+
+class TinyRemoteForSequenceClassification(LlamaForSequenceClassification):
+    config_class = TinyRemoteConfig
+
+    def __init__(self, config):  # transformers' AutoModel does not know this config: build the body directly
+        LlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = LlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+""",
+    "tokenization_tinyremote.py": """
+from transformers import PreTrainedTokenizerFast
+
+
+class TinyRemoteTokenizer(PreTrainedTokenizerFast):
+    pass
+""",
+}
+
+
+def write_remote_code_model(folder, tokenizer, task: str = "causal-lm") -> str:
+    """Save a tiny Llama-shaped model (task 'causal-lm' or 'reward') and `tokenizer` to `folder` as a checkpoint
+    whose model, config and tokenizer classes live in the folder's own code. Returns the folder as a string."""
+    import json
+    import os
+
+    from transformers import LlamaForSequenceClassification
+
+    folder = str(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, tie_word_embeddings=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    if task == "causal-lm":
+        model, auto, name = AutoModelForCausalLM.from_config(config), "AutoModelForCausalLM", "TinyRemoteForCausalLM"
+    else:
+        model = LlamaForSequenceClassification(config)
+        auto, name = "AutoModelForSequenceClassification", "TinyRemoteForSequenceClassification"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    for file, code in REMOTE_CODE.items():
+        with open(os.path.join(folder, file), "w") as f:
+            f.write(code)
+
+    def update(file: str, **values) -> None:
+        path = os.path.join(folder, file)
+        with open(path) as f:
+            content = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**content, **values}, f)
+
+    update("config.json", model_type="tiny_remote", architectures=[name],
+           auto_map={"AutoConfig": "configuration_tinyremote.TinyRemoteConfig", auto: f"modeling_tinyremote.{name}"})
+    update("tokenizer_config.json", tokenizer_class="TinyRemoteTokenizer",
+           auto_map={"AutoTokenizer": [None, "tokenization_tinyremote.TinyRemoteTokenizer"]})
+    return folder

@@ -29,7 +29,8 @@ def test_example_smoke(name, tmp_path):
     assert saved == ({"adapter_model.safetensors"} if name == "reward_model_lora" else {"model.safetensors"})
     if name != "migrate_from_trainer":  # the migration example stays a plain Trainer script
         assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.png").exists()
-        assert len(os.listdir(tmp_path / "completions")) == 2
+        assert sorted(os.listdir(tmp_path / "completions")) == [f"completions_0000{step}.{ext}" for step in (1, 2)
+                                                                for ext in ("jsonl", "parquet")]
     if name == "reward_model_lora":
         assert "kl" in rows[0]  # beta=0.04: the adapter-free policy is the reference
     if name == "rloo":

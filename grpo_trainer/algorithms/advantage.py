@@ -12,6 +12,9 @@ Decisions (see README "Design decisions"):
    `'batch'` use the batch mean as the baseline (twinkle's behaviour).
 5. Every estimator has the same call signature, so the trainer, a registry name and a user callable are
    interchangeable: `fn(rewards, num_generations=G, scale=..., **kwargs) -> Tensor[B]`.
+6. Several reward functions are combined before the estimator (`sum_then_normalize`, the default) or after it
+   (`normalize_then_sum`, GDPO): `MULTI_OBJECTIVE_AGGREGATIONS`, each `fn(estimator, rewards [B, F], G, scale,
+   reward_weights, eps)`, works with any estimator.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ AdvantageFn = Callable[..., Tensor]
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
     "Advantage",
     "DrGRPOAdvantage",
     "GRPOAdvantage",
@@ -39,7 +43,9 @@ __all__ = [
     "get_advantage_estimator",
     "group_std",
     "nanstd",
+    "normalize_then_sum",
     "register_advantage",
+    "sum_then_normalize",
 ]
 
 
@@ -97,7 +103,8 @@ def nanstd(x: Tensor, dim: int | None = None) -> Tensor:
     mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim=dim, keepdim=True)
     sq = torch.where(valid, (x - mean) ** 2, 0.0)
     total = sq.sum() if dim is None else sq.sum(dim=dim, keepdim=True)
-    return torch.sqrt(total / (count - 1))  # count 1 -> 0/0 = NaN, count 0 -> NaN
+    # count 1 -> 0/0 = NaN; count 0 would give sqrt(0/-1) = -0, so it is set to NaN explicitly
+    return torch.where(count > 0, torch.sqrt(total / (count - 1)), math.nan)
 
 
 def group_std(rewards: Tensor, num_generations: int) -> Tensor:
@@ -239,3 +246,66 @@ def get_advantage_estimator(estimator: str | Advantage | AdvantageFn, eps: float
             f"advantage_estimator must be a name, an Advantage or a callable; got {type(estimator).__name__}."
         )
     return estimator
+
+
+def sum_then_normalize(estimator: AdvantageFn, rewards: RewardsLike, num_generations: int, scale: Scale = "group",
+                       reward_weights: Sequence[float] | Tensor | None = None, eps: float = 1e-4) -> Tensor:
+    """The default: the weighted sum of the reward functions per completion (missing ones skipped), then the
+    estimator on that single reward. Args: rewards `[B, F]` or `[B]`. Returns `[B]`."""
+    return estimator(rewards, num_generations=num_generations, scale=scale, reward_weights=reward_weights)
+
+
+def normalize_then_sum(estimator: AdvantageFn, rewards: RewardsLike, num_generations: int, scale: Scale = "group",
+                       reward_weights: Sequence[float] | Tensor | None = None, eps: float = 1e-4) -> Tensor:
+    """GDPO (arXiv:2601.05242): each reward function's rewards go through the estimator on their own, the weighted
+    sum of these per-function advantages is taken, and that sum is standardised over the batch: (x - mean) /
+    (std + eps), missing values left out. Summing raw rewards lets the function with the widest spread decide
+    the ranking; normalising each first gives every function its own say, weighted by `reward_weights`.
+
+    The per-function step is the group normalisation GDPO prescribes, so the estimator is called with
+    `scale="group"` and `scale` is not used (as in TRL). With `grpo` this is GDPO exactly: each reward z-scored in
+    its group, TRL's `normalize_then_sum` to the last digit. With another estimator each reward gets that
+    estimator's advantage instead: `rloo` its leave-one-out baseline (scaled by the group std), `dr_grpo` its group
+    centring without any std (so functions on a wider scale weigh more before the batch standardisation),
+    `reinforce_pp_baseline` its group centring over the batch std of that function.
+
+    A completion no function scored gets advantage 0 and is left out of the batch mean and std; a reward missing
+    for one function adds nothing to that completion's sum.
+
+    Args: rewards `[B, F]` (a `[B]` vector is one function), reward_weights `[F]`. Returns `[B]`.
+    """
+    values = _as_matrix(rewards)  # [B, F]
+    weights = torch.ones(values.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights)
+    if weights.numel() != values.shape[1]:
+        raise ValueError(f"reward_weights has {weights.numel()} entries but rewards have {values.shape[1]} columns "
+                         "(one per reward function); pass one weight per reward function.")
+    per_function = torch.stack([torch.nan_to_num(estimator(values[:, k], num_generations=num_generations,
+                                                           scale="group"), nan=0.0).to(values)
+                                for k in range(values.shape[1])], dim=1)  # [B, F]
+    combined = (per_function * weights.to(values)).sum(dim=1)  # [B]
+    combined = combined.masked_fill(torch.isnan(values).all(dim=1), math.nan)  # unscored: out of the batch stats
+    std = torch.nan_to_num(nanstd(combined), nan=0.0)
+    return torch.nan_to_num((combined - torch.nanmean(combined)) / (std + eps), nan=0.0)
+
+
+def _as_matrix(rewards: RewardsLike) -> Tensor:
+    """`[B, F]` float rewards (a `[B]` vector as one column), `None` as NaN; +-inf refused as in
+    `as_reward_vector`."""
+    if isinstance(rewards, Tensor):
+        values = rewards.detach().to(torch.float32) if not rewards.is_floating_point() else rewards.detach()
+    else:
+        values = torch.tensor(_nones_to_nan(rewards), dtype=torch.float32)
+    values = values.unsqueeze(1) if values.dim() == 1 else values
+    if values.dim() != 2:
+        raise ValueError(f"rewards must be 1-D [B] or 2-D [B, F]; got shape {tuple(values.shape)}.")
+    if torch.isinf(values).any():
+        raise ValueError("rewards contain +/-inf; rewards must be finite numbers, or None/NaN for 'not applicable'.")
+    return values
+
+
+MultiObjectiveAggregation = Callable[..., Tensor]
+
+MULTI_OBJECTIVE_AGGREGATIONS: dict[str, MultiObjectiveAggregation] = {
+    "sum_then_normalize": sum_then_normalize,
+    "normalize_then_sum": normalize_then_sum,
+}

@@ -10,20 +10,49 @@ For a plain `nn.Linear` head (the usual case) one autograd function (`_HeadLogPr
 forward keeps only each row's log-sum-exp, and the backward rebuilds a chunk's logits and writes the gradient of
 log p(token) = z_token - logsumexp(z) in place, `dz = g * (onehot(token) - softmax(z))`, then projects it through
 the head. That is two V-wide passes per chunk in the backward instead of autograd's replay of the whole
-softmax/gather graph. On-policy the rollout's values stand in (`known`): the forward projects nothing, and with
-the rollout's softmax (`replay`) the backward skips recomputing the logits: per chunk one V-wide product
-instead of two for a frozen head (LoRA), two instead of three for a trained one. Any other head (a wrapped,
+softmax/gather graph. The entropy H is differentiable too (for the entropy bonus): dH/dz = -p * (log p + H),
+a few more V-wide passes per chunk, paid only when a loss uses H. On-policy the rollout's values stand in
+(`known`): the forward projects nothing, and with the rollout's softmax (`replay`) the backward skips recomputing
+the logits: per chunk one V-wide product instead of two for a frozen head (LoRA), two instead of three for a
+trained one. Any other head (a wrapped,
 sharded or offloaded module) goes through `torch.utils.checkpoint` around `token_logprobs`, which calls the module
 and so keeps its hooks.
+
+A `Float32Head` (`cast_lm_head_to_fp32`) is a plain head too: its float32 weight multiplies the hidden states cast
+to float32, with autocast off, in the chunked path as in its own forward (generation). A Mixture-of-Experts model
+asked for its router's load-balancing loss (`with_aux_loss`) returns it from the same forward; the result is one
+typed `LogProbs`, whatever was asked for.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["completion_logprobs", "token_logprobs"]
+__all__ = ["Float32Head", "LogProbs", "completion_logprobs", "token_logprobs"]
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """What `completion_logprobs` computed for `B` completions of `T` tokens."""
+
+    logps: Tensor  # [B, T] float32 log pi(token)
+    entropy: Tensor | None = None  # [B, T] float32 entropy of each position's distribution (with_entropy)
+    aux_loss: Tensor | None = None  # [] the MoE router's load-balancing loss, differentiable (with_aux_loss)
+
+
+class Float32Head(nn.Linear):
+    """An LM head whose weight is float32 and which computes in float32 whatever its input's dtype, autocast
+    included (ScaleRL's float32 head: logits of a bf16 model without bf16 rounding)."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -59,8 +88,8 @@ def _logsumexp_(logits: Tensor) -> Tensor:
 
 class _HeadLogProbs(torch.autograd.Function):
     """log softmax(hidden @ weight.T + bias) / temperature)[token] per row, and optionally the entropy, one chunk
-    of rows at a time. Saves only the rows' log-sum-exp `[N]` besides its inputs. The entropy is not
-    differentiable (a metric and a mask).
+    of rows at a time. Saves only the rows' log-sum-exp and entropies `[N]` besides its inputs. Both outputs are
+    differentiable (the entropy for the entropy bonus); an output that no loss uses costs nothing in the backward.
 
     `known` = (logps `[N]`, entropies `[N]` or None, probs `[N, V]` or None): values already computed under the
     same weights (the rollout's, on-policy); the forward then projects nothing and returns them. The backward
@@ -73,11 +102,11 @@ class _HeadLogProbs(torch.autograd.Function):
                 ) -> tuple[Tensor, Tensor]:
         N = tokens.shape[0]
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         if known is not None:
             logps = known[0].to(torch.float32, copy=True)
             entropies = known[1].to(torch.float32, copy=True) if with_entropy else logps.new_empty(0)
-            ctx.save_for_backward(hidden, weight, bias, tokens, None, known[2])
-            ctx.mark_non_differentiable(entropies)
+            ctx.save_for_backward(hidden, weight, bias, tokens, None, known[2], entropies)
             return logps, entropies
         logps = hidden.new_empty(N, dtype=torch.float32)
         lses = torch.empty_like(logps)
@@ -95,45 +124,70 @@ class _HeadLogProbs(torch.autograd.Function):
             else:
                 lses[rows] = _logsumexp_(logits)
                 logps[rows] = chosen - lses[rows]
-        ctx.save_for_backward(hidden, weight, bias, tokens, lses, None)
-        ctx.mark_non_differentiable(entropies)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lses, None, entropies)
         return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor, grad_entropies: Tensor | None):
-        hidden, weight, bias, tokens, lses, known_probs = ctx.saved_tensors
+    def backward(ctx, grad_logps: Tensor | None, grad_entropies: Tensor | None):
+        hidden, weight, bias, tokens, lses, known_probs, entropies = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
         grad_bias = torch.zeros_like(bias) if want_bias else None
+        if grad_logps is None:
+            grad_logps = tokens.new_zeros(tokens.shape, dtype=torch.float32)
         for start in range(0, tokens.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             h, token = hidden[rows], tokens[rows]
             # z = logits / T and d log p(token) / dz = onehot(token) - softmax(z). The upstream gradient and the
             # 1/T scale the rows, so they are applied on the E-wide side of each product, never to a V-wide one.
             scale = (grad_logps[rows] / ctx.temperature).to(weight.dtype)[:, None]  # [n, 1]
-            if known_probs is not None:
-                probs = known_probs[rows]
-            elif lses is None:
-                probs = torch.softmax(_chunk_logits(h, weight, bias, ctx.temperature), dim=-1)  # [n, V] float32
+            with_entropy_grad = grad_entropies is not None
+            probs, log_probs = _chunk_softmax(h, weight, bias, ctx.temperature, lses, known_probs, rows,
+                                              with_log=with_entropy_grad)
+            if with_entropy_grad:
+                # dH/dz = -p * (log p + H): the vocab-side term is no longer a row scaling of p, so build it.
+                g, g_h = grad_logps[rows, None], grad_entropies[rows, None]  # [n, 1] each
+                dense = (probs * (g + g_h * entropies[rows, None]) + g_h * log_probs).div_(ctx.temperature)
+                dense, dense_scale = dense.to(weight.dtype), None  # [n, V]: d loss / d logits, less the token term
             else:
-                probs = _chunk_logits(h, weight, bias, ctx.temperature).sub_(lses[rows, None]).exp_()
-            probs = probs.to(weight.dtype)
-            if want_hidden:
-                grad_hidden[rows] = scale * (weight[token] - probs @ weight)
+                dense, dense_scale = probs.to(weight.dtype), scale
+            if want_hidden and dense_scale is None:
+                grad_hidden[rows] = scale * weight[token] - dense @ weight
+            elif want_hidden:
+                grad_hidden[rows] = scale * (weight[token] - dense @ weight)
             if want_weight or want_bias:
                 scaled = scale * h  # [n, E]
             if want_weight:
-                grad_weight.addmm_(probs.T, scaled, alpha=-1).index_add_(0, token, scaled)
+                grad_weight.addmm_(dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
+                grad_weight.index_add_(0, token, scaled)
             if want_bias:
-                grad_bias.addmv_(probs.T, scale[:, 0], alpha=-1).index_add_(0, token, scale[:, 0])
+                row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]
+                grad_bias.addmv_(dense.T, row_weights, alpha=-1).index_add_(0, token, scale[:, 0])
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _chunk_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, lses: Tensor | None,
+                   known_probs: Tensor | None, rows: slice, with_log: bool) -> tuple[Tensor, Tensor | None]:
+    """The tempered softmax `[n, V]` float32 of one chunk, from the rollout's (`known_probs`), from the saved
+    log-sum-exp, or recomputed; with `with_log` also p * log p `[n, V]` (0 where p = 0), for the entropy's gradient."""
+    if known_probs is not None:
+        if not with_log:
+            return known_probs[rows], None
+        probs = known_probs[rows].float()
+        return probs, torch.special.xlogy(probs, probs)
+    logits = _chunk_logits(h, weight, bias, temperature)  # [n, V]
+    log_p = torch.log_softmax(logits, dim=-1) if lses is None else logits.sub_(lses[rows, None])
+    if not with_log:
+        return log_p.exp_(), None
+    probs = log_p.exp()
+    return probs, log_p.mul_(probs)
 
 
 def _is_plain_linear(head: nn.Module) -> bool:
     """A head whose weight can be used directly: no wrapper, hook, sharding (ZeRO-3, FSDP) or offloading."""
     weight = head.weight
-    return (type(head) is nn.Linear and not hasattr(head, "_hf_hook") and not hasattr(weight, "ds_id")
+    return (type(head) in (nn.Linear, Float32Head) and not hasattr(head, "_hf_hook") and not hasattr(weight, "ds_id")
             and type(weight.data) is torch.Tensor and not head._forward_hooks and not head._forward_pre_hooks)
 
 
@@ -148,7 +202,8 @@ def completion_logprobs(
     known_logps: Tensor | None = None,
     known_entropy: Tensor | None = None,
     known_probs: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    with_aux_loss: bool = False,
+) -> LogProbs:
     """Log-probs of the last `completion_length` tokens of each row.
 
     Args:
@@ -163,13 +218,20 @@ def completion_logprobs(
             returns them; gradients are computed exactly as without them.
         known_probs: `[B, T, V]` the tempered softmax at each position under these weights (the rollout's), used
             with `known_logps` only: the backward then takes the softmax from it instead of recomputing the logits.
+        with_aux_loss: a Mixture-of-Experts model also returns its router's load-balancing loss (the model is asked
+            for its router logits, `output_router_logits=True`).
     Returns:
-        logps `[B, T]` float32 and entropies `[B, T]` float32 (or None).
+        `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None).
     """
     # Positions count real tokens only, as in `generate`, so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    router = {"output_router_logits": True} if with_aux_loss else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
-                output_hidden_states=True, use_cache=False)
+                output_hidden_states=True, use_cache=False, **router)
+    aux_loss = getattr(out, "aux_loss", None) if with_aux_loss else None
+    if with_aux_loss and aux_loss is None:
+        raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
+                         "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
     # Position t predicts token t+1: the hidden states S-1 .. S+T-2 score completion tokens S .. S+T-1.
     hidden = out.hidden_states[-1][:, -completion_length - 1 : -1]  # [B, T, H]
     tokens = input_ids[:, -completion_length:]  # [B, T]
@@ -181,9 +243,14 @@ def completion_logprobs(
         if known_logps is not None and (known_entropy is not None or not with_entropy):
             known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
                      None if known_probs is None else known_probs.reshape(-1, known_probs.shape[-1]))
-        logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens, temperature,
-                                                   chunk_size, with_entropy, known)
-        return logps_t.view(shape), (entropies_t.view(shape) if with_entropy else None)
+        precision = contextlib.nullcontext()
+        if type(head) is Float32Head:  # as its forward computes: float32 hidden states, float32 weight, no autocast
+            flat_hidden = flat_hidden.float()
+            precision = torch.autocast(flat_hidden.device.type, enabled=False)
+        with precision:
+            logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens,
+                                                       temperature, chunk_size, with_entropy, known)
+        return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
     logps, entropies = [], []
     for start in range(0, flat_tokens.numel(), chunk_size):
         args = (head, flat_hidden[start : start + chunk_size], flat_tokens[start : start + chunk_size], temperature)
@@ -192,9 +259,9 @@ def completion_logprobs(
         else:
             chosen, entropy = _head_logprobs(*args)
         logps.append(chosen)
-        entropies.append(entropy.detach())  # the entropy is a metric/mask, never differentiated
+        entropies.append(entropy)
     logps_t = torch.cat(logps).view(shape)
-    return logps_t, (torch.cat(entropies).view(shape) if with_entropy else None)
+    return LogProbs(logps_t, torch.cat(entropies).view(shape) if with_entropy else None, aux_loss)
 
 
 def _output_head(model: nn.Module) -> nn.Module:

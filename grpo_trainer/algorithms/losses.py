@@ -2,39 +2,63 @@
 
 Decisions:
 
-1. Loss = surrogate (how one token is scored) then aggregation (how token losses become one number) + beta * KL.
-   TRL's `loss_type` names pick both at once (`grpo`, `bnpo`, `dr_grpo`, `dapo` share the clipped surrogate and
-   differ in aggregation; `cispo`, `sapo` change the surrogate); `LOSS_TYPES` maps each name to its pair.
+1. Loss = surrogate (how one token is scored, `surrogates`) then aggregation (how token losses become one number)
+   + beta * KL, - c * entropy. TRL's `loss_type` names pick surrogate and aggregation at once (`grpo`, `bnpo`,
+   `dr_grpo`, `dapo`, `luspo` share the clipped surrogate and differ in aggregation; `cispo`, `sapo`, `vespo`
+   change the surrogate); `LOSS_TYPES` maps each name to its pair.
 2. Every aggregation already includes gradient-accumulation scaling, so the trainer sets
    `loss_is_scaled_for_ga = True`. Summing a window's micro-batch losses and averaging over processes (what
    DDP/DeepSpeed do to gradients) gives the documented quantity; `dapo` is then the token mean over the whole
    accumulated global batch, independent of how it was split (DAPO, arXiv:2503.14476, section 3.3).
 3. On-policy (no `old_logps`), the ratio is `exp(logp - logp.detach())`: 1 in value, grad of log pi in gradient.
+4. The off-policy and high-entropy masks (`masks`) multiply the surrogate only, before the KL term is added; every
+   normaliser and metric still counts all completion tokens, as in TRL. The entropy bonus (`entropy`) is the
+   mean entropy over the tokens the surrogate trains on.
+5. Metrics follow TRL's names and definitions: a `[B, T]` quantity is averaged over completion tokens, a `[B, 1]`
+   one (sequence level) over completions; `clip_ratio/low_min` and `clip_ratio/high_max` are the extremes over
+   completions, returned per completion (`LossOutput.per_sequence`) for the trainer to reduce across processes
+   with `SEQUENCE_METRICS`.
 
 Shapes: `B` completions in the micro-batch, `T` completion tokens. Masks are 0/1 float or bool `[B, T]`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
+from grpo_trainer.algorithms.entropy import entropy_bonus
+from grpo_trainer.algorithms.masks import off_policy_mask
+from grpo_trainer.algorithms.surrogates import (
+    SURROGATES,
+    SurrogateParams,
+    cispo_surrogate,
+    clipped_surrogate,
+    sapo_surrogate,
+    vespo_surrogate,
+)
+
 __all__ = [
     "AGGREGATIONS",
     "LOSS_TYPES",
+    "SEQUENCE_METRICS",
     "SURROGATES",
     "LossNorm",
     "LossOutput",
-    "clipped_surrogate",
-    "high_entropy_mask",
+    "SurrogateParams",
     "cispo_surrogate",
+    "clipped_surrogate",
     "kl_k3",
     "log_importance_ratio",
+    "nanmax",
+    "nanmin",
     "policy_loss",
     "sapo_surrogate",
+    "vespo_surrogate",
 ]
 
 ImportanceLevel = Literal["token", "sequence"]
@@ -46,7 +70,7 @@ class LossNorm(NamedTuple):
     Attributes:
         accumulation_steps: micro-batches in the window (gradient accumulation steps).
         window_tokens: active completion tokens in the window summed over all processes, divided by the
-            number of processes (the `dapo`/`cispo` normaliser).
+            number of processes (the `dapo`/`cispo`/`vespo` normaliser).
         max_completion_length: the `dr_grpo` constant normaliser.
     """
 
@@ -58,6 +82,7 @@ class LossNorm(NamedTuple):
 class LossOutput(NamedTuple):
     loss: Tensor  # scalar, differentiable
     metrics: dict[str, Tensor]  # detached scalars; reduced and `.item()`-ed by the trainer at logging time
+    per_sequence: dict[str, Tensor]  # [B] values (NaN for an empty completion), reduced by `SEQUENCE_METRICS`
 
 
 def log_importance_ratio(logps: Tensor, old_logps: Tensor | None, mask: Tensor, level: ImportanceLevel) -> Tensor:
@@ -73,59 +98,6 @@ def log_importance_ratio(logps: Tensor, old_logps: Tensor | None, mask: Tensor, 
     raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}.")
 
 
-def clipped_surrogate(
-    log_ratio: Tensor,
-    advantages: Tensor,
-    logps: Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017), per token: -min(rho*A, clip(rho, 1-eps_l, 1+eps_h)*A).
-
-    `delta` (INTELLECT-2 two-sided clipping) caps the unclipped ratio at `delta` as well.
-    Args: log_ratio `[B, T]` or `[B, 1]`; advantages `[B, 1]` or `[B, T]`. Returns `[B, T]` and token masks of
-    where the clip is active: `low` (rho < 1-eps_l, A < 0), `high` (rho > 1+eps_h, A > 0).
-    """
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    loss = -torch.min(unclipped * advantages, clipped * advantages)
-    low = (ratio < 1 - epsilon_low) & (advantages < 0)
-    high = (ratio > 1 + epsilon_high) & (advantages > 0)
-    shape = torch.broadcast_shapes(logps.shape, ratio.shape)
-    return loss.expand(shape), {"low": low.expand(shape), "high": high.expand(shape)}
-
-
-def cispo_surrogate(
-    log_ratio: Tensor, advantages: Tensor, logps: Tensor, epsilon_low: float, epsilon_high: float, delta=None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(min(rho, eps_high)) * A * log pi. Every token keeps a gradient;
-    only the importance weight is capped. As in TRL, `epsilon_high` is the absolute cap (suggested 5.0)."""
-    ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, max=epsilon_high).detach()
-    high = (ratio > epsilon_high) & (advantages > 0)
-    shape = torch.broadcast_shapes(logps.shape, ratio.shape)
-    return -weight * advantages * logps, {"low": torch.zeros(shape, dtype=torch.bool, device=logps.device),
-                                          "high": high.expand(shape)}
-
-
-def sapo_surrogate(
-    log_ratio: Tensor, advantages: Tensor, logps: Tensor, epsilon_low: float, epsilon_high: float, delta=None,
-    temperature_pos: float = 1.0, temperature_neg: float = 1.05,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """SAPO (arXiv:2511.20347): a soft sigmoid gate instead of a hard clip, -(4/tau) sigma(tau (rho-1)) A, with
-    tau = tau_pos for A > 0 else tau_neg. Its gradient at rho = 1 equals the unclipped surrogate's."""
-    ratio = torch.exp(log_ratio)
-    # torch.where on two Python floats gives the default dtype (float32); keep the inputs' precision.
-    dtype = torch.promote_types(ratio.dtype, advantages.dtype)
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(dtype)
-    loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
-    shape = torch.broadcast_shapes(logps.shape, ratio.shape)
-    none = torch.zeros(shape, dtype=torch.bool, device=logps.device)
-    return loss.expand(shape), {"low": none, "high": none}
-
-
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: exp(r) - r - 1 with r = ref - logp.
     Non-negative, 0 where the two agree, unbiased under samples from pi_theta."""
@@ -134,9 +106,15 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 
 
 def _sequence_mean(loss: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
-    """`grpo`: each sequence's token mean, then the mean over sequences (the original GRPO objective)."""
+    """`grpo`, `sapo`: each sequence's token mean, then the mean over sequences (the original GRPO objective)."""
     per_sequence = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_sequence.mean() / norm.accumulation_steps
+
+
+def _sequence_sum(loss: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
+    """`luspo` (arXiv:2602.05261): each sequence's token sum, then the mean over sequences, so a sequence weighs
+    as much as it is long (GSPO's sequence mean made length-unbiased)."""
+    return (loss * mask).sum(-1).mean() / norm.accumulation_steps
 
 
 def _batch_token_mean(loss: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
@@ -151,34 +129,70 @@ def _constant_length(loss: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 
 def _global_token_mean(loss: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
-    """`dapo`: token sum over the window's average active tokens per process; summed over micro-batches and
-    averaged over processes this is the token mean of the whole accumulated global batch."""
+    """`dapo`, `cispo`, `vespo`: token sum over the window's average active tokens per process; summed over
+    micro-batches and averaged over processes this is the token mean of the whole accumulated global batch."""
     return (loss * mask).sum() / torch.as_tensor(norm.window_tokens, dtype=loss.dtype).clamp(min=1.0)
 
 
 Aggregation = Callable[[Tensor, Tensor, LossNorm], Tensor]
-Surrogate = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 AGGREGATIONS: dict[str, Aggregation] = {
     "grpo": _sequence_mean,
+    "luspo": _sequence_sum,
     "bnpo": _batch_token_mean,
     "dr_grpo": _constant_length,
     "dapo": _global_token_mean,
 }
-SURROGATES: dict[str, Surrogate] = {"clip": clipped_surrogate, "cispo": cispo_surrogate, "sapo": sapo_surrogate}
 # loss_type -> (surrogate, aggregation), the two axes TRL's single name packs together.
 LOSS_TYPES: dict[str, tuple[str, str]] = {
     "grpo": ("clip", "grpo"),
     "bnpo": ("clip", "bnpo"),
     "dr_grpo": ("clip", "dr_grpo"),
     "dapo": ("clip", "dapo"),
+    "luspo": ("clip", "luspo"),
     "cispo": ("cispo", "dapo"),
     "sapo": ("sapo", "grpo"),
+    "vespo": ("vespo", "dapo"),
 }
+
+
+def nanmin(x: Tensor) -> Tensor:
+    """The smallest non-NaN value of `x`, NaN if there is none (no host sync)."""
+    missing = torch.isnan(x)
+    return torch.where(missing.all(), math.nan, torch.where(missing, math.inf, x).amin())
+
+
+def nanmax(x: Tensor) -> Tensor:
+    """The largest non-NaN value of `x`, NaN if there is none (no host sync)."""
+    return -nanmin(-x)
+
+
+# Per-completion metric -> (the surrogate metric whose per-completion mean it takes, its reduction over all
+# completions of every process). TRL logs these for the clipped surrogate.
+SEQUENCE_METRICS: dict[str, tuple[str, Callable[[Tensor], Tensor]]] = {
+    "clip_ratio/low_min": ("clip_ratio/low_mean", nanmin),
+    "clip_ratio/high_max": ("clip_ratio/high_mean", nanmax),
+}
+
+
+_DEFAULT_PARAMS = SurrogateParams()
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _metric_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """A metric's value on this micro-batch: the mean over completions of a `[B, 1]` quantity, over completion tokens
+    of a `[B, T]` one (TRL's definition)."""
+    x = x.detach().to(mask.dtype)
+    return x.mean() if x.shape[-1] == 1 else _masked_mean(x, mask)
+
+
+def _per_sequence(x: Tensor, mask: Tensor) -> Tensor:
+    """`[B]`: a `[B, 1]` quantity as is, a `[B, T]` one averaged over each completion's tokens (NaN if it has none)."""
+    x = x.detach().to(mask.dtype)
+    return x.squeeze(-1) if x.shape[-1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
 
 def policy_loss(
@@ -192,37 +206,49 @@ def policy_loss(
     ref_logps: Tensor | None = None,
     beta: float = 0.0,
     kl_bias_correction: bool = False,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
+    params: SurrogateParams = _DEFAULT_PARAMS,
     importance_sampling_level: ImportanceLevel = "token",
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
+    off_policy_threshold: float | None = None,
+    sampling_logps: Tensor | None = None,
+    entropy_mask: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> LossOutput:
     """The GRPO objective for one micro-batch.
 
     Args:
         logps: `[B, T]` log pi_theta of the completion tokens (differentiable).
         advantages: `[B]` (one per completion) or `[B, T]`.
-        mask: `[B, T]` 1 for tokens in the loss.
+        mask: `[B, T]` 1 for completion tokens in the loss.
         old_logps / ref_logps: `[B, T]` or None (on-policy / no KL term).
         kl_bias_correction: multiply each token's KL by the (differentiable) importance ratio rho, token- or
             sequence-level as `importance_sampling_level` says (DeepSeek-V3.2, arXiv:2512.02556): the KL term's
             gradient becomes the unbiased reverse-KL gradient under samples from pi_old. On-policy rho is 1 in
             value, so only the gradient changes: d(rho * k3)/d logp = k3 + d k3/d logp.
-    Returns: the loss and detached metrics: `kl` (mean token k3), `clip_ratio/low_mean`, `clip_ratio/high_mean`,
-    `clip_ratio/region_mean`, each a masked token mean over this micro-batch.
+        params: the surrogates' hyperparameters.
+        off_policy_threshold: drop negative-advantage completions that drifted further than this from the
+            sampling policy (`masks.off_policy_mask`); `sampling_logps` `[B, T]` are that policy's log-probs
+            (default: `old_logps`, else the current ones, detached).
+        entropy_mask: `[B, T]` the high-entropy tokens (`masks.high_entropy_mask`); the surrogate trains on them only.
+        entropy / entropy_coef: `[B, T]` differentiable per-token entropy and the bonus coefficient; with a
+            coefficient (0 included) the loss gets - c * `entropy.entropy_bonus` and the metric `policy_loss`.
+    Returns: the loss; detached metrics under TRL's names (`kl`, the surrogate's, `policy_loss`); and per-completion
+    values for `SEQUENCE_METRICS`.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSS_TYPES)}.")
     surrogate_name, aggregation_name = LOSS_TYPES[loss_type]
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
+    token_log_ratio = log_importance_ratio(logps, old_logps, mask, "token")
     log_ratio = log_importance_ratio(logps, old_logps, mask, importance_sampling_level)
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    gate = {"temperature_pos": sapo_temperature_pos, "temperature_neg": sapo_temperature_neg}
-    per_token, clip = SURROGATES[surrogate_name](log_ratio, adv, logps, epsilon_low, eps_high, delta,
-                                                 **(gate if surrogate_name == "sapo" else {}))
+    per_token, flags = SURROGATES[surrogate_name](log_ratio, token_log_ratio, adv, logps, mask, params)
+    if off_policy_threshold is not None:
+        sampling = sampling_logps if sampling_logps is not None else old_logps
+        sampling = logps.detach() if sampling is None else sampling
+        per_token = per_token * off_policy_mask(adv, logps, sampling, mask, off_policy_threshold)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
     metrics: dict[str, Tensor] = {}
     if beta != 0.0:
         if ref_logps is None:
@@ -232,18 +258,16 @@ def policy_loss(
             kl = kl * torch.exp(log_ratio)  # [B, T] (token ratios) or [B, T] * [B, 1] (sequence ratios)
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
-    loss = AGGREGATIONS[aggregation_name](per_token, mask, norm)
-    low, high = _masked_mean(clip["low"].to(mask), mask), _masked_mean(clip["high"].to(mask), mask)
-    metrics.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high})
-    return LossOutput(loss, metrics)
-
-
-def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
-    """1 for tokens whose entropy is in the top `quantile` of the valid (`mask`) tokens, else 0: the "80/20"
-    rule of Wang et al. 2025 (arXiv:2506.01939), where only high-entropy forking tokens carry the gradient.
-    Args: entropy, mask `[B, T]`. Returns `[B, T]` float."""
-    valid = entropy[mask.bool()]
-    if valid.numel() == 0:
-        return mask.float()
-    threshold = torch.quantile(valid.float(), 1.0 - quantile)
-    return (entropy >= threshold).float()
+    aggregate = AGGREGATIONS[aggregation_name]
+    loss = aggregate(per_token, mask, norm)
+    metrics.update({name: _metric_mean(flag, mask) for name, flag in flags.items()})
+    per_sequence = {name: _per_sequence(flags[source], mask) for name, (source, _) in SEQUENCE_METRICS.items()
+                    if source in flags}
+    if entropy_coef is not None:
+        if entropy is None:
+            raise ValueError("entropy_coef needs entropy (the per-token entropy of the policy).")
+        # TRL's `policy_loss`: the policy term (KL included) before the division by the accumulation steps.
+        metrics["policy_loss"] = aggregate(per_token.detach(), mask, norm._replace(accumulation_steps=1))
+        effective = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss - entropy_coef * entropy_bonus(entropy, effective, norm.accumulation_steps)
+    return LossOutput(loss, metrics, per_sequence)

@@ -14,6 +14,8 @@ Decisions:
 3. `builtin:tiny` and `builtin:copy_digits` name the offline model and toy task of `grpo_trainer.tiny`, so the
    demo needs no network. Any other model or dataset is a Hub id or a local path.
 4. The script only wires; under `accelerate launch` each process runs it and the trainer does the rest.
+5. Recipes written for `trl grpo` or open-r1 run unchanged: their keys are fields here or are translated, warned
+   about or refused by name (`cli.recipe`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
+from grpo_trainer.cli import recipe
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.data.checks import check_dataset
 from grpo_trainer.reporting.run_log import RunLogCallback, read_metrics, reward_rise
@@ -71,9 +74,21 @@ class ScriptArguments:
         None, "A Hub dataset id, a local .json/.jsonl/.csv/.parquet file, or 'builtin:copy_digits'.")
     dataset_config: str | None = _opt(None, "Dataset configuration (subset) name, e.g. 'main' for openai/gsm8k.")
     dataset_train_split: str = _opt("train", "Split to train on.")
+    dataset_test_split: str = _opt("test", "Split to evaluate on (when eval_strategy is not 'no').")
+    dataset_streaming: bool = _opt(False, "Stream the dataset instead of downloading it (needs max_steps > 0).")
     prompt_column: str = _opt("prompt", "Column holding the prompts (renamed to 'prompt').")
     system_prompt: str | None = _opt(None, "If set, text prompts become [system, user] chat messages.")
     conversational: bool = _opt(False, "Wrap text prompts as a user message so the chat template applies.")
+    chat_template: str | None = _opt(None, "A Jinja chat template replacing the tokenizer's.")
+    # What is loaded, under TRL's ModelConfig names (passed through model_init_kwargs, which wins when it sets one)
+    model_revision: str | None = _opt(None, "Model revision: a branch, tag or commit id.")
+    dtype: str | None = _opt(None, "Weights' dtype: 'auto', 'bfloat16', 'float16' or 'float32' (default float32).")
+    attn_implementation: str | None = _opt(None, "Attention implementation, e.g. 'sdpa', 'eager', 'flash_attention_2'.")
+    load_in_4bit: bool = _opt(False, "QLoRA: load the base model in 4 bits (bitsandbytes; needs a CUDA GPU).")
+    load_in_8bit: bool = _opt(False, "Load the base model in 8 bits (bitsandbytes; needs a CUDA GPU).")
+    bnb_4bit_quant_type: str = _opt("nf4", "4-bit quantisation type: 'nf4' or 'fp4'.")
+    use_bnb_nested_quant: bool = _opt(False, "Quantise the 4-bit quantisation constants too.")
+    bnb_4bit_quant_storage: str | None = _opt(None, "Storage dtype of the 4-bit weights.")
     reward_funcs: list[str] | None = _opt(
         None, f"Reward functions: names from {sorted(reward_library.REWARD_FUNCS)}, or 'module:function' / "
               "'file.py:function'. Extra dataset columns reach them as keyword arguments.")
@@ -84,6 +99,11 @@ class ScriptArguments:
     lora_alpha: int = _opt(32, "LoRA alpha (scale = alpha / r).")
     lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.")
     lora_target_modules: list[str] | None = _opt(None, "Modules to adapt (default: all linear layers but lm_head).")
+    lora_target_parameters: list[str] | None = _opt(None, "Parameters to adapt directly (e.g. MoE expert weights).")
+    lora_modules_to_save: list[str] | None = _opt(None, "Modules trained in full beside the adapter.")
+    lora_task_type: str = _opt("CAUSAL_LM", "PEFT task type.")
+    use_rslora: bool = _opt(False, "Rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r.")
+    use_dora: bool = _opt(False, "DoRA: weight-decomposed low-rank adaptation.")
 
 
 class _Parser(HfArgumentParser):
@@ -116,6 +136,10 @@ def _read_yaml(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]
         raise UsageError(f"cannot read config file {path!r}: {' '.join(str(exc).split())}") from None
     if not isinstance(values, dict):
         raise UsageError(f"config file {path!r} must hold 'field: value' pairs, not a {type(values).__name__}.")
+    try:
+        values = recipe.translate(values, path, actions)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     for key, value in values.items():
         if key not in actions:
             raise UsageError(f"unknown field {key!r} in {path}; {_suggest(key, sorted(actions))}"
@@ -175,9 +199,25 @@ def load_rewards(script_args: ScriptArguments, config: GRPOConfig) -> list:
 
 def load_train_dataset(script_args: ScriptArguments) -> Any:
     """The training split with its prompts in a `prompt` column (chat messages if asked for)."""
+    return _load_split(script_args, script_args.dataset_train_split)
+
+
+def load_eval_dataset(script_args: ScriptArguments, config: GRPOConfig) -> Any:
+    """The evaluation split (`dataset_test_split`) when the run evaluates (eval_strategy is not 'no'), else None."""
+    if str(getattr(config.eval_strategy, "value", config.eval_strategy)) == "no":
+        return None
+    name = script_args.dataset_name
+    if name.startswith(BUILTIN) or os.path.splitext(name)[1] in DATA_FILE_BUILDERS:
+        raise UsageError(f"eval_strategy={config.eval_strategy.value!r} needs a test split, but dataset {name!r} is a "
+                         "single split; pass a dataset directory or Hub id with a "
+                         f"{script_args.dataset_test_split!r} split, or set eval_strategy to 'no'.")
+    return _load_split(script_args, script_args.dataset_test_split)
+
+
+def _load_split(script_args: ScriptArguments, split: str) -> Any:
     from datasets import load_dataset
 
-    name, split = script_args.dataset_name, script_args.dataset_train_split
+    name = script_args.dataset_name
     if name == f"{BUILTIN}copy_digits":
         from grpo_trainer.cli.toy import copy_digits_dataset
 
@@ -187,17 +227,18 @@ def load_train_dataset(script_args: ScriptArguments) -> Any:
     else:
         _check_exists(name, "dataset")
         builder = DATA_FILE_BUILDERS.get(os.path.splitext(name)[1])
+        streaming = script_args.dataset_streaming
         try:
-            dataset = load_dataset(builder, data_files={split: name}, split=split) if builder else \
-                load_dataset(name, script_args.dataset_config, split=split)
+            dataset = load_dataset(builder, data_files={split: name}, split=split, streaming=streaming) if builder \
+                else load_dataset(name, script_args.dataset_config, split=split, streaming=streaming)
         except (FileNotFoundError, ConnectionError, ValueError) as exc:  # not found, offline, unknown split/config
             raise UsageError(f"cannot load dataset {name!r}: {' '.join(str(exc).split())}") from None
-    column = script_args.prompt_column
-    if column not in dataset.column_names:
+    column, columns = script_args.prompt_column, dataset.column_names  # None for some streamed datasets
+    if columns is not None and column not in columns:
         raise UsageError(f"dataset {name!r} has no prompt column {column!r}; its columns are "
-                         f"{dataset.column_names} (choose one with --prompt_column).")
+                         f"{columns} (choose one with --prompt_column).")
     if column != "prompt":
-        dataset = dataset.remove_columns([c for c in ["prompt"] if c in dataset.column_names])
+        dataset = dataset.remove_columns([c for c in ["prompt"] if c in (columns or [])])
         dataset = dataset.rename_column(column, "prompt")
     if script_args.system_prompt or script_args.conversational:
         system = [{"role": "system", "content": script_args.system_prompt}] if script_args.system_prompt else []
@@ -207,6 +248,8 @@ def load_train_dataset(script_args: ScriptArguments) -> Any:
 
 
 def check_columns(reward_funcs: list, dataset: Any, script_args: ScriptArguments) -> None:
+    if dataset.column_names is None:  # a stream that does not declare them: the trainer checks the first row
+        return
     columns = set(dataset.column_names)
     for spec, func in zip(script_args.reward_funcs or [], reward_funcs):
         missing = sorted(reward_library.required_columns(func) - columns)
@@ -215,8 +258,9 @@ def check_columns(reward_funcs: list, dataset: Any, script_args: ScriptArguments
                              f"{script_args.dataset_name!r} lacks; its columns are {sorted(columns)}.")
 
 
-def load_model(script_args: ScriptArguments) -> tuple[Any, Any]:
-    """(model or model id, tokenizer or None); the trainer loads ids itself."""
+def load_model(script_args: ScriptArguments, config: GRPOConfig | None = None) -> tuple[Any, Any]:
+    """(model or model id, tokenizer or None); the trainer loads ids itself, and their tokenizer unless the recipe
+    replaces its chat template."""
     name = script_args.model_name_or_path
     if name == f"{BUILTIN}tiny":
         from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
@@ -224,11 +268,23 @@ def load_model(script_args: ScriptArguments) -> tuple[Any, Any]:
         # Matrices this small run fastest on one thread: on 2 busy cores a step took 7x longer with two.
         torch.set_num_threads(1)
         tokenizer = make_tokenizer()
-        return make_tiny_model(tokenizer), tokenizer
-    if name.startswith(BUILTIN):
+        model = make_tiny_model(tokenizer)
+    elif name.startswith(BUILTIN):
         raise UsageError(f"unknown built-in model {name!r}; the built-in one is '{BUILTIN}tiny'.")
-    _check_exists(name, "model")
-    return name, None
+    else:
+        _check_exists(name, "model")
+        model, tokenizer = name, None
+        if script_args.chat_template is not None:
+            from grpo_trainer.runtime import models
+
+            kwargs = models.init_kwargs(recipe.model_init_kwargs(script_args, config),
+                                        config.trust_remote_code if config is not None else False)
+            models.check_remote_code(name, kwargs["trust_remote_code"], kwargs.get("revision"))
+            tokenizer = models.load_tokenizer(name, kwargs["trust_remote_code"], kwargs.get("revision"),
+                                              padding_side="left", truncation_side="left")
+    if script_args.chat_template is not None:
+        tokenizer.chat_template = script_args.chat_template
+    return model, tokenizer
 
 
 def peft_config(script_args: ScriptArguments) -> Any:
@@ -236,38 +292,47 @@ def peft_config(script_args: ScriptArguments) -> Any:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(task_type="CAUSAL_LM", r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
+    return LoraConfig(task_type=script_args.lora_task_type, r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
                       lora_dropout=script_args.lora_dropout,
-                      target_modules=script_args.lora_target_modules or "all-linear")
+                      target_modules=script_args.lora_target_modules or "all-linear",
+                      target_parameters=script_args.lora_target_parameters,
+                      modules_to_save=script_args.lora_modules_to_save, use_rslora=script_args.use_rslora,
+                      use_dora=script_args.use_dora)
 
 
-def prepare(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig, list, Any]:
-    """Everything that can fail on bad input, before a model is loaded."""
+def prepare(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig, list, Any, Any]:
+    """Everything that can fail on bad input, before a model is loaded: (script args, config, rewards, train and
+    eval datasets). The model keys land in `config.model_init_kwargs`."""
     script_args, config = parse_args(argv)
     reward_funcs = load_rewards(script_args, config)
     dataset = load_train_dataset(script_args)
+    eval_dataset = load_eval_dataset(script_args, config)
     check_columns(reward_funcs, dataset, script_args)
     try:
         check_reward_setup(reward_funcs, config, None)
         check_dataset(dataset, "train_dataset", None)
+        check_dataset(eval_dataset, "eval_dataset", None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return script_args, config, reward_funcs, dataset
+    config.model_init_kwargs = recipe.model_init_kwargs(script_args, config)
+    return script_args, config, reward_funcs, dataset, eval_dataset
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        script_args, config, reward_funcs, dataset = prepare(argv)
-        model, tokenizer = load_model(script_args)
+        script_args, config, reward_funcs, dataset, eval_dataset = prepare(argv)
+        model, tokenizer = load_model(script_args, config)
     except UsageError as exc:
         print(f"grpo-train: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
     from grpo_trainer.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[RunLogCallback()], peft_config=peft_config(script_args))
+    trainer = GRPOTrainer(model, reward_funcs, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
+                          processing_class=tokenizer, callbacks=[RunLogCallback()],
+                          peft_config=peft_config(script_args),
+                          quantization_config=recipe.quantization_config(script_args))
     trainer.train()
     trainer.save_model(config.output_dir)
     if trainer.is_world_process_zero():

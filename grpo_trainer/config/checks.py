@@ -8,27 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
+from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
-__all__ = ["PENDING", "check_config", "check_pending"]
+__all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 
 # Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
 PENDING: dict[str, tuple[Any, str]] = {
     "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
     "use_transformers_continuous_batching": (lambda v: v, "transformers' continuous-batching backend (issue 19)"),
-    "log_completions_hub_repo": (lambda v: v is not None, "pushing completions to the Hub (issue 19)"),
-    "log_unique_prompts": (lambda v: v, "de-duplicated completion tables (issue 19)"),
-    "entropy_coef": (lambda v: v != 0.0, "the entropy bonus (issue 19)"),
-    "use_adaptive_entropy": (lambda v: v, "adaptive entropy control (issue 19)"),
-    "off_policy_mask_threshold": (lambda v: v is not None, "off-policy sequence masking (issue 19)"),
-    "multi_objective_aggregation": (lambda v: v != "sum_then_normalize", "normalize_then_sum (GDPO) (issue 19)"),
-    "loss_type": (lambda v: v in ("luspo", "vespo"), "the luspo and vespo losses (issue 19)"),
-    "cast_lm_head_to_fp32": (lambda v: v, "a float32 LM head (issue 19)"),
-    "router_aux_loss_coef": (lambda v: v is not None, "the MoE router auxiliary loss (issue 19)"),
-    "pad_to_multiple_of": (lambda v: v is not None, "padding to a multiple (issue 19)"),
-    "trust_remote_code": (lambda v: v, "models with custom code (issue 19)"),
 }
 
 
@@ -59,8 +48,9 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,
          f"max_tool_calling_iterations must be >= 0 or None (got {args.max_tool_calling_iterations}); None lets the "
          "model call tools until it stops or its completion budget runs out."),
-        (not 0 < args.top_entropy_quantile <= 1,
-         f"top_entropy_quantile must be in (0, 1] (got {args.top_entropy_quantile}); 1.0 keeps every token."),
+        (not 0 <= args.top_entropy_quantile <= 1,
+         f"top_entropy_quantile must be in [0, 1] (got {args.top_entropy_quantile}); 1.0 keeps every token, 0.0 "
+         "only the highest-entropy ones."),
         (args.loss_type not in LOSS_TYPES,
          f"unknown loss_type {args.loss_type!r}; choose one of {sorted(LOSS_TYPES)}."),
         (isinstance(estimator, str) and estimator not in ADVANTAGE_ESTIMATORS,
@@ -77,9 +67,9 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
          "reward_weights must be numbers, not NaN."),
-        (args.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"),
-         f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose 'sum_then_normalize' or "
-         "'normalize_then_sum'."),
+        (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,
+         f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
+         f"{sorted(MULTI_OBJECTIVE_AGGREGATIONS)}."),
         (args.vllm_mode not in ("colocate", "server"),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
         (args.vllm_importance_sampling_mode not in IS_MODES,
@@ -132,6 +122,30 @@ def check_pending(args: Any) -> None:
             default = type(args).__dataclass_fields__[name].default
             raise NotImplementedError(f"{name}={value!r} asks for {feature}, which grpo_trainer does not implement "
                                       f"yet; leave {name} at its default ({default!r}).")
+
+
+# Losses that sum token terms (a completion weighs as many tokens as it has).
+_TOKEN_SUMMING_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def advisories(args: Any) -> list[str]:
+    """Warnings (not errors) for combinations that run but are probably not what was meant, as TRL's trainer logs
+    them; the trainer logs each through its module's logger."""
+    level, loss_type = args.importance_sampling_level, args.loss_type
+    messages = []
+    if level == "sequence" and loss_type in _TOKEN_SUMMING_LOSSES:
+        messages.append(
+            f"importance_sampling_level='sequence' with loss_type='{loss_type}': this loss sums per-token terms, "
+            "which weights each sequence by its completion length instead of optimising one objective per "
+            "sequence as GSPO (arXiv:2507.18071) does; use loss_type='grpo' for GSPO's setup.")
+    if loss_type == "luspo" and level != "sequence":
+        messages.append("loss_type='luspo' is designed for importance_sampling_level='sequence' (the LUSPO paper's "
+                        f"setup); it is {level!r} here.")
+    if loss_type == "vespo" and level != "token":
+        messages.append("loss_type='vespo' builds its own sequence-level weight from the token ratios, so "
+                        f"importance_sampling_level should be 'token' (the default); {level!r} only changes the "
+                        "ratio of the KL bias correction.")
+    return messages
 
 
 def check_config(args: Any) -> None:

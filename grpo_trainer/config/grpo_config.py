@@ -5,7 +5,8 @@ unchanged (tests/config/test_trl_parity.py compares the two field by field). Doc
 defaults to what the hardware runs fast (bf16 on a GPU that supports it, fp32 on CPU, where bf16 matmuls are
 ~30x slower), activation checkpointing is on by default under its current name, and this project's own fields
 (`max_prompt_length`, `generation_backend`, `advantage_estimator`, ...). A field whose feature is not built yet
-raises `NotImplementedError` naming the feature when set (`config.checks.PENDING`), never silently ignored.
+raises `NotImplementedError` naming the feature when set (`config.checks.PENDING`), never silently ignored. Names that
+older TRL releases had are accepted with a warning naming their replacement (`config.legacy`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_trainer.config.checks import check_config
+from grpo_trainer.config.legacy import LegacyFields, resolve_legacy
 
 __all__ = ["GRPOConfig"]
 
@@ -33,7 +35,7 @@ def _bf16_is_fast() -> bool:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(LegacyFields, TrainingArguments):
     """Configuration for `GRPOTrainer`. `per_device_train_batch_size` counts *completions*, as in TRL."""
 
     # Defaults TRL changes on TrainingArguments.
@@ -148,10 +150,14 @@ class GRPOConfig(TrainingArguments):
     epsilon: float = _opt(0.2, "Lower clip range epsilon_low.")
     epsilon_high: float | None = _opt(None, "Upper clip range (None = epsilon); DAPO suggests 0.28.")
     delta: float | None = _opt(None, "Two-sided clipping: cap on the unclipped ratio (INTELLECT-2).")
-    loss_type: str = _opt("dapo", "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo' or 'sapo'.")
+    loss_type: str = _opt(
+        "dapo", "Surrogate and aggregation: 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo' (sequence "
+        "sums; pair it with importance_sampling_level='sequence') or 'vespo' (a Gamma-shaped sequence weight).")
     importance_sampling_level: str = _opt("token", "'token' or 'sequence' (GSPO).")
     mask_truncated_completions: bool = _opt(False, "Leave completions that never emitted EOS out of the loss.")
-    top_entropy_quantile: float = _opt(1.0, "rho: keep only the top-rho highest-entropy tokens in the loss.")
+    top_entropy_quantile: float = _opt(
+        1.0, "rho: train the policy term on the top-rho highest-entropy completion tokens only (the quantile is over "
+        "every process's tokens). 1.0 keeps every token, 0.0 the highest-entropy ones.")
     sapo_temperature_neg: float = _opt(1.05, "SAPO gate temperature for negative advantages.")
     sapo_temperature_pos: float = _opt(1.0, "SAPO gate temperature for positive advantages.")
     vespo_k_pos: float = _opt(2.0, "VESPO: Gamma-weight exponent k for non-negative advantages.")
@@ -198,6 +204,7 @@ class GRPOConfig(TrainingArguments):
         "namespace); needs log_completions. Public unless hub_private_repo=True.")
 
     def __post_init__(self) -> None:
+        resolve_legacy(self)  # first: a legacy name's value is then checked and converted like its replacement's
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and _bf16_is_fast()
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:

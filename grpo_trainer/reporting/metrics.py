@@ -1,7 +1,18 @@
-"""Metrics under TRL's names: what a generation round reports, and the mean of a logging window.
+"""Metrics under TRL 1.16's names and with its semantics: what a generation round reports, and the mean of a logging
+window.
 
-Values stay tensors (or floats) until the logging step, where one collective averages every metric over the
-processes: no host sync per micro-step.
+Decisions:
+
+1. Round metrics are computed from values gathered over every process, so each process records the same numbers.
+2. `reward` is the mean over completions of the weighted sum of the reward functions that scored them (None skipped,
+   as `nansum`); a completion that no function scored is left out of `reward` and `reward_std`, as it is left out of
+   the advantage baselines (`algorithms.advantage.as_reward_vector` is the one definition of that sum).
+3. `reward_std` is the std of that sum over the whole round, not a mean of group stds. `frac_reward_zero_std` is the
+   share of completions whose advantage scale is 0 under `scale_rewards`: the group's std for 'group' and 'none',
+   the round's std for 'batch'. A group with fewer than two scored completions has a NaN std, which is not zero.
+4. A window's mean skips NaN values (a reward function that abstained on a whole round); a metric with no value
+   left logs None, as TRL does. Each process sends (sum, count) pairs, so one collective sums them.
+5. Values stay tensors (or floats) until the logging step: no host sync per micro-step.
 """
 
 from __future__ import annotations
@@ -12,39 +23,58 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from grpo_trainer.algorithms.advantage import group_std
+from grpo_trainer.algorithms.advantage import as_reward_vector, group_std, nanstd
 
-__all__ = ["pass_at_k", "rollout_metrics", "tool_metrics", "window_means"]
-
-
-def _nanstd(x: Tensor) -> Tensor:
-    valid = x[~torch.isnan(x)]
-    return valid.std() if valid.numel() > 1 else x.new_zeros(())
+__all__ = ["completion_length_metrics", "pass_at_k", "reward_metrics", "tool_metrics", "window_means",
+           "window_totals", "zero_std_fraction"]
 
 
-def rollout_metrics(lengths: Tensor, truncated: Tensor, rewards: Tensor, weights: Tensor, num_generations: int,
-                    reward_names: Sequence[str], with_pass_at_k: bool = False) -> dict[str, Tensor | float]:
-    """One round's metrics, from values gathered over all processes.
-
-    Args: lengths `[B]` completion tokens (EOS included), truncated `[B]` 0/1, rewards `[B, F]` (NaN = missing),
-    weights `[F]`; B is the global round size, in contiguous groups of `num_generations`.
-    """
-    total = torch.nansum(rewards * weights.to(rewards), dim=1)  # [B]
-    stds = group_std(total.cpu(), num_generations)  # [P]
-    terminated = lengths[truncated == 0].float()
-    out: dict[str, Tensor | float] = {
-        "completions/mean_length": lengths.float().mean(),
+def completion_length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, Tensor]:
+    """Length statistics of one round. lengths `[B]` completion tokens (EOS included), truncated `[B]` (nonzero: the
+    completion hit `max_completion_length` without an EOS). With no terminated completion, the terminated
+    statistics are 0, as TRL reports them."""
+    lengths = lengths.float()
+    terminated = lengths[truncated == 0]
+    if terminated.numel() == 0:
+        terminated = lengths.new_zeros(1)
+    return {
+        "completions/mean_length": lengths.mean(),
         "completions/min_length": lengths.min(),
         "completions/max_length": lengths.max(),
-        "completions/clipped_ratio": truncated.float().mean(),
-        "completions/mean_terminated_length": terminated.mean() if terminated.numel() else 0.0,
-        "reward": total.mean(),
-        "reward_std": torch.nanmean(stds),
-        "frac_reward_zero_std": (torch.nan_to_num(stds, nan=0.0) < 1e-6).float().mean(),
+        "completions/clipped_ratio": (truncated != 0).float().mean(),
+        "completions/mean_terminated_length": terminated.mean(),
+        "completions/min_terminated_length": terminated.min(),
+        "completions/max_terminated_length": terminated.max(),
+    }
+
+
+def zero_std_fraction(total: Tensor, num_generations: int, scale: str) -> Tensor:
+    """Share of completions whose reward std (the advantage's scale, see decision 3) is 0.
+
+    total `[B]` combined rewards (NaN: unscored) in contiguous groups of `num_generations`. A single completion
+    (G = 1, or a round of one for 'batch') has std 0 by convention, as in TRL.
+    """
+    if scale == "batch":
+        std = nanstd(total) if total.numel() > 1 else total.new_zeros(())
+    else:
+        std = group_std(total, num_generations) if num_generations > 1 else total.new_zeros(total.numel())
+    # |std| <= 1e-8, torch.isclose's tolerance against 0; NaN compares unequal
+    return torch.isclose(std, torch.zeros_like(std)).float().mean()
+
+
+def reward_metrics(rewards: Tensor, weights: Tensor, reward_names: Sequence[str], num_generations: int,
+                   scale: str, with_pass_at_k: bool = False) -> dict[str, Tensor | float]:
+    """Reward statistics of one round. rewards `[B, F]` (NaN: the function returned None), weights `[F]`;
+    `with_pass_at_k` adds pass@k when the combined rewards are all 0 or 1."""
+    total = as_reward_vector(rewards, weights)  # [B], NaN where no function scored
+    out: dict[str, Tensor | float] = {
+        "reward": torch.nanmean(total),
+        "reward_std": nanstd(total),
+        "frac_reward_zero_std": zero_std_fraction(total, num_generations, scale),
     }
     for i, name in enumerate(reward_names):
         out[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, i])
-        out[f"rewards/{name}/std"] = _nanstd(rewards[:, i])
+        out[f"rewards/{name}/std"] = nanstd(rewards[:, i])
     if with_pass_at_k:
         out.update(pass_at_k(total.cpu(), num_generations))
     return out
@@ -57,14 +87,21 @@ def tool_metrics(calls: Tensor, failures: Tensor, rollouts: Tensor) -> dict[str,
             "tools/failure_frequency": failures / calls if calls > 0 else torch.zeros_like(calls, dtype=torch.float)}
 
 
-def window_means(window: dict[str, list]) -> tuple[list[str], Tensor]:
-    """Sorted metric names and the NaN-ignoring mean of each over the window, as one `[K]` tensor to reduce."""
+def window_totals(window: dict[str, list]) -> tuple[list[str], Tensor]:
+    """Sorted metric names and, for each, the sum and the count of its non-NaN values in the window: `[K, 2]`
+    float64, to be summed over processes."""
     keys = sorted(window)
-    means = []
+    totals = []
     for key in keys:
-        finite = [float(v) for v in window[key] if not math.isnan(float(v))]
-        means.append(sum(finite) / len(finite) if finite else math.nan)
-    return keys, torch.tensor(means)
+        values = [float(v) for v in window[key]]
+        finite = [v for v in values if not math.isnan(v)]
+        totals.append([sum(finite), len(finite)])
+    return keys, torch.tensor(totals, dtype=torch.float64).reshape(len(keys), 2)
+
+
+def window_means(keys: Sequence[str], totals: Tensor) -> dict[str, float | None]:
+    """Each metric's mean from its (sum, count) `[K, 2]`; None for a metric with no non-NaN value."""
+    return {key: (total / count if count else None) for key, (total, count) in zip(keys, totals.tolist())}
 
 
 def pass_at_k(rewards: Tensor, num_generations: int) -> dict[str, float]:

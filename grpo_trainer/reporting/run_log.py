@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 __all__ = ["RunLogCallback", "plot_metrics", "read_metrics", "reward_rise"]
 
 PANELS = (  # (title, metric key, band half-width key)
-    ("reward (band: ± std within a prompt's group)", "reward", "reward_std"),
+    ("reward (band: ± its std over the round)", "reward", "reward_std"),
     ("KL to the reference model", "kl", None),
     ("completion length (tokens)", "completions/mean_length", None),
 )
@@ -63,7 +63,7 @@ def read_metrics(path: str) -> list[dict]:
 
 def reward_rise(rows: list[dict], fraction: float = 0.1) -> tuple[float, float]:
     """Mean reward over the first and over the last `fraction` of the log steps (at least one step each)."""
-    rewards = [row["reward"] for row in rows if not math.isnan(row["reward"])]
+    rewards = [row["reward"] for row in rows if row["reward"] is not None and not math.isnan(row["reward"])]
     if not rewards:
         return math.nan, math.nan
     k = max(1, round(len(rewards) * fraction))
@@ -71,7 +71,7 @@ def reward_rise(rows: list[dict], fraction: float = 0.1) -> tuple[float, float]:
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> str | None:
-    """Reward (± the mean std within prompt groups), KL and mean completion length against the step. Returns the
+    """Reward (± its std over the round), KL and mean completion length against the step. Returns the
     PNG's path, or None when the file has no training log step yet."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -90,12 +90,16 @@ def plot_metrics(metrics_path: str, png_path: str) -> str | None:
             axes.text(0.5, 0.5, "not logged (beta = 0: no KL term)" if key == "kl" else "not logged",
                       ha="center", va="center", transform=axes.transAxes, color="gray")
             continue
-        values = [row.get(key, math.nan) for row in rows]
+        values = [_number(row.get(key)) for row in rows]  # a metric with no value in a window is logged as None
         axes.plot(steps, values, marker="o", markersize=2)
         if band and band in rows[0]:
-            spread = [row.get(band, 0.0) for row in rows]
+            spread = [_number(row.get(band)) for row in rows]
             axes.fill_between(steps, [v - s for v, s in zip(values, spread)],
                               [v + s for v, s in zip(values, spread)], alpha=0.2)
     figure.suptitle(os.path.dirname(os.path.abspath(metrics_path)), fontsize=9, color="gray")
     figure.savefig(png_path, dpi=100)
     return png_path
+
+
+def _number(value: float | None) -> float:
+    return math.nan if value is None else value

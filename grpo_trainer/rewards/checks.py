@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_reward_setup"]
+__all__ = ["as_processing_classes", "check_reward_setup"]
+
+
+def as_processing_classes(reward_processing_classes: Any, count: int) -> list:
+    """`reward_processing_classes` as a list: None means one None per reward; a single tokenizer is a list of one
+    (so it must pair with a single reward, as in TRL)."""
+    if reward_processing_classes is None:
+        return [None] * count
+    if isinstance(reward_processing_classes, (list, tuple)):
+        return list(reward_processing_classes)
+    return [reward_processing_classes]
 
 
 def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing_classes: Any,
@@ -13,8 +23,9 @@ def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing
     """Reward functions, their weights and processing classes must line up; `environment_rewards` counts the
     rewards environments own (`get_reward`), which need no reward function and take no weight."""
     if len(reward_funcs) + environment_rewards == 0:
-        raise ValueError("No reward source provided. Pass `reward_funcs` (reward functions, reward models or model "
-                         "ids), or an `environment_factory` whose environment defines a `get_reward` method.")
+        raise ValueError("No reward source provided. Pass `reward_funcs` (one or more reward functions, reward models "
+                         "or reward model ids/paths), or an `environment_factory` whose environment defines a "
+                         "`get_reward` method.")
     for i, func in enumerate(reward_funcs):
         if not (callable(func) or isinstance(func, str)):
             raise ValueError(f"reward_funcs[{i}] is a {type(func).__name__}; each reward must be a callable, a "
@@ -22,9 +33,11 @@ def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing
     if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
         raise ValueError(f"reward_weights has {len(args.reward_weights)} entries but there are {len(reward_funcs)} "
                          "reward functions; give one weight per reward function.")
-    if isinstance(reward_processing_classes, (list, tuple)) and len(reward_processing_classes) != len(reward_funcs):
-        raise ValueError(f"reward_processing_classes has {len(reward_processing_classes)} entries but there are "
-                         f"{len(reward_funcs)} reward functions; give one per reward function (None for callables).")
+    processing_classes = as_processing_classes(reward_processing_classes, len(reward_funcs))
+    if len(processing_classes) != len(reward_funcs):
+        raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the number "
+                         f"of reward functions ({len(reward_funcs)}): give a list with one per reward function (None "
+                         "for reward functions and for reward models that load their own tokenizer).")
     if args.advantage_estimator == "rloo" and args.num_generations < 2:
         raise ValueError("advantage_estimator='rloo' needs num_generations >= 2: the leave-one-out baseline "
                          "averages the other completions of the prompt.")

@@ -10,6 +10,8 @@ Decisions:
    so completions are normalised to message lists before they are called.
 3. The dataset columns a reward needs are read from its signature (parameters without a default other than the
    ones the trainer always passes), so a missing column is reported before any model is loaded.
+4. open-r1's recipes name rewards `format`, `tag_count`, `reasoning_steps` and `soft_overlong_punishment`: the same
+   names select the same rules here (`accuracy` already is open-r1's math-verify accuracy).
 """
 
 from __future__ import annotations
@@ -24,11 +26,16 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["REWARD_FUNCS", "accuracy_reward", "copy_digits_reward", "get_reward_func", "length_penalty",
-           "required_columns", "think_answer_format_reward", "think_format_reward"]
+           "reasoning_steps_reward", "required_columns", "strict_format_reward", "tag_count_reward",
+           "think_answer_format_reward", "think_format_reward"]
 
 RewardFunc = Callable[..., list]
 ALWAYS_PASSED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra"}
 THINK_ANSWER = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+# open-r1's `format`: the tags on lines of their own, in order (MULTILINE: `$` may end any line after </answer>)
+OPEN_R1_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+# open-r1's `reasoning_steps`: markers of an enumerated step
+STEP_MARKERS = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
 
 
 def _texts(completions: list) -> list[str]:
@@ -57,6 +64,25 @@ def think_format_reward(completions: list, **kwargs: Any) -> list[float]:
 def think_answer_format_reward(completions: list, **kwargs: Any) -> list[float]:
     """1.0 when the whole completion is `<think>...</think> <answer>...</answer>` (DeepSeek-R1's format)."""
     return [1.0 if THINK_ANSWER.match(text) else 0.0 for text in _texts(completions)]
+
+
+def strict_format_reward(completions: list, **kwargs: Any) -> list[float]:
+    """1.0 when the completion is `<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>` with each tag on its own
+    line (open-r1's `format` reward), else 0.0."""
+    return [1.0 if OPEN_R1_FORMAT.match(text) else 0.0 for text in _texts(completions)]
+
+
+def tag_count_reward(completions: list, **kwargs: Any) -> list[float]:
+    """0.25 for each of `<think>\\n`, `\\n</think>\\n`, `\\n<answer>\\n`, `\\n</answer>` present exactly once
+    (open-r1's `tag_count`): partial credit on the way to the full format."""
+    tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+    return [sum(0.25 for tag in tags if text.count(tag) == 1) for text in _texts(completions)]
+
+
+def reasoning_steps_reward(completions: list, **kwargs: Any) -> list[float]:
+    """min(1, steps / 3) where steps counts step markers ("Step 1:", "1.", bullets, "First,", ...), open-r1's
+    `reasoning_steps`: three or more steps get the full reward."""
+    return [min(1.0, len(STEP_MARKERS.findall(text)) / 3) for text in _texts(completions)]
 
 
 def length_penalty(max_completion_length: int) -> RewardFunc:
@@ -94,6 +120,11 @@ REWARD_FUNCS: dict[str, Callable[[Any], RewardFunc]] = {
     "length_penalty": lambda args: length_penalty(args.max_completion_length),
     "soft_overlong": _soft_overlong,
     "copy_digits": lambda args: copy_digits_reward,
+    # open-r1's names (decision 4)
+    "format": lambda args: strict_format_reward,
+    "tag_count": lambda args: tag_count_reward,
+    "reasoning_steps": lambda args: reasoning_steps_reward,
+    "soft_overlong_punishment": _soft_overlong,
 }
 
 

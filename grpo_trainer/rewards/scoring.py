@@ -1,8 +1,9 @@
 """Calling reward functions and reward models, with TRL's reward-function contract.
 
 A reward function is called with keyword arguments only: `prompts`, `completions`, `completion_ids`, every
-extra dataset column (one value per completion) and `trainer_state`; it returns one float (or None for "not
-applicable") per completion. `async def` functions run concurrently. A reward model (an
+extra dataset column (one value per completion), `trainer_state`, and from the trainer `log_extra(column, values)`
+and `log_metric(name, value)` (a column for the completions table, a scalar for the logged metrics); it returns one
+float (or None for "not applicable") per completion. `async def` functions run concurrently. A reward model (an
 `AutoModelForSequenceClassification` or a model id) scores `prompt + completion` in micro-batches, taking
 `logits[:, 0]`.
 
@@ -80,6 +81,13 @@ def _call(func: Callable, kwargs: dict[str, Any]) -> Any:
     return result
 
 
+LOGGING_KWARGS = ("log_extra", "log_metric")
+
+
+def _discard(*args: Any) -> None:
+    return None
+
+
 def _failure(name: str, index: int, prompt: Any, reason: str) -> RewardError:
     return RewardError(f"reward function {name!r} failed on sample {index} ({reason}); prompt: {str(prompt)[:200]!r}. "
                        "Fix the function, or set reward_error_policy='none' to treat such failures as missing rewards.")
@@ -92,6 +100,8 @@ def _locate_failure(func: Callable, name: str, kwargs: dict[str, Any], count: in
     values = []
     for i in range(count):
         single = {k: ([v[i]] if isinstance(v, list) and len(v) == count else v) for k, v in kwargs.items()}
+        # What a one-sample call logs would be a fragment of the round's column or a skewed metric: dropped.
+        single.update({k: _discard for k in LOGGING_KWARGS if k in kwargs})
         try:
             (value,), bad = _to_floats(_call(func, single), name, 1)
             if bad:

@@ -5,12 +5,15 @@ Decisions:
 1. Conversational prompts go through the tokenizer's chat template with `add_generation_prompt=True` (and
    `chat_template_kwargs`); plain-text prompts are tokenised as they are.
 2. Prompts are left-padded so every completion starts at the same column. `max_prompt_length` keeps the *last*
-   tokens, nearest to where the completion starts.
+   tokens, nearest to where the completion starts. `pad_to_multiple_of` then left-pads the batch to a multiple of
+   that many columns (TRL's option, for compilers that build one graph per input shape).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.rollout.types import PromptBatch
@@ -19,9 +22,10 @@ __all__ = ["tokenize_prompts"]
 
 
 def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | None,
-                     chat_template_kwargs: dict | None = None, tools: list | None = None) -> PromptBatch:
-    """Left-padded prompt ids and mask, `[B, S]` each. `tools`: per conversational prompt, the tools its chat
-    template describes to the model (`rollout.multiturn`)."""
+                     chat_template_kwargs: dict | None = None, pad_to_multiple_of: int | None = None,
+                     tools: list | None = None) -> PromptBatch:
+    """Left-padded prompt ids and mask, `[B, S]` each (S a multiple of `pad_to_multiple_of` when it is set).
+    `tools`: per conversational prompt, the tools its chat template describes to the model (`rollout.multiturn`)."""
     if is_conversational(prompts[0]):
         kwargs = {"tokenize": False, "add_generation_prompt": True, **(chat_template_kwargs or {})}
         if tools is None or all(t is tools[0] for t in tools):  # one call for the batch
@@ -37,4 +41,8 @@ def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | Non
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
         ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]  # left padding: the tail is the text
+    extra = -ids.shape[1] % pad_to_multiple_of if pad_to_multiple_of else 0
+    if extra:
+        ids = torch.nn.functional.pad(ids, (extra, 0), value=tokenizer.pad_token_id)
+        mask = torch.nn.functional.pad(mask, (extra, 0), value=0)
     return PromptBatch(ids, mask)

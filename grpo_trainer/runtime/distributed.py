@@ -24,6 +24,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor, nn
 
+from grpo_trainer.algorithms.logprobs import LogProbs
+
 __all__ = ["check_processes", "enable_fsdp2_on_cpu", "full_parameters", "is_zero3_partitioned", "launched_world_size",
            "make_reference_model", "parameter_digest", "prepare_backend"]
 
@@ -87,7 +89,8 @@ def is_zero3_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def make_reference_model(model: nn.Module, beta: float, model_init_kwargs: dict | None) -> nn.Module | None:
+def make_reference_model(model: nn.Module, beta: float, model_init_kwargs: dict | None,
+                         trust_remote_code: bool = False) -> nn.Module | None:
     """`models.make_reference_model`, except for a ZeRO-3 partitioned policy: a deep copy of one holds empty
     partitions, not weights, so the reference is loaded again from the policy's checkpoint (as TRL does)."""
     from grpo_trainer.runtime import models
@@ -100,7 +103,7 @@ def make_reference_model(model: nn.Module, beta: float, model_init_kwargs: dict 
                          "the policy has no config._name_or_path. Pass the model as a Hub id or local path, "
                          "build it before GRPOConfig (so it is not partitioned yet), or set beta=0.")
     kwargs = {"dtype": next(model.parameters()).dtype, **(model_init_kwargs or {})}
-    reference = models.load_policy(path, kwargs).eval()
+    reference = models.load_policy(path, kwargs, trust_remote_code=trust_remote_code).eval()
     reference.requires_grad_(False)
     return reference
 
@@ -113,8 +116,8 @@ def is_fsdp_module(model: nn.Module) -> bool:
 
 
 def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-                             temperature: float = 1.0, chunk_size: int = 1024,
-                             with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                             temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                             with_aux_loss: bool = False) -> LogProbs:
     """`logprobs.completion_logprobs` for FSDP2-sharded models: the LM head runs inside the model's forward.
 
     accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings). Projecting hidden
@@ -128,8 +131,10 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
     from grpo_trainer.algorithms.logprobs import token_logprobs
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as in generate, ignoring left padding
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=completion_length + 1, use_cache=False).logits[:, :-1]  # [B, T, V]
+    router = {"output_router_logits": True} if with_aux_loss else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=completion_length + 1, use_cache=False, **router)
+    logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]  # [B, T]
     flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # [B*T, V], [B*T]
     logps, entropies = [], []
@@ -140,8 +145,9 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
         else:
             chosen, entropy = token_logprobs(*args)
         logps.append(chosen)
-        entropies.append(entropy.detach())
-    return torch.cat(logps).view(tokens.shape), (torch.cat(entropies).view(tokens.shape) if with_entropy else None)
+        entropies.append(entropy)  # differentiable: the entropy bonus trains through it
+    return LogProbs(torch.cat(logps).view(tokens.shape), torch.cat(entropies).view(tokens.shape) if with_entropy
+                    else None, out.aux_loss if with_aux_loss else None)
 
 
 def full_parameters(model: nn.Module) -> dict[str, Tensor]:

@@ -4,15 +4,22 @@ Decisions:
 
 1. The reference model is None when `beta == 0`. Under PEFT it is the policy itself with the adapter disabled
    (no second copy in memory). Otherwise it is a frozen copy, prepared for DeepSpeed like the policy.
-2. A model given by id is loaded in float32 unless `model_init_kwargs['dtype']` says otherwise (as TRL does);
-   `trust_remote_code` stays False unless the user sets it.
+2. A model given by id is loaded in float32 unless `model_init_kwargs['dtype']` says otherwise (as TRL does).
+   `trust_remote_code` (GRPOConfig's, unless `model_init_kwargs` sets it) reaches every `from_pretrained`: the
+   policy, its tokenizer, reward models and theirs. A checkpoint that needs its own code and is not trusted is
+   refused by `check_remote_code` before anything loads, instead of transformers' interactive prompt.
 3. Optional dependencies (peft, deepspeed) are imported inside the functions that need them.
+4. `cast_lm_head_to_fp32` swaps an untied LM head for a `logprobs.Float32Head` holding a float32 copy of its
+   weight. A tied head would drag the input embedding to float32 with it, so it is refused, as TRL documents.
+5. A Mixture-of-Experts model's router auxiliary loss weight is resolved once (`router_aux_loss_coef`): the
+   config's own coefficient unless the user sets one, and an error when set on a model without a router.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -20,29 +27,60 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import cached_file
 
-__all__ = ["causal_lm", "disable_dropout", "is_checkpointing", "is_peft_model", "load_policy", "load_reward_model",
-           "make_reference_model", "reference_context", "wrap_peft"]
+from grpo_trainer.algorithms.logprobs import Float32Head
+
+__all__ = ["cast_lm_head_to_fp32", "causal_lm", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
+           "is_checkpointing", "is_peft_model", "liger_kernel_config", "load_policy", "load_reward_model",
+           "load_tokenizer", "make_reference_model", "reference_context", "router_aux_loss_coef", "wrap_peft"]
 
 
-def _init_kwargs(model_init_kwargs: dict | None) -> dict:
+def init_kwargs(model_init_kwargs: dict | None, trust_remote_code: bool = False) -> dict:
+    """`from_pretrained` kwargs: `model_init_kwargs` with a torch dtype (float32 unless set) and trust_remote_code
+    (GRPOConfig's, unless `model_init_kwargs` sets its own)."""
     kwargs = dict(model_init_kwargs or {})
     dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     kwargs["dtype"] = torch.float32 if dtype is None else dtype
+    kwargs.setdefault("trust_remote_code", trust_remote_code)
     return kwargs
 
 
-def load_policy(model: str | nn.Module, model_init_kwargs: dict | None,
-                quantization_config: Any = None) -> nn.Module:
+def check_remote_code(model_id: str, trust_remote_code: bool, revision: str | None = None) -> None:
+    """Refuse a checkpoint whose architecture exists only as code shipped with it (an `auto_map` in its config for
+    a model type transformers does not know) unless `trust_remote_code` is set. Reads config.json only."""
+    if trust_remote_code:
+        return
+    path = cached_file(model_id, "config.json", revision=revision, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False)
+    if path is None:
+        return  # no config to read: from_pretrained reports it
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"{model_id!r} contains custom code (its config's auto_map names {sorted(config['auto_map'])} "
+                         f"for model_type {config.get('model_type')!r}, which transformers does not implement). Read "
+                         "that code, then set trust_remote_code=True in GRPOConfig to run it.")
+
+
+def load_tokenizer(model_id: str, trust_remote_code: bool, revision: str | None = None, **kwargs: Any) -> Any:
+    """The tokenizer saved with `model_id` (custom tokenizer code only when `trust_remote_code`)."""
+    return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def load_policy(model: str | nn.Module, model_init_kwargs: dict | None, quantization_config: Any = None,
+                trust_remote_code: bool = False) -> nn.Module:
     """A causal LM from a Hub id or a local path; a model that is already loaded is returned as it is."""
     if not isinstance(model, str):
         if quantization_config is not None:
             raise ValueError("quantization_config applies only when `model` is a Hub id or a local path; this model "
                              "is already loaded. Pass its id/path, or load it with quantization_config yourself.")
         return model
-    kwargs = _init_kwargs(model_init_kwargs)
+    kwargs = init_kwargs(model_init_kwargs, trust_remote_code)
+    check_remote_code(model, kwargs["trust_remote_code"], kwargs.get("revision"))
     if quantization_config is not None and kwargs.get("quantization_config") is not None:
         raise ValueError("quantization_config is set both as a trainer argument and in args.model_init_kwargs; "
                          "set it in one place (the trainer argument).")
@@ -55,11 +93,13 @@ def load_policy(model: str | nn.Module, model_init_kwargs: dict | None,
     return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
-def load_reward_model(model_id: str, model_init_kwargs: dict | None) -> tuple[nn.Module, Any]:
+def load_reward_model(model_id: str, model_init_kwargs: dict | None,
+                      trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
     """A sequence-classification reward model (one label) and its tokenizer."""
-    model = AutoModelForSequenceClassification.from_pretrained(model_id, num_labels=1,
-                                                               **_init_kwargs(model_init_kwargs))
-    return model, AutoTokenizer.from_pretrained(model_id)
+    kwargs = init_kwargs(model_init_kwargs, trust_remote_code)
+    check_remote_code(model_id, kwargs["trust_remote_code"], kwargs.get("revision"))
+    model = AutoModelForSequenceClassification.from_pretrained(model_id, num_labels=1, **kwargs)
+    return model, load_tokenizer(model_id, kwargs["trust_remote_code"], kwargs.get("revision"))
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -89,10 +129,12 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
 
     if is_peft_model(model):
         raise ValueError("model is already a PeftModel; pass either a PeftModel or peft_config, not both.")
+    _refuse_prompt_learning(peft_config)
     targets = getattr(peft_config, "target_modules", None) or []
-    if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
-        raise ValueError("peft_config adapts lm_head; log-probs read the LM head directly, so leave lm_head out "
-                         "of target_modules and modules_to_save.")
+    if "lm_head" in targets:  # as TRL 1.16; modules_to_save=["lm_head"] (a trained copy of the head) is fine
+        raise ValueError("peft_config puts an adapter on lm_head (target_modules); an adapter on the LM head is not "
+                         "supported, as in TRL. Leave lm_head out of target_modules, or list it in modules_to_save "
+                         "to train the whole head.")
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         from peft import prepare_model_for_kbit_training
 
@@ -100,6 +142,19 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
     elif gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     return get_peft_model(model, peft_config)
+
+
+def _refuse_prompt_learning(peft_config: Any) -> None:
+    if getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(f"{type(peft_config).__name__} is a prompt-learning PEFT method (virtual tokens prepended by "
+                         "PeftModel.forward), which is not supported: rollouts and log-probs run the underlying model "
+                         "directly, so they would leave the virtual tokens out. Use LoRA (peft.LoraConfig).")
+
+
+def check_adapter(model: nn.Module) -> None:
+    """Refuse a PeftModel whose active adapter is a prompt-learning method (see `wrap_peft`)."""
+    if is_peft_model(model):
+        _refuse_prompt_learning(model.peft_config.get(model.active_adapter))
 
 
 def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:
@@ -130,3 +185,52 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+
+
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """Replace the (untied) LM head of `model` by a `Float32Head` holding its weight in float32. Idempotent."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    if type(head) is Float32Head:
+        return
+    if type(head) is not nn.Linear:
+        raise ValueError(f"cast_lm_head_to_fp32=True needs a plain nn.Linear LM head; {type(lm).__name__}'s is a "
+                         f"{type(head).__name__} (a PEFT adapter on lm_head, or a quantised head). Remove lm_head "
+                         "from the adapter's target_modules / modules_to_save, or set cast_lm_head_to_fp32=False.")
+    embedding = lm.get_input_embeddings()
+    if embedding is not None and embedding.weight is head.weight:
+        raise ValueError(f"cast_lm_head_to_fp32=True needs an untied LM head, but {type(lm).__name__} ties it to the "
+                         "input embedding (tie_word_embeddings=True): casting it would turn the embedding to float32 "
+                         "too. Set cast_lm_head_to_fp32=False, or use a model with tie_word_embeddings=False.")
+    fp32 = Float32Head(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    fp32.weight = nn.Parameter(head.weight.detach().float(), requires_grad=head.weight.requires_grad)
+    if head.bias is not None:
+        fp32.bias = nn.Parameter(head.bias.detach().float(), requires_grad=head.bias.requires_grad)
+    lm.set_output_embeddings(fp32)
+
+
+def router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
+    """The weight of a Mixture-of-Experts router's load-balancing loss in the GRPO loss: `coef`, or the model
+    config's own `router_aux_loss_coef` when `coef` is None (0.0 for a config without one). 0.0 turns it off.
+    A model that cannot return its router logits (no `output_router_logits` in its config) has no such loss."""
+    config = causal_lm(model).config.get_text_config()
+    is_moe = hasattr(config, "output_router_logits")
+    if coef and not is_moe:
+        raise ValueError(f"router_aux_loss_coef={coef} but {type(causal_lm(model)).__name__} is not a "
+                         "Mixture-of-Experts model that returns its router logits, so there is no auxiliary loss to "
+                         "weight. Leave router_aux_loss_coef at None (or 0).")
+    resolved = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return float(resolved) if is_moe else 0.0
+
+
+def liger_kernel_config(config: dict | None) -> dict:
+    """The Liger kernel settings `Trainer` applies with `use_liger_kernel=True`: its layer kernels only. Liger's
+    fused linear cross-entropy replaces the model's forward, which log-probs need as it is (`algorithms.logprobs`)."""
+    warnings.warn("use_liger_kernel=True is deprecated for GRPO, as in TRL 1.16 (to be removed in TRL 2.0): only "
+                  "Liger's layer kernels apply, never its fused loss. Hub kernels are the replacement: "
+                  "model_init_kwargs={'use_kernels': True}.", FutureWarning, stacklevel=3)
+    config = dict(config or {})
+    if config.get("fused_linear_cross_entropy"):
+        raise ValueError('liger_kernel_config={"fused_linear_cross_entropy": True} is not supported: it replaces the '
+                         "model's forward, and GRPO's log-probs need the model's own forward and LM head.")
+    return {**config, "fused_linear_cross_entropy": False}

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 import os
+import time
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -37,21 +40,23 @@ import torch
 from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
-from transformers import AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 from grpo_trainer import rollout
-from grpo_trainer.algorithms import losses
-from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
-from grpo_trainer.algorithms.logprobs import completion_logprobs
+from grpo_trainer.algorithms import losses, masks, surrogates
+from grpo_trainer.algorithms.advantage import MULTI_OBJECTIVE_AGGREGATIONS, Advantage, get_advantage_estimator
+from grpo_trainer.algorithms.entropy import EntropyControl, window_stats
+from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
-from grpo_trainer.config.checks import check_config
-from grpo_trainer.data.checks import check_dataset, is_conversational
+from grpo_trainer.config.checks import advisories, check_config
+from grpo_trainer.data.checks import check_dataset, eval_datasets, is_conversational, prepare_for_streaming
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
-from grpo_trainer.reporting import hub, metrics
+from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
+from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
-from grpo_trainer.rewards.checks import check_reward_setup
+from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
 from grpo_trainer.rollout import capture, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
@@ -60,7 +65,27 @@ from grpo_trainer.trainer.round import Round
 
 __all__ = ["GRPOTrainer"]
 
+logger = logging.getLogger(__name__)
+
 ADVANTAGE_EPS = 1e-4  # TRL's: keeps a group whose rewards barely differ from being amplified 1e8-fold
+_ENTROPY_PAD = -1e9  # pads entropies (always >= 0) to a common length for the cross-process gather
+_ENTROPY_STATE = "entropy_ctrl_state.json"  # the adaptive entropy controller's state in a checkpoint (TRL's name)
+
+
+def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
+                  peft_config: Any, prompt_optional: bool = False) -> None:
+    """Datasets and the options that depend on them, before any model is loaded. `prompt_optional`: environments
+    write the prompts (`rollout.multiturn`)."""
+    check_dataset(train_dataset, "train_dataset", processing_class, prompt_optional=prompt_optional)
+    for name, dataset in eval_datasets(eval_dataset):
+        check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
+                      prompt_optional=prompt_optional)
+    prepare_for_streaming(train_dataset, eval_dataset, args)
+    if args.use_liger_kernel:
+        args.liger_kernel_config = models.liger_kernel_config(args.liger_kernel_config)
+    if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
+        raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
+                         "model, which never changes. Set sync_ref_model=False.")
 
 
 def _identity(features: list[dict]) -> list[dict]:
@@ -99,39 +124,30 @@ class GRPOTrainer(Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
         check_config(args)  # again: scripts set fields after building the config
+        for message in advisories(args):
+            logger.warning(message)
         reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
         # Environments first: the rewards they own count as reward sources (rollout.multiturn.environments).
         environments = multiturn.Environments.of(environment_factory, tools)
         owned_rewards = environments.reward_funcs if environments else []
         check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id, padding_side="left", truncation_side="left")
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        processing_class = self._load_processing_class(model, processing_class, args)
         train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
                                                 train_dataset)
-        for name, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]):
-            check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
-                          prompt_optional=environments is not None)
-        if isinstance(train_dataset, IterableDataset):
-            if args.max_steps <= 0:
-                raise ValueError("train_dataset is an IterableDataset (no length), so set max_steps > 0.")
-            # Rows are dicts of Python objects: each process reads its own share instead of receiving tensors.
-            args.accelerator_config.dispatch_batches = False
-        if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
-            raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
-                             "model, which never changes. Set sync_ref_model=False.")
+        _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
+                      prompt_optional=environments is not None)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+        self._surrogate_params = surrogates.SurrogateParams(
+            args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.delta,
+            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
+            args.vespo_k_neg, args.vespo_lambda_neg)
+        self._entropy = EntropyControl(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
+                                       args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
+        self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
         self.rollout_backend = rollout.select(args)
 
-        model = models.load_policy(model, args.model_init_kwargs, quantization_config)
-        if peft_config is not None:
-            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
-            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
-        if args.disable_dropout:
-            models.disable_dropout(model)
-        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs)
+        model = self._build_models(model, args, peft_config, quantization_config)
         if self._multi_turn is not None:
             self._multi_turn.attach_model(eos_token_ids(processing_class, model.generation_config),
                                           getattr(model.config, "max_position_embeddings", None))
@@ -141,6 +157,7 @@ class GRPOTrainer(Trainer):
                                            + [1.0] * len(owned_rewards))
         self.reward_funcs += owned_rewards
         self.reward_names += [func.__name__ for func in owned_rewards]
+        self.reward_processing_classes += [None] * len(owned_rewards)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -150,8 +167,15 @@ class GRPOTrainer(Trainer):
         self._micro_step = 0
         self._nonfinite_in_a_row = self._nonfinite_since_log = 0
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print)
-        self._num_tokens = 0
+        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print,
+                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
+        self._reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
+        self._step_time, self._micro_steps_timed = 0.0, 0
+        self._completions_upload = None
+        if args.log_completions and args.log_completions_hub_repo and self.accelerator.is_main_process:
+            self._completions_upload = completions_hub.start_upload(
+                args.log_completions_hub_repo, self._completions.directory, args.hub_private_repo, args.hub_token,
+                args.hub_model_id)
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
     # ----------------------------------------------------------------------------------------------- set-up
@@ -160,10 +184,26 @@ class GRPOTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
+    @staticmethod
+    def _load_processing_class(model: str | nn.Module, processing_class: Any, args: GRPOConfig) -> Any:
+        """The given tokenizer, else the model's own (left padding and truncation), with a pad token. A model id
+        whose code is untrusted is refused first: loading its tokenizer may already run that code."""
+        kwargs = models.init_kwargs(args.model_init_kwargs, args.trust_remote_code)
+        trust, revision = kwargs["trust_remote_code"], kwargs.get("revision") if isinstance(model, str) else None
+        if isinstance(model, str):
+            models.check_remote_code(model, trust, revision)
+        if processing_class is None:
+            model_id = model if isinstance(model, str) else model.config._name_or_path
+            processing_class = models.load_tokenizer(model_id, trust, revision, padding_side="left",
+                                                     truncation_side="left")
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        return processing_class
+
     def _set_up_multi_turn(self, processing_class: Any, args: GRPOConfig, tools: list | None,
                            environments: multiturn.Environments | None, rollout_func: Any, train_dataset: Any) -> Any:
-        """`self._multi_turn` (None for single-turn runs) and TRL's attributes for it; the train dataset, checked
-        (a placeholder when an environment owns the data)."""
+        """`self._multi_turn` (None for single-turn runs) and TRL's attributes for it; the train dataset (a
+        placeholder when an environment owns the data), its prompts checked for tools."""
         self._multi_turn = multiturn.MultiTurn(processing_class, args, tools, environments, rollout_func) \
             if tools or environments or rollout_func else None
         # TRL's attributes: every tool, the rollout_func, the latest round's environments, each one's tools and pool
@@ -174,32 +214,52 @@ class GRPOTrainer(Trainer):
             self._env_tools, self._environment_pool = environments.tools, environments.pools
         if train_dataset is None:
             train_dataset = multiturn.placeholder_dataset(environments, args)
-        check_dataset(train_dataset, "train_dataset", processing_class, prompt_optional=environments is not None)
         if self._multi_turn is not None:
             self._multi_turn.check_dataset(train_dataset, "train_dataset")
         return train_dataset
-
-    def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
-        """Every reward as a callable with the reward-function contract; reward models are loaded here."""
-        if not isinstance(processing_classes, (list, tuple)):
-            processing_classes = [processing_classes] * len(funcs)
-        batch_size = args.reward_model_batch_size or args.per_device_train_batch_size
-        built = []
-        for func, tokenizer in zip(funcs, processing_classes):
-            if isinstance(func, str):
-                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs)
-                tokenizer = tokenizer or loaded_tokenizer
-            if isinstance(func, nn.Module):
-                if tokenizer is None:
-                    tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
-                func = rewards.RewardModel(func, tokenizer, batch_size)
-            built.append(func)
-        return built, [rewards.reward_name(f) for f in built]
 
     @property
     def reward_func_names(self) -> list[str]:
         """TRL's name for `reward_names`: each reward source's metric name."""
         return self.reward_names
+
+    def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
+                      quantization_config: Any) -> nn.Module:
+        """The policy (loaded, adapter-wrapped, head cast as asked) and `self.ref_model`; resolves the MoE router's
+        auxiliary loss (`self.router_aux_loss_coef`, `self.aux_loss_enabled`, TRL's names)."""
+        model = models.load_policy(model, args.model_init_kwargs, quantization_config, args.trust_remote_code)
+        if peft_config is not None:
+            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
+            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
+        models.check_adapter(model)
+        if args.disable_dropout:
+            models.disable_dropout(model)
+        self.router_aux_loss_coef = models.router_aux_loss_coef(model, args.router_aux_loss_coef)
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
+        if args.cast_lm_head_to_fp32:
+            models.cast_lm_head_to_fp32(model)
+        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs,
+                                                          args.trust_remote_code)
+        if args.cast_lm_head_to_fp32 and self.ref_model is not None:
+            models.cast_lm_head_to_fp32(self.ref_model)  # a copy of the policy already has it; a reloaded one not
+        return model
+
+    def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
+        """Every reward as a callable with the reward-function contract; reward models are loaded here.
+        `self.reward_processing_classes`: each reward's tokenizer (None for reward functions), as in TRL."""
+        batch_size = args.reward_model_batch_size or args.per_device_train_batch_size
+        built, self.reward_processing_classes = [], []
+        for func, tokenizer in zip(funcs, as_processing_classes(processing_classes, len(funcs))):
+            if isinstance(func, str):
+                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs, args.trust_remote_code)
+                tokenizer = tokenizer or loaded_tokenizer
+            if isinstance(func, nn.Module):
+                if tokenizer is None:
+                    tokenizer = models.load_tokenizer(func.config._name_or_path, args.trust_remote_code)
+                func = rewards.RewardModel(func, tokenizer, batch_size)
+            built.append(func)
+            self.reward_processing_classes.append(tokenizer)
+        return built, [rewards.reward_name(f) for f in built]
 
     def _prepare_auxiliary_models(self) -> None:
         """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
@@ -247,9 +307,19 @@ class GRPOTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
             dataset = self.eval_dataset[dataset]
-        if isinstance(dataset, IterableDataset):
-            dataset = repeat_iterable(dataset, self._num_generations("eval"), 1, 1)
-        return super().get_eval_dataloader(dataset)
+        if not isinstance(dataset, IterableDataset):
+            return super().get_eval_dataloader(dataset)
+        # A stream (also one first seen here, via `evaluate(eval_dataset=...)`): each process reads its own share,
+        # with one worker, so that each prompt's repeats stay together (`data.checks.prepare_for_streaming`).
+        if self.args.accelerator_config.dispatch_batches:
+            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                             "`accelerator_config`; set it to False, or pass a map-style eval dataset.")
+        self.accelerator.dataloader_config.dispatch_batches = False
+        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
+        try:
+            return super().get_eval_dataloader(repeat_iterable(dataset, self._num_generations("eval"), 1, 1))
+        finally:
+            self.args.dataloader_num_workers = workers
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         G = self._num_generations("eval")
@@ -278,7 +348,7 @@ class GRPOTrainer(Trainer):
         if self._multi_turn is None:
             prompts = [row["prompt"] for row in batch]
             prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
-                                            args.chat_template_kwargs).to(device)
+                                            args.chat_template_kwargs, args.pad_to_multiple_of).to(device)
             out = self._rollout(prompt_batch, mode)
             completions, episode_columns = self._completion_texts(out, prompts), {}
         else:
@@ -289,29 +359,37 @@ class GRPOTrainer(Trainer):
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
                                                   completion_ids, columns, args.reward_error_policy,
-                                                  trainer_state=self.state).to(device)  # [B, F]
+                                                  trainer_state=self.state, log_extra=self._reward_logs.log_extra,
+                                                  log_metric=self._reward_logs.log_metric).to(device)  # [B, F]
+        unrewarded = torch.isnan(local_rewards).all(dim=1).nonzero()  # rows no reward function scored
+        if len(unrewarded):
+            row = int(unrewarded[0])
+            sample = {**{k: v[row] for k, v in columns.items()}, "prompt": prompts[row], "completion": completions[row]}
+            logger.warning(f"All reward functions returned None for the following kwargs:\n{sample}\nSuch completions "
+                           "get advantage 0; make sure at least one reward function returns a valid reward.")
         all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
-        if torch.isnan(all_rewards).all(dim=1).any():
-            warnings.warn("every reward function returned None (or failed) for some completions; they get "
-                          "advantage 0. A group with no reward at all teaches nothing.")
         G = self._num_generations(mode)
         weights = self.reward_weights
-        advantages = self.advantage_fn(all_rewards.cpu(), num_generations=G, scale=args.scale_rewards,
-                                       reward_weights=weights)
+        aggregate = MULTI_OBJECTIVE_AGGREGATIONS[args.multi_objective_aggregation]
+        all_advantages = aggregate(self.advantage_fn, all_rewards.cpu(), G, args.scale_rewards, weights,
+                                   ADVANTAGE_EPS)  # [B_global]
         start = self.accelerator.process_index * len(prompts)
-        advantages = advantages[start:start + len(prompts)].to(device)  # [B]
+        advantages = all_advantages[start:start + len(prompts)].to(device)  # [B]
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
             if args.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
         self._record_rollout_metrics(mode, out, all_rewards, weights, G)
+        extra = self._reward_logs.gather_columns(len(prompts), gather_object) if args.log_completions else {}
+        self._reward_logs.columns.clear()
         if args.log_completions and mode == "train":
-            self._completions.add(gather_object(_as_text(prompts)), gather_object(completions),
-                                  all_rewards.cpu(), gather(advantages).cpu())
+            self._completions.add(gather_object(prompts), gather_object(completions), all_rewards.cpu(),
+                                  all_advantages, extra)
         return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
                      completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
                      window_tokens=self._window_tokens(loss_mask if out.env_mask is None else loss_mask * out.env_mask,
                                                        mode),
                      sampling_logps=out.sampling_logps, sampling_entropy=out.sampling_entropy,
-                     sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs)
+                     sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs,
+                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self.processing_class.pad_token_id)
 
     def _on_policy(self, mode: str) -> bool:
         """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
@@ -386,7 +464,8 @@ class GRPOTrainer(Trainer):
     def _no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
         """Log-probs `[B, T]` of a (trimmed) round, `per_device_train_batch_size` rows per forward."""
         size, width = self.args.per_device_train_batch_size, part.completion_ids.shape[1]
-        pieces = [self._logps(model, part.select(slice(i, i + size)).trimmed())[0] for i in range(0, part.rows, size)]
+        pieces = [self._logps(model, part.select(slice(i, i + size)).trimmed()).logps
+                  for i in range(0, part.rows, size)]
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
 
     def _window_tokens(self, loss_mask: Tensor, mode: str) -> Tensor:
@@ -400,62 +479,124 @@ class GRPOTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------- loss
 
-    def _logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False):
+    def _logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False) -> LogProbs:
         """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
         this round, on-policy, so the rollout's values stand in for the forward's (and its layer outputs, if kept,
-        are replayed)."""
+        are replayed); the policy's forward also returns the MoE router's auxiliary loss when it is enabled."""
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
+        with_aux_loss = policy and self.aux_loss_enabled
         if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
             return distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                                        self.args.logprob_chunk_size, with_entropy)
+                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss)
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = contextlib.nullcontext()
         if policy and inputs.layer_outputs is not None and model.training:
             replayed = replay.replayed_layers(models.causal_lm(model).get_decoder().layers, inputs.layer_outputs)
         with replayed:
             return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                       self.args.logprob_chunk_size, with_entropy, *known)
+                                       self.args.logprob_chunk_size, with_entropy, *known,
+                                       with_aux_loss=with_aux_loss)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
         args = self.args
         mode = "train" if model.training else "eval"
-        logps, entropy, measured = self._policy_logps(model, inputs, mode)  # [B, T] each
+        logps, entropy, measured, aux_loss = self._policy_logps(model, inputs, mode)  # [B, T] each; [] or None
         mask = inputs.loss_mask
-        loss_mask = mask.float()
+        entropy_mask = None
         if args.top_entropy_quantile < 1.0:
-            loss_mask = loss_mask * losses.high_entropy_mask(entropy, mask, args.top_entropy_quantile)
+            entropy_mask = self.get_high_entropy_mask(entropy.detach(), mask, 1.0 - args.top_entropy_quantile)
+        bonus = self._entropy.enabled
         norm = losses.LossNorm(args.gradient_accumulation_steps if mode == "train" else 1,
                                inputs.window_tokens, args.max_completion_length)
-        out = losses.policy_loss(logps, inputs.advantages, loss_mask, norm, loss_type=args.loss_type,
+        out = losses.policy_loss(logps, inputs.advantages, mask, norm, loss_type=args.loss_type,
                                  old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, beta=args.beta,
-                                 kl_bias_correction=args.use_bias_correction_kl, epsilon_low=args.epsilon,
-                                 epsilon_high=args.epsilon_high, delta=args.delta,
+                                 kl_bias_correction=args.use_bias_correction_kl, params=self._surrogate_params,
                                  importance_sampling_level=args.importance_sampling_level,
-                                 sapo_temperature_pos=args.sapo_temperature_pos,
-                                 sapo_temperature_neg=args.sapo_temperature_neg)
+                                 off_policy_threshold=args.off_policy_mask_threshold,
+                                 sampling_logps=inputs.sampling_logps, entropy_mask=entropy_mask,
+                                 entropy=entropy if bonus else None,
+                                 entropy_coef=self._entropy.applied() if bonus else None)
         window = self._metrics[mode]
         for key, value in out.metrics.items():
             window[key].append(value)
-        window["entropy"].append((entropy * measured).sum() / measured.sum().clamp(min=1))
-        return (out.loss, None) if return_outputs else out.loss
+        for key, values in out.per_sequence.items():  # extremes over every process's completions
+            window[key].append(losses.SEQUENCE_METRICS[key][1](gather(values)))
+        window["entropy"].append((entropy.detach() * measured).sum() / measured.sum().clamp(min=1))
+        if bonus and mode == "train":
+            self._control_entropy(entropy, mask if entropy_mask is None else mask * entropy_mask)
+        loss = out.loss
+        if aux_loss is not None:  # TRL: scaled for gradient accumulation like the policy loss (auto-scaling is off)
+            loss = loss + self.router_aux_loss_coef * aux_loss / norm.accumulation_steps
+            window["aux_loss"].append(aux_loss.detach())
+        return (loss, None) if return_outputs else loss
 
-    def _policy_logps(self, model: nn.Module, inputs: Round, mode: str) -> tuple[Tensor, Tensor, Tensor]:
-        """Policy log-probs and entropies `[B, T]`, and the mask of tokens whose entropy was computed. With
-        beta == 0 and no entropy mask, a completion whose advantage is exactly 0 adds 0 to the loss and to its
-        gradient whatever its log-probs, so only the other rows run forward and backward; skipped rows keep their
-        place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
+    def _control_entropy(self, entropy: Tensor, mask: Tensor) -> None:
+        """Adaptive entropy control: add this micro-batch's entropy to the window's; at the optimizer step, update
+        the coefficient from the window's token-weighted entropy over every process. Logs `entropy_coef` once per
+        optimizer step, as TRL."""
+        if self._entropy.adaptive:
+            stats = window_stats(entropy, mask)  # [2]
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(self._entropy_window, reduction="sum")
+                self._entropy.update((totals[0] / totals[1].clamp(min=1.0)).item())
+                self._entropy_window = None
+        if self.accelerator.sync_gradients:
+            self._metrics["train"]["entropy_coef"].append(self._entropy.coef)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute; adaptive control changes it each step)."""
+        return self._entropy.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self._entropy.coef = value
+
+    def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
+        """TRL's method: True for the completion tokens `[B, T]` whose entropy is at least the `threshold` quantile
+        of the completion-token entropies of every process (`masks.high_entropy_mask`)."""
+        local = entropies[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=_ENTROPY_PAD)
+        gathered = self.accelerator.gather(padded)
+        return masks.high_entropy_mask(entropies, mask, gathered[gathered != _ENTROPY_PAD], threshold)
+
+    @staticmethod
+    def get_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,
+                            mask: Tensor, off_policy_threshold: float) -> Tensor:
+        """TRL's static method: DeepSeek-V3.2's off-policy sequence mask `[B, 1]` (`masks.off_policy_mask`)."""
+        return masks.off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                     off_policy_threshold)
+
+    @staticmethod
+    def get_gamma_weights(advantages: Tensor, log_ratio_per_token: Tensor, mask: Tensor,
+                          importance_sampling_ratio: Tensor | None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                          k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+        """TRL's static method: VESPO's sequence weights phi(w) `[B, 1]` (`surrogates.gamma_weights`)."""
+        return surrogates.gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos,
+                                        lambda_pos, k_neg, lambda_neg)
+
+    def _policy_logps(self, model: nn.Module, inputs: Round, mode: str
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Policy log-probs and entropies `[B, T]`, the mask of tokens whose entropy was computed, and the MoE
+        router's auxiliary loss (None unless enabled). With beta == 0, no entropy mask, no entropy bonus and no
+        auxiliary loss, a completion whose advantage is exactly 0 adds 0 to the loss and to its gradient whatever
+        its log-probs, so only the other rows run forward and backward; skipped rows keep their place in every loss
+        normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
         args = self.args
         advantages, mask = inputs.advantages, inputs.loss_mask  # [B] or [B, T]; [B, T]
         nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
-        if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or bool(nonzero.all()):
-            logps, entropy = self._logps(model, inputs, with_entropy=True, policy=True)
-            return logps, entropy, mask
+        if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or self._entropy.enabled \
+                or self.aux_loss_enabled or bool(nonzero.all()):
+            out = self._logps(model, inputs, with_entropy=True, policy=True)
+            return out.logps, out.entropy, mask, out.aux_loss
         keep = nonzero.nonzero().squeeze(1)
         keep = keep if keep.numel() else keep.new_zeros(1)  # one row keeps the graph (and DDP's hooks) alive
-        part_logps, part_entropy = self._logps(model, inputs.select(keep).trimmed(), True, policy=True)
+        part = self._logps(model, inputs.select(keep).trimmed(), True, policy=True)
+        part_logps, part_entropy = part.logps, part.entropy
         B, T = mask.shape
         width = part_logps.shape[1]
         logps = inputs.old_logps.clone() if inputs.old_logps is not None else part_logps.new_zeros(B, T)
@@ -464,11 +605,13 @@ class GRPOTrainer(Trainer):
         entropy[keep, :width] = part_entropy
         measured = torch.zeros_like(mask)
         measured[keep] = mask[keep]
-        return logps, entropy, measured
+        return logps, entropy, measured, None
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
+        started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self._record_step_time(time.perf_counter() - started)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
         if finite:
@@ -491,15 +634,22 @@ class GRPOTrainer(Trainer):
         """RNG states, plus the generation buffer and its position: a resumed run replays the same micro-steps.
         Written before `trainer_state.json`, whose presence marks a checkpoint as complete."""
         super()._save_rng_state(output_dir)
-        state = {"buffer": self._buffer, "micro_step": self._micro_step, "num_tokens": self._num_tokens}
+        state = {"buffer": self._buffer, "micro_step": self._micro_step}
         torch.save(state, os.path.join(output_dir, f"grpo_state_{self.accelerator.process_index}.pt"))
+        if self._entropy.adaptive and self.args.should_save:  # the same on every process; TRL's file and keys
+            with open(os.path.join(output_dir, _ENTROPY_STATE), "w") as f:
+                json.dump(self._entropy.state_dict(), f)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
         if checkpoint is not None and os.path.isfile(path):
             state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
-            self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
+            self._buffer, self._micro_step = state["buffer"], state["micro_step"]
+        entropy_state = os.path.join(checkpoint or "", _ENTROPY_STATE)
+        if checkpoint is not None and self._entropy.adaptive and os.path.isfile(entropy_state):
+            with open(entropy_state) as f:
+                self._entropy.load_state_dict(json.load(f))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM
@@ -510,7 +660,10 @@ class GRPOTrainer(Trainer):
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
                                  "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
         with checkpoints.save_on_sigterm(self):
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
+            self._completions_upload.push_now()
+        return output
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -522,12 +675,33 @@ class GRPOTrainer(Trainer):
 
     def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor, weights: Tensor,
                                 G: int) -> None:
-        self._num_tokens += int(gather(out.prompt_mask.sum() + out.sampled_mask.sum()).sum())  # TRL: no tool tokens
-        round_metrics = metrics.rollout_metrics(gather(out.sampled_mask.sum(1)), gather(out.is_truncated.int()),
-                                                all_rewards, weights, G, self.reward_names,
-                                                with_pass_at_k=mode == "eval")
-        for key, value in {"num_tokens": self._num_tokens, **round_metrics}.items():
-            self._metrics[mode][key].append(value)
+        """TRL's round metrics, from the gathered round, and the round's `log_metric` values. `num_tokens` is the
+        running total of prompt and completion tokens trained on (`state.num_input_tokens_seen`)."""
+        window = self._metrics[mode]
+        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(gather(out.prompt_mask.sum().reshape(1)).sum() + lengths.sum())
+        window["num_tokens"] = [self.state.num_input_tokens_seen]
+        round_metrics = {**metrics.completion_length_metrics(lengths, gather(out.is_truncated.int())),
+                         **metrics.reward_metrics(all_rewards, weights, self.reward_names, G, self.args.scale_rewards,
+                                                  with_pass_at_k=mode == "eval"),
+                         **self._reward_logs.gather_metrics(gather_object)}
+        for key, value in round_metrics.items():
+            window[key].append(value)
+
+    def _record_step_time(self, seconds: float) -> None:
+        """TRL's `step_time`: seconds spent in `training_step` over the micro-steps of one optimizer step."""
+        self._step_time += seconds
+        self._micro_steps_timed += 1
+        if self._micro_steps_timed >= self.current_gradient_accumulation_steps:
+            self._metrics["train"]["step_time"].append(self._step_time)
+            self._step_time, self._micro_steps_timed = 0.0, 0
+
+    @property
+    def _logs(self) -> dict[str, Any]:
+        """The completions table's rows in the layout of `trl.GRPOTrainer._logs` (prompt, completion, rewards,
+        advantages, extra)."""
+        return self._completions.columns()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -535,10 +709,12 @@ class GRPOTrainer(Trainer):
         if mode == "train":  # skipped micro-steps since the last log, summed over processes below
             self._metrics[mode]["nonfinite_steps"] = [self._nonfinite_since_log * self.accelerator.num_processes]
             self._nonfinite_since_log = 0
-        keys, local = metrics.window_means(self._metrics[mode])  # the same keys on every process
-        reduced = self.accelerator.reduce(local.to(self.accelerator.device), "mean").tolist() if keys else []
-        averaged = {prefix + k: v for k, v in zip(keys, reduced)}
-        logs.update(averaged)  # in place: `evaluate()` returns this same dict, so it carries our metrics too
+        keys, local = metrics.window_totals(self._metrics[mode])  # the same keys on every process
+        device = self.accelerator.device
+        local = local.to(device, torch.float32 if device.type == "mps" else torch.float64)  # MPS has no float64
+        reduced = self.accelerator.reduce(local, "sum").cpu() if keys else local
+        logs.update({prefix + k: v for k, v in metrics.window_means(keys, reduced).items()})
+        # `logs` is updated in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
         self._metrics[mode].clear()
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
@@ -570,7 +746,3 @@ class GRPOTrainer(Trainer):
         """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
         peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
         return hub.save_merged_model(self, output_dir)
-
-
-def _as_text(prompts: list) -> list[str]:
-    return [p[-1]["content"] if is_conversational(p) else p for p in prompts]

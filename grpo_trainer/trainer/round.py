@@ -9,6 +9,9 @@ Decisions:
    groups no longer need to stay together), and each micro-batch is trimmed to its own longest prompt and
    completion once, before any forward pass: a micro-batch of short completions does not pay for the round's
    longest one.
+3. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
+   prompt and completion widths are padded once to multiples of it (`padded`), and every trim keeps multiples:
+   it rounds the kept prompt and completion widths up, never past the round's own.
 
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens, `L` decoder layers, `E` hidden size, `V` vocabulary.
 """
@@ -27,17 +30,21 @@ __all__ = ["Round"]
 _PROMPT, _COMPLETION, _SEQUENCE = "prompt", "completion", "sequence"
 
 
-def _columns(axis: str, dim: int = 1) -> Any:
-    return field(default=None, metadata={"columns": axis, "dim": dim})
+def _columns(axis: str, dim: int = 1, token_ids: bool = False) -> Any:
+    return field(default=None, metadata={"columns": axis, "dim": dim, "token_ids": token_ids})
+
+
+def _round_up(width: int, multiple: int | None) -> int:
+    return width if multiple is None else -(-width // multiple) * multiple
 
 
 @dataclass
 class Round:
     """One process's share of a generation round (or one micro-batch of it)."""
 
-    prompt_ids: Tensor = _columns(_PROMPT)  # [B, S] left-padded
+    prompt_ids: Tensor = _columns(_PROMPT, token_ids=True)  # [B, S] left-padded
     prompt_mask: Tensor = _columns(_PROMPT)  # [B, S]
-    completion_ids: Tensor = _columns(_COMPLETION)  # [B, T] right-padded
+    completion_ids: Tensor = _columns(_COMPLETION, token_ids=True)  # [B, T] right-padded
     completion_mask: Tensor = _columns(_COMPLETION)  # [B, T] int: the completion's tokens (after every loss mask)
     # Multi-turn: 1 for tokens the policy sampled, 0 for tokens a tool or environment wrote, which stay in the
     # context (attention) but never in the loss. None: every completion token was sampled.
@@ -53,6 +60,8 @@ class Round:
     sampling_entropy: Tensor | None = _columns(_COMPLETION)  # [B, T]
     sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
+    # Keep S and T multiples of this (decision 3); None: trims keep exactly the columns some row uses.
+    pad_to_multiple_of: int | None = None
 
     @property
     def rows(self) -> int:
@@ -82,24 +91,50 @@ class Round:
         return [self.select(order[i * size:(i + 1) * size]) for i in range(parts)]
 
     def kept_columns(self) -> tuple[int, int]:
-        """The first prompt column and the completion length that `trimmed` keeps."""
+        """The first prompt column and the completion length that `trimmed` keeps (decision 3 included)."""
+        S, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
         first = int(self.prompt_mask.any(0).int().argmax())
-        return first, max(int(self.completion_mask.sum(1).max()), 1)
+        last = max(int(self.completion_mask.sum(1).max()), 1)
+        multiple = self.pad_to_multiple_of
+        return S - min(_round_up(S - first, multiple), S), min(_round_up(last, multiple), T)
 
-    def trimmed(self) -> Round:
-        """This round without the columns that are padding in every row: left of the longest prompt, right of the
-        longest completion (at least one completion column is kept)."""
-        first, last = self.kept_columns()
-        width = self.prompt_ids.shape[1]
-        keep = {_PROMPT: slice(first, None), _COMPLETION: slice(0, last), _SEQUENCE: slice(first, width + last)}
-        values = {}
+    def _column_fields(self) -> list[tuple[dataclasses.Field, Tensor, str]]:
+        """(field, tensor, axis) of every field that has columns, token-level advantages included."""
+        found = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             axis = f.metadata.get("columns")
             if f.name == "advantages" and isinstance(value, Tensor) and value.dim() == 2:
                 axis = _COMPLETION  # token-level advantages
             if axis is not None and isinstance(value, Tensor):
-                index = (slice(None),) * f.metadata.get("dim", 1) + (keep[axis],)
-                value = value[index]
-            values[f.name] = value
+                found.append((f, value, axis))
+        return found
+
+    def trimmed(self) -> Round:
+        """This round without the columns that are padding in every row: left of the longest prompt, right of the
+        longest completion (at least one completion column is kept; widths rounded up as decision 3 says)."""
+        first, last = self.kept_columns()
+        width = self.prompt_ids.shape[1]
+        keep = {_PROMPT: slice(first, None), _COMPLETION: slice(0, last), _SEQUENCE: slice(first, width + last)}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for f, value, axis in self._column_fields():
+            values[f.name] = value[(slice(None),) * f.metadata.get("dim", 1) + (keep[axis],)]
+        return Round(**values)
+
+    def padded(self, pad_token_id: int) -> Round:
+        """This round with its prompt columns padded on the left and its completion columns on the right to
+        multiples of `pad_to_multiple_of` (itself when None): token ids with `pad_token_id`, every other field
+        (masks, log-probs, replay tensors) with zeros."""
+        S, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
+        left, right = _round_up(S, self.pad_to_multiple_of) - S, _round_up(T, self.pad_to_multiple_of) - T
+        if left == right == 0:
+            return self
+        sides = {_PROMPT: (left, 0), _COMPLETION: (0, right), _SEQUENCE: (left, right)}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for f, value, axis in self._column_fields():
+            dim = f.metadata.get("dim", 1)
+            # F.pad counts its (left, right) pairs from the last dimension backwards
+            widths = (0, 0) * (value.dim() - dim - 1) + sides[axis]
+            fill = pad_token_id if f.metadata.get("token_ids") else 0
+            values[f.name] = torch.nn.functional.pad(value, widths, value=fill)
         return Round(**values)

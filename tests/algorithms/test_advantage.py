@@ -369,3 +369,85 @@ def test_permutation_equivariance_within_groups(cls, scale):
     perm = torch.cat([4 * g + torch.randperm(4, generator=generator) for g in range(6)])
     out = cls()(rewards, num_generations=4, scale=scale)
     torch.testing.assert_close(cls()(rewards[perm], num_generations=4, scale=scale), out[perm], atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several reward functions: sum_then_normalize (default) and normalize_then_sum (GDPO)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_multi_objective_registry():
+    assert advantage.MULTI_OBJECTIVE_AGGREGATIONS == {"sum_then_normalize": advantage.sum_then_normalize,
+                                                      "normalize_then_sum": advantage.normalize_then_sum}
+
+
+def test_sum_then_normalize_is_the_estimator_on_the_weighted_sum():
+    rewards = [[1.0, 2.0], [0.0, None], [3.0, 1.0], [2.0, 2.0]]
+    estimator = GRPOAdvantage(eps=1e-4)
+    expected = estimator(rewards, num_generations=2, scale="batch", reward_weights=[1.0, 0.5])
+    actual = advantage.sum_then_normalize(estimator, rewards, 2, "batch", [1.0, 0.5], 1e-4)
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_normalize_then_sum_matches_trls_gdpo_by_hand():
+    """G = 3, two groups, two reward functions weighted (1, 0.5), eps 1e-4; None = not applicable; the last
+    completion is scored by no function.
+
+    function 1, group 0 [1, 0, 2]: mean 1, std sqrt((0 + 1 + 1) / 2) = 1 -> z = [0, -1/1.0001, 1/1.0001]
+                group 1 [3, 3, -]: std 0 -> z = [0, 0, -]
+    function 2, group 0 [-, 4, 2]: mean 3, std sqrt(2)  -> z = [-, 1/(sqrt 2 + 1e-4), -1/(sqrt 2 + 1e-4)]
+                                                                = [-, 0.707057, -0.707057]
+                group 1 [0, 6, -]: mean 3, std sqrt(18) -> z = [-3/(sqrt 18 + 1e-4), 3/(sqrt 18 + 1e-4), -]
+                                                                = [-0.707090, 0.707090, -]
+    weighted sums (missing z skipped): [0, -0.999900 + 0.353528, 0.999900 - 0.353528, -0.353545, 0.353545, -]
+        = [0, -0.646372, 0.646372, -0.353545, 0.353545, unscored]
+    over the 5 scored: mean 0, sample std sqrt((2 * 0.646372^2 + 2 * 0.353545^2) / 4) = 0.520956
+    advantages = sum / (0.520956 + 1e-4): [0, -1.240503, 1.240503, -0.678516, 0.678516], and 0 for the unscored.
+    """
+    rewards = [[1.0, None], [0.0, 4.0], [2.0, 2.0], [3.0, 0.0], [3.0, 6.0], [None, None]]
+    actual = advantage.normalize_then_sum(GRPOAdvantage(eps=1e-4), rewards, 3, "group", [1.0, 0.5], 1e-4)
+    torch.testing.assert_close(actual, torch.tensor([0.0, -1.240503, 1.240503, -0.678516, 0.678516, 0.0]),
+                               atol=ATOL, rtol=0)
+    # scale is not used: GDPO's per-function step is always the group normalisation (TRL ignores scale_rewards)
+    for scale in ("batch", "none"):
+        other = advantage.normalize_then_sum(GRPOAdvantage(eps=1e-4), rewards, 3, scale, [1.0, 0.5], 1e-4)
+        torch.testing.assert_close(other, actual, atol=0, rtol=0)
+
+
+def test_normalize_then_sum_with_another_estimator():
+    # rloo, one function weighted 2, G = 2: group [1, 0] -> leave-one-out [1, -1] / (std sqrt(.5) + 1e-4)
+    # = +-1.413938; group [3, 3] -> 0. Weighted: [2.827876, -2.827876, 0, 0]; batch mean 0, sample std
+    # 2.827876 * sqrt(2/3) = 2.308976 -> 2.827876 / (2.308976 + 1e-4) = 1.224692
+    rewards = torch.tensor([[1.0], [0.0], [3.0], [3.0]])
+    actual = advantage.normalize_then_sum(RLOOAdvantage(eps=1e-4), rewards, 2, "group", [2.0], 1e-4)
+    x = 2 / (math.sqrt(0.5) + 1e-4)
+    a = x / (x * math.sqrt(2 / 3) + 1e-4)
+    torch.testing.assert_close(actual, torch.tensor([a, -a, 0.0, 0.0]), atol=ATOL, rtol=0)
+    assert a == pytest.approx(1.224692, abs=1e-6)
+    # a user callable works the same way; NaN it returns counts as 0
+    calls = []
+
+    def centred(rewards, num_generations, scale, **kwargs):
+        calls.append((tuple(rewards.tolist()), num_generations, scale))
+        return torch.tensor([1.0, -1.0, math.nan, 0.0])
+
+    out = advantage.normalize_then_sum(centred, rewards, 2, "none", None, 1e-4)
+    assert calls == [((1.0, 0.0, 3.0, 3.0), 2, "group")]
+    # [1, -1, 0, 0]: mean 0, std sqrt(2/3) = 0.816497 -> +-1 / 0.816597 = +-1.224597
+    torch.testing.assert_close(out, torch.tensor([1.0, -1.0, 0.0, 0.0]) / (math.sqrt(2 / 3) + 1e-4), atol=ATOL,
+                               rtol=0)
+
+
+def test_normalize_then_sum_checks_the_weights():
+    with pytest.raises(ValueError, match="reward_weights has 1 entries but rewards have 2 columns"):
+        advantage.normalize_then_sum(GRPOAdvantage(), [[1.0, 2.0], [0.0, 1.0]], 2, "group", [1.0], 1e-4)
+
+
+def test_nanstd_by_hand():
+    # [1, NaN, 3]: mean 2, squares 1 + 1 over 2 - 1 -> 2 -> sqrt(2); one value or none -> NaN, never -0
+    assert advantage.nanstd(torch.tensor([1.0, math.nan, 3.0])).item() == pytest.approx(math.sqrt(2), abs=1e-7)
+    assert math.isnan(advantage.nanstd(torch.tensor([4.0, math.nan])).item())
+    assert math.isnan(advantage.nanstd(torch.tensor([math.nan, math.nan])).item())
+    # along a dim: rows [0, 2] -> sqrt(2), [NaN, NaN] -> NaN
+    rows = advantage.nanstd(torch.tensor([[0.0, 2.0], [math.nan, math.nan]]), dim=1)
+    assert rows[0].item() == pytest.approx(math.sqrt(2), abs=1e-7) and math.isnan(rows[1].item())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from grpo_trainer.algorithms.logprobs import completion_logprobs, token_logprobs
+from grpo_trainer.algorithms.logprobs import Float32Head, completion_logprobs, token_logprobs
 from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 
 T = 6  # completion tokens
@@ -68,8 +68,9 @@ def test_matches_naive_values_entropy_and_gradients(tiny_model, tokenizer, chunk
     ids, mask = batch(tokenizer)
     weights = torch.randn(3, T, generator=torch.Generator().manual_seed(1))  # a generic downstream loss
 
-    logps, entropy = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=chunk_size,
-                                         with_entropy=True)
+    out = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=True)
+    logps, entropy = out.logps, out.entropy
     assert logps.shape == entropy.shape == (3, T) and logps.dtype == torch.float32
     (logps * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
@@ -79,17 +80,83 @@ def test_matches_naive_values_entropy_and_gradients(tiny_model, tokenizer, chunk
     (expected * weights).sum().backward()
     torch.testing.assert_close(logps, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(entropy, expected_entropy.detach(), atol=ATOL, rtol=0)
-    assert not entropy.requires_grad  # a metric / mask, never differentiated
     for name, param in tiny_model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, atol=ATOL, rtol=0, msg=name)
+
+
+def _grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_grads(actual, expected):
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(("chunk_size", "temperature", "logps_too"), [(1, 0.7, True), (7, 1.0, False),
+                                                                       (3 * T + 5, 0.7, True)])
+def test_entropy_gradient_matches_autograd(tiny_model, tokenizer, chunk_size, temperature, logps_too):
+    """The entropy bonus differentiates H: the head's hand-written backward (dH/dz = -p (log p + H)) gives the
+    parameter gradients autograd gives through `token_logprobs` on the full logits, alone or with log p's."""
+    ids, mask = batch(tokenizer)
+    generator = torch.Generator().manual_seed(2)
+    w_logp, w_entropy = torch.randn(3, T, generator=generator), torch.randn(3, T, generator=generator)
+
+    def loss_of(logps, entropy):
+        return (entropy * w_entropy).sum() + ((logps * w_logp).sum() if logps_too else 0.0)
+
+    out = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=True)
+    logps, entropy = out.logps, out.entropy
+    assert entropy.requires_grad
+    chunked = _grads(tiny_model, loss_of(logps, entropy))
+    expected = _grads(tiny_model, loss_of(*naive(tiny_model, ids, mask, temperature)))
+    _assert_same_grads(chunked, expected)
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_known_values_keep_the_entropy_gradient(tiny_model, tokenizer, with_probs):
+    """On-policy the rollout's log-probs, entropies (and softmax) stand in for the forward's values; the gradients
+    of log p and of H are still those of the full computation, not those of constants."""
+    ids, mask = batch(tokenizer)
+    generator = torch.Generator().manual_seed(3)
+    w_logp, w_entropy = torch.randn(3, T, generator=generator), torch.randn(3, T, generator=generator)
+    temperature = 0.8
+    with torch.no_grad():
+        known_logps, known_entropy = naive(tiny_model, ids, mask, temperature)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+        known_probs = torch.softmax(logits[:, -T - 1 : -1].float() / temperature, -1) if with_probs else None
+    out = completion_logprobs(tiny_model, ids, mask, T, temperature=temperature, chunk_size=5, with_entropy=True,
+                              known_logps=known_logps, known_entropy=known_entropy, known_probs=known_probs)
+    logps, entropy = out.logps, out.entropy
+    assert torch.equal(logps, known_logps) and torch.equal(entropy, known_entropy)  # the forward returned them
+    fast = _grads(tiny_model, (logps * w_logp).sum() + (entropy * w_entropy).sum())
+    logps, entropy = naive(tiny_model, ids, mask, temperature)
+    _assert_same_grads(fast, _grads(tiny_model, (logps * w_logp).sum() + (entropy * w_entropy).sum()))
+
+
+def test_entropy_gradient_through_a_wrapped_head(tokenizer):
+    """A head with a forward hook (as accelerate's offloading adds) goes through checkpointed `token_logprobs`:
+    its entropy is differentiable there too."""
+    model = make_tiny_model(tokenizer)
+    ids, mask = batch(tokenizer)
+    weights = torch.randn(3, T, generator=torch.Generator().manual_seed(4))
+    expected = _grads(model, (naive(model, ids, mask, 1.0)[1] * weights).sum())
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: out)
+    entropy = completion_logprobs(model, ids, mask, T, chunk_size=4, with_entropy=True).entropy
+    _assert_same_grads(_grads(model, (entropy * weights).sum()), expected)
 
 
 def test_without_grad_and_without_entropy(tiny_model, tokenizer):
     ids, mask = batch(tokenizer)
     with torch.no_grad():
-        logps, entropy = completion_logprobs(tiny_model, ids, mask, T, chunk_size=4)
+        out = completion_logprobs(tiny_model, ids, mask, T, chunk_size=4)
         expected, _ = naive(tiny_model, ids, mask, 1.0)
-    assert entropy is None and not logps.requires_grad
+    logps = out.logps
+    assert out.entropy is None and out.aux_loss is None and not logps.requires_grad
     torch.testing.assert_close(logps, expected, atol=ATOL, rtol=0)
 
 
@@ -98,8 +165,9 @@ def test_invariant_to_extra_left_padding(tiny_model, tokenizer):
     pad = torch.full((3, 4), tokenizer.pad_token_id)
     padded_ids, padded_mask = torch.cat([pad, ids], 1), torch.cat([torch.zeros_like(pad), mask], 1)
     with torch.no_grad():
-        logps, entropy = completion_logprobs(tiny_model, ids, mask, T, with_entropy=True)
-        padded, padded_entropy = completion_logprobs(tiny_model, padded_ids, padded_mask, T, with_entropy=True)
+        plain = completion_logprobs(tiny_model, ids, mask, T, with_entropy=True)
+        padded_out = completion_logprobs(tiny_model, padded_ids, padded_mask, T, with_entropy=True)
+    logps, entropy, padded, padded_entropy = plain.logps, plain.entropy, padded_out.logps, padded_out.entropy
     active = mask[:, -T:].bool()
     torch.testing.assert_close(padded[active], logps[active], atol=ATOL, rtol=0)
     torch.testing.assert_close(padded_entropy[active], entropy[active], atol=ATOL, rtol=0)
@@ -116,8 +184,8 @@ def test_unwraps_a_ddp_style_wrapper(tiny_model, tokenizer):
 
     ids, mask = batch(tokenizer)
     with torch.no_grad():
-        wrapped, _ = completion_logprobs(Wrapper(tiny_model), ids, mask, T)
-        direct, _ = completion_logprobs(tiny_model, ids, mask, T)
+        wrapped = completion_logprobs(Wrapper(tiny_model), ids, mask, T).logps
+        direct = completion_logprobs(tiny_model, ids, mask, T).logps
     torch.testing.assert_close(wrapped, direct, atol=0, rtol=0)
 
 
@@ -162,6 +230,81 @@ def test_no_full_vocab_tensor_is_saved_for_backward():
         model(input_ids=ids, attention_mask=mask).logits[:, -completion - 1 : -1].float(), -1)[..., 0])
     assert (B, completion, vocab) in naive_saved  # the detector sees the naive [B, T, V] log-softmax output
 
-    chunked_saved = vocab_wide_saved(lambda: completion_logprobs(model, ids, mask, completion, chunk_size=chunk)[0])
+    chunked_saved = vocab_wide_saved(lambda: completion_logprobs(model, ids, mask, completion, chunk_size=chunk).logps)
     assert all(math.prod(shape) <= chunk * vocab for shape in chunked_saved), chunked_saved
     assert sum(math.prod(shape) for shape in chunked_saved) < B * completion * vocab
+
+
+def _bf16_llama_with_float32_head(tokenizer):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    head = model.lm_head
+    fp32 = Float32Head(head.in_features, head.out_features, bias=False)
+    fp32.weight = nn.Parameter(head.weight.detach().float())
+    model.lm_head = fp32
+    return model
+
+
+def test_float32_head_computes_in_float32_whatever_its_input_and_autocast():
+    head = Float32Head(4, 3, bias=True)
+    hidden = torch.randn(2, 4).to(torch.bfloat16)
+    expected = hidden.float() @ head.weight.T + head.bias  # the bf16 values, multiplied in float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
+
+
+def test_float32_head_log_probs_are_float32_products_of_the_bf16_hidden_states(tokenizer):
+    """A bf16 model with a `Float32Head`: the chunked path takes the final hidden states (bf16), casts them to
+    float32 and multiplies them by the float32 weight, as the head's own forward does: the same values and
+    gradients as the naive full-logits computation through the model's forward."""
+    model = _bf16_llama_with_float32_head(tokenizer)
+    ids, mask = batch(tokenizer)
+    out = completion_logprobs(model, ids, mask, T, chunk_size=4, with_entropy=True)
+    out.logps.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    expected, expected_entropy = naive(model, ids, mask, 1.0)  # model.logits: Float32Head.forward, float32
+    expected.sum().backward()
+    torch.testing.assert_close(out.logps, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.entropy, expected_entropy.detach(), atol=ATOL, rtol=0)
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    for name, param in model.named_parameters():  # bf16 gradients below the head: bf16 rounding of equal sums
+        torch.testing.assert_close(grads[name], param.grad, atol=ATOL if param.dtype == torch.float32 else 1e-2,
+                                   rtol=0 if param.dtype == torch.float32 else 1e-2, msg=name)
+
+
+def _tiny_moe(tokenizer):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_the_router_aux_loss_comes_from_the_same_forward(tokenizer):
+    """with_aux_loss asks the model for its router logits: the result carries the model's own load-balancing loss
+    (differentiable), and the log-probs are those of a forward without it."""
+    model = _tiny_moe(tokenizer)
+    ids, mask = batch(tokenizer)
+    out = completion_logprobs(model, ids, mask, T, with_aux_loss=True)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    expected = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_router_logits=True).aux_loss
+    assert out.aux_loss.dim() == 0 and out.aux_loss.requires_grad
+    torch.testing.assert_close(out.aux_loss, expected, atol=0, rtol=0)
+    torch.testing.assert_close(out.logps, completion_logprobs(model, ids, mask, T).logps, atol=0, rtol=0)
+    assert completion_logprobs(model, ids, mask, T).aux_loss is None
+
+
+def test_aux_loss_from_a_dense_model_is_refused(tiny_model, tokenizer):
+    ids, mask = batch(tokenizer)
+    with pytest.raises(ValueError, match="returned no aux_loss"):
+        completion_logprobs(tiny_model, ids, mask, T, with_aux_loss=True)

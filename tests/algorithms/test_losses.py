@@ -11,13 +11,14 @@ import torch
 from grpo_trainer.algorithms.losses import (
     AGGREGATIONS,
     LOSS_TYPES,
+    SEQUENCE_METRICS,
     LossNorm,
-    cispo_surrogate,
-    clipped_surrogate,
+    SurrogateParams,
     kl_k3,
     log_importance_ratio,
+    nanmax,
+    nanmin,
     policy_loss,
-    sapo_surrogate,
 )
 
 ATOL = 1e-6
@@ -33,62 +34,9 @@ def close(actual: torch.Tensor, expected) -> None:
     torch.testing.assert_close(actual.detach().to(F64), expected.to(F64), atol=ATOL, rtol=0)
 
 
-def surrogate_at(fn, ratios, advantages, logps=None, **kwargs):
-    """Per-token surrogate for one row of ratios `[T]` and per-token advantages `[T]`, plus d loss / d log rho."""
-    log_ratio = torch.log(t(ratios)).unsqueeze(0).requires_grad_(True)  # [1, T]
-    adv = t(advantages).unsqueeze(0)
-    logps = torch.zeros_like(log_ratio) if logps is None else t(logps).unsqueeze(0)
-    loss, clip = fn(log_ratio, adv, logps, **kwargs)
-    (grad,) = torch.autograd.grad(loss.sum(), log_ratio, allow_unused=True)
-    return loss[0], {k: v[0] for k, v in clip.items()}, (torch.zeros_like(log_ratio) if grad is None else grad)[0]
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Clipped surrogate (PPO)
+# Metrics
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def test_clipped_surrogate_four_quadrants():
-    # eps = 0.2, band [0.8, 1.2]; loss = -min(rho A, clip(rho) A)
-    #   rho 1.5, A=+1: -min(1.5, 1.2)    = -1.2   (clipped high: no gradient)
-    #   rho 0.5, A=+1: -min(0.5, 0.8)    = -0.5   (unclipped: pessimistic side)
-    #   rho 1.5, A=-1: -min(-1.5, -1.2)  = 1.5    (unclipped)
-    #   rho 0.5, A=-1: -min(-0.5, -0.8)  = 0.8    (clipped low: no gradient)
-    #   rho 1.1, A=+2: inside the band   = -2.2
-    #   rho 0.9, A=-3: inside the band   = 2.7
-    loss, clip, grad = surrogate_at(clipped_surrogate, [1.5, 0.5, 1.5, 0.5, 1.1, 0.9], [1, 1, -1, -1, 2, -3],
-                                    epsilon_low=0.2, epsilon_high=0.2)
-    close(loss, [-1.2, -0.5, 1.5, 0.8, -2.2, 2.7])
-    assert clip["high"].tolist() == [True, False, False, False, False, False]
-    assert clip["low"].tolist() == [False, False, False, True, False, False]
-    # d(-rho A)/d log rho = -rho A where unclipped, 0 where clipped:
-    #   [0, -0.5, 1.5, 0, -1.1*2 = -2.2, 0.9*3 = 2.7]
-    close(grad, [0.0, -0.5, 1.5, 0.0, -2.2, 2.7])
-
-
-def test_clip_higher_is_asymmetric():
-    # eps_low 0.2, eps_high 0.28: band [0.8, 1.28]
-    #   rho 1.25, A=+1: inside now (a symmetric 0.2 would clip to 1.2) -> -1.25
-    #   rho 1.5,  A=+1: clipped at 1.28                                 -> -1.28
-    #   rho 0.7,  A=-1: clipped at the unchanged low end 0.8            -> -min(-0.7, -0.8) = 0.8
-    loss, clip, _ = surrogate_at(clipped_surrogate, [1.25, 1.5, 0.7], [1, 1, -1], epsilon_low=0.2, epsilon_high=0.28)
-    close(loss, [-1.25, -1.28, 0.8])
-    assert clip["high"].tolist() == [False, True, False] and clip["low"].tolist() == [False, False, True]
-    symmetric, _, _ = surrogate_at(clipped_surrogate, [1.25], [1], epsilon_low=0.2, epsilon_high=0.2)
-    close(symmetric, [-1.2])
-
-
-def test_delta_caps_the_unclipped_ratio():
-    # delta 1.4 (two-sided clipping): for A < 0 the unclipped branch is min(rho, 1.4) A.
-    #   rho 2.0, A=-1: -min(-1.4, -1.2) = 1.4    (without delta: -min(-2.0, -1.2) = 2.0)
-    #   rho 2.0, A=+1: -min(1.4, 1.2)   = -1.2   (unchanged: the upper clip already binds)
-    #   rho 1.3, A=-1: under delta      = 1.3
-    loss, _, grad = surrogate_at(clipped_surrogate, [2.0, 2.0, 1.3], [-1, 1, -1], epsilon_low=0.2, epsilon_high=0.2,
-                                 delta=1.4)
-    close(loss, [1.4, -1.2, 1.3])
-    close(grad, [0.0, 0.0, 1.3])  # the capped token has no gradient; the one under the cap has -rho A = 1.3
-    no_delta, _, _ = surrogate_at(clipped_surrogate, [2.0], [-1], epsilon_low=0.2, epsilon_high=0.2)
-    close(no_delta, [2.0])
 
 
 def test_clip_metrics_through_policy_loss():
@@ -103,9 +51,26 @@ def test_clip_metrics_through_policy_loss():
     close(out.metrics["clip_ratio/low_mean"], 0.2)
     close(out.metrics["clip_ratio/high_mean"], 0.2)
     close(out.metrics["clip_ratio/region_mean"], 0.4)
-    assert "kl" not in out.metrics
+    assert "kl" not in out.metrics and "policy_loss" not in out.metrics  # policy_loss only with the entropy bonus
+    # per completion: low fractions 0/3 and 1/2, high 1/3 and 0/2; the trainer takes the min / max over all
+    # completions of every process
+    close(out.per_sequence["clip_ratio/low_min"], [0.0, 0.5])
+    close(out.per_sequence["clip_ratio/high_max"], [1 / 3, 0.0])
+    assert SEQUENCE_METRICS["clip_ratio/low_min"][1] is nanmin and SEQUENCE_METRICS["clip_ratio/high_max"][1] is nanmax
     # loss (dapo, window 5): tokens -1.2, -1.0, -0.5 | 0.8, 1.5 -> sum -0.4 / 5 = -0.08
     close(out.loss, -0.08)
+
+
+def test_an_empty_completion_is_left_out_of_the_extremes():
+    # row 1 has no token: its fraction is 0/0 = NaN, which nanmin/nanmax skip (TRL's nanmin/nanmax)
+    old = torch.zeros(2, 2, dtype=F64)
+    out = policy_loss(old + torch.log(t([[0.5, 1.0], [1.0, 1.0]])), t([-1.0, 1.0]), t([[1, 1], [0, 0]]), LossNorm(),
+                      old_logps=old)
+    low = out.per_sequence["clip_ratio/low_min"]
+    assert low[0].item() == 0.5 and math.isnan(low[1].item())
+    close(nanmin(low), 0.5)
+    close(nanmax(t([math.nan, -2.0, 3.0])), 3.0)
+    assert math.isnan(nanmin(t([math.nan, math.nan])).item()) and math.isnan(nanmax(t([math.nan])).item())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,8 +158,9 @@ def test_sequence_level_ratio_in_policy_loss():
     out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", old_logps=old,
                       importance_sampling_level="sequence")
     close(out.loss, (-1.2 + math.exp(-0.2)) / 2)
-    # the clip flag is per sequence, counted on each of its active tokens: 2 of 3 active tokens
-    close(out.metrics["clip_ratio/high_mean"], 2 / 3)
+    # the clip flag is per sequence [B, 1], so the metric is a mean over sequences (TRL's): 1 of 2 sequences
+    close(out.metrics["clip_ratio/high_mean"], 1 / 2)
+    close(out.per_sequence["clip_ratio/high_max"], [1.0, 0.0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,7 +176,13 @@ AGGREGATED = {
     "bnpo": 7 / 3 / 2,  # local token mean 2.333333 / 2 steps = 1.166667
     "dr_grpo": 7 / (2 * 4) / 2,  # / (B * max_completion_length) = 0.875 / 2 steps = 0.4375
     "dapo": 7 / 10,  # / window_tokens only (already the whole window's count) = 0.7
+    "luspo": ((1 + 2) + 4) / 2 / 2,  # sequence sums 3, 4 -> mean 3.5 -> / 2 accumulation steps = 1.75
 }
+
+
+def test_every_aggregation_and_loss_type_has_a_hand_derived_value():
+    assert set(AGGREGATED) == set(AGGREGATIONS)
+    assert {aggregation for _, aggregation in LOSS_TYPES.values()} <= set(AGGREGATIONS)
 
 
 @pytest.mark.parametrize("name", sorted(AGGREGATED))
@@ -224,6 +196,7 @@ def test_aggregations_without_accumulation():
     close(AGGREGATIONS["bnpo"](LOSS, MASK, norm), 7 / 3)
     close(AGGREGATIONS["dr_grpo"](LOSS, MASK, norm), 7 / 6)  # 7 / (2 * 3)
     close(AGGREGATIONS["dapo"](LOSS, MASK, norm), 7 / 3)  # window of 3 tokens = this micro-batch: bnpo's value
+    close(AGGREGATIONS["luspo"](LOSS, MASK, norm), 3.5)  # (3 + 4) / 2
 
 
 def test_empty_rows_do_not_divide_by_zero():
@@ -234,7 +207,7 @@ def test_empty_rows_do_not_divide_by_zero():
     close(AGGREGATIONS["dapo"](LOSS, mask, LossNorm(window_tokens=0.0)), 3.0)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
 def test_policy_loss_aggregation_by_name(loss_type):
     # On-policy with per-token advantages -LOSS: each token's clipped surrogate is -1 * A = LOSS.
     logps = torch.zeros(2, 3, dtype=F64, requires_grad=True)
@@ -244,7 +217,10 @@ def test_policy_loss_aggregation_by_name(loss_type):
 
 def test_loss_types_pair_surrogate_and_aggregation():
     assert LOSS_TYPES == {"grpo": ("clip", "grpo"), "bnpo": ("clip", "bnpo"), "dr_grpo": ("clip", "dr_grpo"),
-                          "dapo": ("clip", "dapo"), "cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo")}
+                          "dapo": ("clip", "dapo"), "luspo": ("clip", "luspo"), "cispo": ("cispo", "dapo"),
+                          "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
+    # TRL 1.16's loss types, all of them
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
 
 
 def test_unknown_loss_type():
@@ -253,52 +229,73 @@ def test_unknown_loss_type():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CISPO and SAPO surrogates
+# CISPO, VESPO and LUSPO through policy_loss
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_cispo_per_token_values_and_gradient():
-    # loss = -sg(min(rho, cap)) A logp, cap = epsilon_high = 1.2
-    #   rho 1.5, A=+2, logp -0.5: -1.2 * 2 * -0.5  = 1.2   (weight capped; counted as high clip)
-    #   rho 0.5, A=-1, logp -2.0: -0.5 * -1 * -2.0 = -1.0  (no lower cap in CISPO)
-    #   rho 1.0, A=+3, logp -1.0: -1.0 * 3 * -1.0  = 3.0
-    logps = t([[-0.5, -2.0, -1.0]]).requires_grad_(True)
-    old = logps.detach() - torch.log(t([[1.5, 0.5, 1.0]]))
-    loss, clip = cispo_surrogate(logps - old, t([[2.0, -1.0, 3.0]]), logps, 0.2, 1.2)
-    close(loss, [[1.2, -1.0, 3.0]])
-    assert clip["high"].tolist() == [[True, False, False]] and not clip["low"].any()
-    # Every token keeps a gradient, and the weight is a constant: d/d logp = -w A = [-1.2*2, -0.5*-1, -1*3]
-    (grad,) = torch.autograd.grad(loss.sum(), logps)
-    close(grad, [[-2.4, 0.5, -3.0]])
-
-
 def test_cispo_through_policy_loss_uses_dapo_aggregation():
-    # tokens as above with mask [1, 1, 0]: (1.2 - 1.0) / window_tokens 4 = 0.05
+    # tokens: rho 1.5, 0.5, 1.0, A 2, -1, 3, logp -0.5, -2, -1; loss -min(rho, 1.2) A logp = 1.2, -1.0, 3.0;
+    # mask [1, 1, 0]: (1.2 - 1.0) / window_tokens 4 = 0.05
     logps = t([[-0.5, -2.0, -1.0]])
     old = logps - torch.log(t([[1.5, 0.5, 1.0]]))
     out = policy_loss(logps, t([[2.0, -1.0, 3.0]]), t([[1, 1, 0]]), LossNorm(window_tokens=4.0), loss_type="cispo",
-                      old_logps=old, epsilon_high=1.2)
+                      old_logps=old, params=SurrogateParams(epsilon_high=1.2))
     close(out.loss, 0.05)
-    close(out.metrics["clip_ratio/high_mean"], 0.5)  # 1 of 2 active tokens
+    # TRL logs cispo_clip_ratio (1 of 2 active tokens capped with A > 0), and no clip_ratio/* for cispo
+    assert set(out.metrics) == {"cispo_clip_ratio"} and out.per_sequence == {}
+    close(out.metrics["cispo_clip_ratio"], 0.5)
 
 
-def test_sapo_per_token_values():
-    # loss = -(4 / tau) sigmoid(tau (rho - 1)) A, tau = 1.0 for A > 0, 1.05 for A < 0
-    #   rho 1.5, A=+1: -4 * sigmoid(0.5) = -4 * 0.622459 = -2.489837
-    #   rho 0.5, A=-1: (4 / 1.05) * sigmoid(-0.525) = 3.809524 * 0.371684 = 1.415939
-    #   rho 1.0, A=+2: -4 * 0.5 * 2 = -4.0
-    loss, clip, _ = surrogate_at(sapo_surrogate, [1.5, 0.5, 1.0], [1, -1, 2], epsilon_low=0.2, epsilon_high=0.2)
-    close(loss, [-2.489837, 1.415939, -4.0])
-    assert not clip["low"].any() and not clip["high"].any()
-    loss, _, _ = surrogate_at(sapo_surrogate, [1.5], [1], epsilon_low=0.2, epsilon_high=0.2, temperature_pos=2.0)
-    close(loss, [-2 * 1 / (1 + math.exp(-1.0))])  # -(4/2) sigmoid(2 * 0.5) = -2 * 0.731059 = -1.462117
+def test_vespo_through_policy_loss():
+    # Off-policy rows (see test_surrogates.test_gamma_weights_by_hand): row 0 log w = 0.1 + 0.2 = 0.3, A = +1,
+    # phi 0.637898; row 1 log w = -0.5, A = -1, phi 0.490141. logps -1, -2 | -0.5 (masked -3).
+    # tokens: -0.637898 * 1 * [-1, -2] = 0.637898, 1.275797; -0.490141 * -1 * -0.5 = -0.245071
+    # dapo aggregation over window_tokens 3: (0.637898 + 1.275797 - 0.245071) / 3 = 0.556208
+    logps, mask = t([[-1.0, -2.0], [-0.5, -3.0]]), t([[1, 1], [1, 0]])
+    old = logps - t([[0.1, 0.2], [-0.5, 7.0]])
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(window_tokens=3.0), loss_type="vespo", old_logps=old)
+    close(out.loss, (0.637898 + 1.275797 - 0.245071) / 3)
+    close(out.metrics["vespo/phi_seq_mean"], (0.637898 + 0.490141) / 2)  # a mean over sequences
+    assert set(out.metrics) == {"vespo/phi_seq_mean"}
+    # the sequence level does not change VESPO's weight (it reads the token ratios)
+    seq = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(window_tokens=3.0), loss_type="vespo", old_logps=old,
+                      importance_sampling_level="sequence")
+    close(seq.loss, out.loss)
 
 
-@pytest.mark.parametrize("advantage", [1.5, -0.7])
-def test_sapo_gradient_at_ratio_one_matches_unclipped(advantage):
-    # d/d log rho [-(4/tau) sigmoid(tau (rho - 1)) A] at rho = 1 = -(4/tau) * (1/4) * tau * 1 * A = -A
-    _, _, grad = surrogate_at(sapo_surrogate, [1.0], [advantage], epsilon_low=0.2, epsilon_high=0.2)
-    close(grad, [-advantage])
+def test_vespo_is_reinforce_on_policy():
+    # On-policy w = 1 and phi(1) = e^lam * 1 * e^-lam = 1: loss = -A log pi, aggregated like dapo.
+    # tokens -1 * [-1, -2], -(-1) * -0.5 -> 1 + 2 - 0.5 = 2.5, / 3 window tokens
+    logps, mask = t([[-1.0, -2.0], [-0.5, -3.0]]), t([[1, 1], [1, 0]])
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(window_tokens=3.0), loss_type="vespo")
+    close(out.loss, 2.5 / 3)
+    close(out.metrics["vespo/phi_seq_mean"], 1.0)
+
+
+def test_luspo_weighs_each_sequence_by_its_length():
+    # GSPO-style sequence ratios with the luspo sum: rows of 3 and 1 active tokens, A = +1, -1, on-policy
+    # (ratio 1): per-token losses -1 and +1. Sequence sums -3 and +1 -> mean -1, / 2 accumulation steps = -0.5.
+    # (`grpo` would give token means -1 and +1 -> mean 0.)
+    logps, mask = torch.zeros(2, 3, dtype=F64), t([[1, 1, 1], [1, 0, 0]])
+    norm = LossNorm(accumulation_steps=2)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, norm, loss_type="luspo", importance_sampling_level="sequence")
+    close(out.loss, -0.5)
+    close(policy_loss(logps, t([1.0, -1.0]), mask, norm, loss_type="grpo").loss, 0.0)
+
+
+def test_policy_loss_passes_the_surrogate_params():
+    # One token, rho = e^0.5, A = 1, tau_pos = 2: per-token loss -(4/2) * sigmoid(2 * (e^0.5 - 1)) * 1, and the
+    # `grpo` aggregation of a single token is that token's value.
+    logps, old = torch.tensor([[0.0]]), torch.tensor([[-0.5]])
+    out = policy_loss(logps, torch.tensor([1.0]), torch.ones(1, 1), LossNorm(), loss_type="sapo", old_logps=old,
+                      params=SurrogateParams(sapo_temperature_pos=2.0))
+    expected = -(4 / 2) * torch.sigmoid(torch.tensor(2 * (math.exp(0.5) - 1)))
+    assert out.loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    # VESPO's (k, lambda): on a w = e^0.3 row with A = +1, k = 1, lambda = 1: phi = exp(1 + 0.3 - e^0.3) =
+    # exp(-0.049859) = 0.951364; one token logp -1 -> loss 0.951364 (window 1)
+    out = policy_loss(t([[-1.0]]), t([1.0]), t([[1.0]]), LossNorm(), loss_type="vespo", old_logps=t([[-1.3]]),
+                      params=SurrogateParams(vespo_k_pos=1.0, vespo_lambda_pos=1.0))
+    close(out.loss, math.exp(1.3 - math.exp(0.3)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -318,13 +315,15 @@ def test_on_policy_ratio_one_gradient_is_minus_advantage_times_grad_log_pi(loss_
     def logps_of(theta):
         return torch.log_softmax(theta, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
-    out = policy_loss(logps_of(theta), advantages, mask, norm, loss_type=loss_type, epsilon_high=5.0)
+    out = policy_loss(logps_of(theta), advantages, mask, norm, loss_type=loss_type,
+                      params=SurrogateParams(epsilon_high=5.0))
     (grad,) = torch.autograd.grad(out.loss, theta)
     # REINFORCE form: the same aggregation of the per-token -A log pi
     reinforce = AGGREGATIONS[LOSS_TYPES[loss_type][1]](-advantages[:, None] * logps_of(theta), mask, norm)
     (expected,) = torch.autograd.grad(reinforce, theta)
     torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
-    # In value, ratio 1 gives -A per token for the clipped surrogate (SAPO's value there is -(2/tau) A instead).
+    # In value, ratio 1 gives -A per token for the clipped surrogate (SAPO's value there is -(2/tau) A instead;
+    # CISPO's and VESPO's -A log pi).
     if LOSS_TYPES[loss_type][0] == "clip":
         per_token = -advantages[:, None].expand(2, 3)
         close(out.loss, AGGREGATIONS[LOSS_TYPES[loss_type][1]](per_token, mask, norm))
@@ -349,16 +348,19 @@ def test_gradcheck(loss_type, level):
     # CISPO stops the gradient through its weight on purpose; with every weight capped (cap 0.5 < every ratio:
     # smallest is exp(-0.5) = 0.607) the weight is a constant and the analytic gradient is the true one.
     eps_high = 0.5 if loss_type == "cispo" else 0.28
+    # VESPO stops the gradient through phi(w) on purpose; on-policy w is 1 whatever logps, so phi is the constant 1.
+    old = None if loss_type == "vespo" else old
 
     def loss(logps):
         return policy_loss(logps, advantages, mask, norm, loss_type=loss_type, old_logps=old, ref_logps=ref,
-                           beta=0.04, epsilon_low=0.2, epsilon_high=eps_high, importance_sampling_level=level).loss
+                           beta=0.04, params=SurrogateParams(epsilon_low=0.2, epsilon_high=eps_high),
+                           importance_sampling_level=level).loss
 
     assert torch.autograd.gradcheck(loss, (logps,), eps=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("split", [[4], [1, 3], [2, 2], [3, 1], [1, 1, 1, 1]], ids=str)
-@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
 def test_dapo_invariant_to_micro_batch_split(split, loss_type):
     generator = torch.Generator().manual_seed(2)
     logps = -torch.rand(4, 5, dtype=F64, generator=generator) - 0.1
@@ -367,7 +369,7 @@ def test_dapo_invariant_to_micro_batch_split(split, loss_type):
     lengths = [5, 1, 3, 4]  # ragged: a token mean is not a mean of micro-batch means
     mask = (torch.arange(5)[None] < torch.tensor(lengths)[:, None]).to(F64)
     whole = LossNorm(accumulation_steps=1, window_tokens=float(sum(lengths)), max_completion_length=5)
-    kwargs = {"loss_type": loss_type, "old_logps": old, "epsilon_high": 1.28}
+    kwargs = {"loss_type": loss_type, "old_logps": old, "params": SurrogateParams(epsilon_high=1.28)}
 
     full_logps = logps.clone().requires_grad_(True)
     full = policy_loss(full_logps, advantages, mask, whole, **kwargs).loss
@@ -394,14 +396,28 @@ def test_bnpo_is_not_split_invariant():
     close(AGGREGATIONS["bnpo"](loss[:1], mask[:1], norm) + AGGREGATIONS["bnpo"](loss[1:], mask[1:], norm), 2.5)
 
 
-def test_policy_loss_passes_the_sapo_temperatures():
-    # One token, rho = e^0.5, A = 1, tau_pos = 2: per-token loss -(4/2) * sigmoid(2 * (e^0.5 - 1)) * 1, and the
-    # `grpo` aggregation of a single token is that token's value.
-    logps, old = torch.tensor([[0.0]]), torch.tensor([[-0.5]])
-    out = policy_loss(logps, torch.tensor([1.0]), torch.ones(1, 1), LossNorm(), loss_type="sapo", old_logps=old,
-                      sapo_temperature_pos=2.0)
-    expected = -(4 / 2) * torch.sigmoid(torch.tensor(2 * (math.exp(0.5) - 1)))
-    assert out.loss.item() == pytest.approx(expected.item(), abs=1e-6)
+# ---------------------------------------------------------------------------------------------------------------
+# The off-policy sequence mask in the loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_off_policy_mask_drops_the_surrogate_not_the_kl():
+    # One token per row, A = -1 both, threshold 0.5. Drift (sampling - current): row 0 0 - (-1) = 1 > 0.5 ->
+    # dropped; row 1 -1.1 - (-1) = -0.1 -> kept.
+    #   row 0: rho e^-1 = 0.367879 -> -min(-0.367879, -0.8) = 0.8, dropped -> 0
+    #   row 1: rho e^0.1 = 1.105171 inside the band -> 1.105171
+    # grpo: (0 + 1.105171) / 2 = 0.552585
+    logps, old, mask, advantages = t([[-1.0], [-1.0]]), t([[0.0], [-1.1]]), t([[1.0], [1.0]]), t([-1.0, -1.0])
+    kwargs = {"loss_type": "grpo", "old_logps": old, "off_policy_threshold": 0.5}
+    close(policy_loss(logps, advantages, mask, LossNorm(), **kwargs).loss, math.exp(0.1) / 2)
+    # The rollout's sampling log-probs, when given, are the reference instead of old_logps: drift 0, both kept
+    close(policy_loss(logps, advantages, mask, LossNorm(), sampling_logps=logps.clone(), **kwargs).loss,
+          (0.8 + math.exp(0.1)) / 2)
+    # beta * KL stays on the dropped row: ref ln-prob -2 on row 0: k3 = e^-1 + 1 - 1 = 0.367879 (row 1: 0)
+    with_kl = policy_loss(logps, advantages, mask, LossNorm(), ref_logps=t([[-2.0], [-1.0]]), beta=1.0, **kwargs)
+    close(with_kl.loss, (math.exp(-1) + math.exp(0.1)) / 2)
+    # on-policy the drift is 0: nothing is dropped (A = -1 on-policy: -(-1) per token -> 1)
+    close(policy_loss(logps, advantages, mask, LossNorm(), loss_type="grpo", off_policy_threshold=0.5).loss, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -409,26 +425,29 @@ def test_policy_loss_passes_the_sapo_temperatures():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("loss_type", "value"), [
+@pytest.mark.parametrize(("loss_type", "value", "sampled"), [
     # One row, logps [-1, -2, -3], mask [1, 0, 1] (token 1 a tool's), A = 2, on-policy (rho = 1 in value).
-    # clip: per token -A * rho = -2; grpo/bnpo: token mean over the 2 sampled tokens = -2; dapo: sum -4 over the
-    # window's 2 tokens = -2; dr_grpo: sum -4 over B * max_completion_length = 1 * 4 -> -1.
-    ("grpo", -2.0), ("bnpo", -2.0), ("dapo", -2.0), ("dr_grpo", -1.0),
-    # cispo: -sg(min(rho, 5)) * A * logp = -2 * logp -> [2, ., 6], summed over sampled tokens 8 / 2 tokens = 4.
-    ("cispo", 4.0),
-    # sapo: -(4 / tau) sigmoid(0) A = -(4 / 1) * 0.5 * 2 = -4 per token, sequence mean -4.
-    ("sapo", -4.0),
+    # clip: per token -A * rho = -2, gradient -A = -2 per sampled token before aggregation.
+    #   grpo/bnpo: token mean over the 2 sampled tokens = -2, gradient -2/2 = -1; dapo: sum -4 over the window's
+    #   2 tokens = -2, gradient -1; dr_grpo: sum -4 over B * max_completion_length = 4 -> -1, gradient -2/4 = -0.5;
+    #   luspo: the sequence's sum -4, gradient -2.
+    ("grpo", -2.0, -1.0), ("bnpo", -2.0, -1.0), ("dapo", -2.0, -1.0), ("dr_grpo", -1.0, -0.5), ("luspo", -4.0, -2.0),
+    # cispo: -sg(min(rho, 5)) * A * logp = -2 * logp -> [2, ., 6]; sum 8 over 2 tokens = 4, gradient -2/2 = -1.
+    ("cispo", 4.0, -1.0),
+    # vespo: log w = sum of the token log-ratios = 0, phi(1) = e^(lambda + 0 - lambda) = 1: -A * logp as cispo.
+    ("vespo", 4.0, -1.0),
+    # sapo: -(4 / tau) sigmoid(0) A = -(4 / 1) * 0.5 * 2 = -4 per token, sequence mean -4; gradient
+    #   -(4 / tau) * tau * sigmoid'(0) * A / 2 = -4 * 0.25 * 2 / 2 = -1.
+    ("sapo", -4.0, -1.0),
 ])
-def test_a_tool_token_adds_nothing_to_the_loss_or_its_gradient(loss_type, value):
+def test_a_tool_token_adds_nothing_to_the_loss_or_its_gradient(loss_type, value, sampled):
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dapo", "dr_grpo", "luspo", "cispo", "vespo", "sapo"}  # all here
     logps = t([[-1.0, -2.0, -3.0]]).requires_grad_(True)
     norm = LossNorm(accumulation_steps=1, window_tokens=2.0, max_completion_length=4)
-    out = policy_loss(logps, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, epsilon_high=5.0)
+    params = SurrogateParams(epsilon_high=5.0)
+    out = policy_loss(logps, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, params=params)
     (grad,) = torch.autograd.grad(out.loss, logps)
     close(out.loss, value)
-    # d loss / d logp_t on a sampled token, by loss type: grpo/bnpo/dapo -A/2 = -1 (mean over 2 tokens), dr_grpo
-    # -A/4 = -0.5; cispo -2 * 1/2 = -1; sapo -(4/tau) * tau * sigmoid'(0) * A / 2 = -4 * 0.25 * 2 / 2 = -1. The tool's
-    # token: exactly 0, whatever its log-prob.
-    sampled = -0.5 if loss_type == "dr_grpo" else -1.0
-    close(grad, [[sampled, 0.0, sampled]])
-    moved = t([[-1.0, -50.0, -3.0]])  # the tool token's log-prob changes nothing
-    close(policy_loss(moved, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, epsilon_high=5.0).loss, value)
+    close(grad, [[sampled, 0.0, sampled]])  # the tool's token: exactly 0
+    moved = t([[-1.0, -50.0, -3.0]])  # whatever its log-prob
+    close(policy_loss(moved, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, params=params).loss, value)

@@ -143,7 +143,7 @@ def test_demo_two_steps_leaves_everything_to_look_at(tmp_path, capsys):
     with open(completions[0]) as f:
         first = json.loads(f.readline())
     assert {"prompt", "completion", "copy_digits_reward", "advantage"} <= set(first)
-    assert "Completions at step 2" in capsys.readouterr().out  # the rich table
+    assert "Step 2" in capsys.readouterr().out  # the rich table
     assert (out / "checkpoint-2" / "model.safetensors").exists() and (out / "model.safetensors").exists()
     events = glob.glob(str(out / "**" / "events.out.tfevents.*"), recursive=True)
     assert events, "report_to=tensorboard wrote no event file"

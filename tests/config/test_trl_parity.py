@@ -19,6 +19,25 @@ OURS_ONLY = {
     "reward_model_batch_size": "reward models score in micro-batches",
     "logprob_chunk_size": "completion tokens per LM-head chunk",
     "max_nonfinite_steps": "the non-finite-loss guard",
+    # Legacy names (config/legacy.py): removed from TRL's GRPOConfig or transformers' TrainingArguments, still in
+    # recipes; each warns and maps to its replacement, or warns that it has no effect.
+    "vllm_device": "legacy (TRL < 0.18), no effect: vLLM's devices follow the launch",
+    "vllm_dtype": "legacy (TRL < 0.18), no effect: vLLM runs in the model's dtype",
+    "vllm_enable_prefix_caching": "legacy (TRL < 0.18), no effect: a vLLM server setting",
+    "vllm_max_model_len": "legacy (TRL < 0.18) name of vllm_max_model_length",
+    "token_entropy_percentile_threshold": "legacy (TRL < 0.20): top_entropy_quantile = 1 - threshold",
+    "wandb_log_unique_prompts": "legacy (TRL < 0.27) name of log_unique_prompts",
+    "use_liger_loss": "legacy (TRL < 0.28) name of use_liger_kernel",
+    "vllm_guided_decoding_regex": "legacy (TRL < 0.28) name of vllm_structured_outputs_regex",
+    "evaluation_strategy": "legacy (transformers < 4.46) name of eval_strategy",
+    "warmup_ratio": "legacy (transformers < 5) name of warmup_steps (a value below 1 is a ratio there)",
+    "no_cuda": "legacy (transformers < 5) name of use_cpu",
+    "per_gpu_train_batch_size": "legacy (transformers < 5) name of per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "legacy (transformers < 5) name of per_device_eval_batch_size",
+    "push_to_hub_token": "legacy (transformers < 5) name of hub_token",
+    "overwrite_output_dir": "legacy (transformers < 5), no effect: Trainer never read it (open-r1's recipes set it)",
+    "logging_dir": "legacy (transformers < 5), no effect: TENSORBOARD_LOGGING_DIR sets TensorBoard's folder",
+    "save_safetensors": "legacy (transformers < 5), no effect: checkpoints are always safetensors",
 }
 # Shared fields whose default differs on purpose: field -> (ours, reason). (`bf16` is None in both dataclasses; TRL
 # resolves it to True, we to what the hardware runs fast: tests/config/test_validation.py.)
@@ -94,3 +113,9 @@ def test_a_pending_feature_set_after_construction_is_refused_by_the_trainer(toke
     args.use_vllm = True  # what scripts do after parsing their arguments
     with pytest.raises(NotImplementedError, match="use_vllm=True asks for vLLM generation"):
         GRPOTrainer(tiny_model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
+
+
+def test_every_legacy_name_is_listed_with_its_reason():
+    from grpo_trainer.config.legacy import LEGACY
+
+    assert sorted(name for name, reason in OURS_ONLY.items() if reason.startswith("legacy")) == sorted(LEGACY)

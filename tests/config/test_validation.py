@@ -26,7 +26,11 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"max_completion_length": 0}, "max_completion_length must be >= 1"),
     ({"max_prompt_length": 0}, "max_prompt_length must be >= 1 or None"),
     ({"num_iterations": 0}, "num_iterations must be >= 1"),
-    ({"top_entropy_quantile": 0.0}, "top_entropy_quantile must be in (0, 1]"),
+    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile must be in [0, 1]"),
+    ({"top_entropy_quantile": -0.1}, "top_entropy_quantile must be in [0, 1]"),
+    ({"multi_objective_aggregation": "mean"}, "unknown multi_objective_aggregation 'mean'; choose one of"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min (0.5) must be <= entropy_coef_max"),
+    ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold must be > 0"),
     ({"loss_type": "ppo"}, "unknown loss_type 'ppo'; choose one of"),
     ({"advantage_estimator": "gae"}, "unknown advantage_estimator 'gae'; choose one of"),
     ({"importance_sampling_level": "seq"}, "unknown importance_sampling_level 'seq'"),
@@ -70,10 +74,14 @@ def make(args, tokenizer, model=None, reward_funcs=copy_digits_reward, dataset=N
 
 
 @pytest.mark.parametrize("reward_funcs, kwargs, message", [
-    ([], {}, "No reward source provided. Pass `reward_funcs`"),
+    ([], {}, "No reward source provided"),
+    (None, {}, "No reward source provided"),  # TRL 1.16's reward_funcs is optional, a reward is not
     ([copy_digits_reward, 3], {}, "reward_funcs[1] is a int"),
     ([copy_digits_reward], {"reward_processing_classes": [None, None]},
-     "reward_processing_classes has 2 entries but there are 1 reward functions"),
+     "The number of reward processing classes (2) must match the number of reward functions (1)"),
+    # TRL: a single processing class is a list of one, so two rewards need a list of two
+    ([copy_digits_reward, copy_digits_reward], {"reward_processing_classes": "one-tokenizer"},
+     "The number of reward processing classes (1) must match the number of reward functions (2)"),
 ])
 def test_reward_setup_is_checked_before_loading(args, tokenizer, reward_funcs, kwargs, message):
     with pytest.raises(ValueError) as error:
@@ -130,3 +138,28 @@ def test_checkpointing_defaults_on_like_trl_and_either_name_turns_it_off():
     assert GRPOConfig(**BASE, activation_checkpointing=False).gradient_checkpointing is False
     with pytest.warns(FutureWarning):  # transformers' deprecated alias still works, as TRL scripts use it
         assert GRPOConfig(**BASE, gradient_checkpointing=False).activation_checkpointing is False
+
+
+@pytest.mark.parametrize("overrides", [
+    {"entropy_coef": 0.1}, {"use_adaptive_entropy": True}, {"off_policy_mask_threshold": 0.5},
+    {"multi_objective_aggregation": "normalize_then_sum"}, {"loss_type": "luspo"}, {"loss_type": "vespo"},
+    {"top_entropy_quantile": 0.0},
+])
+def test_built_features_are_accepted(overrides):
+    args = GRPOConfig(**{**BASE, **overrides})
+    assert all(getattr(args, name) == value for name, value in overrides.items())
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"importance_sampling_level": "sequence", "loss_type": "dapo"}, "weights each sequence by its completion length"),
+    ({"importance_sampling_level": "sequence", "loss_type": "cispo"}, "weights each sequence by its completion length"),
+    ({"importance_sampling_level": "sequence", "loss_type": "grpo"}, None),
+    ({"importance_sampling_level": "token", "loss_type": "luspo"}, "loss_type='luspo' is designed for"),
+    ({"importance_sampling_level": "sequence", "loss_type": "luspo"}, None),
+    ({"importance_sampling_level": "sequence", "loss_type": "vespo"}, "loss_type='vespo' builds its own"),
+])
+def test_advisories(overrides, expected):
+    from grpo_trainer.config.checks import advisories
+
+    messages = advisories(GRPOConfig(**{**BASE, **overrides}))
+    assert messages == [] if expected is None else (len(messages) == 1 and expected in messages[0])

@@ -60,8 +60,8 @@ def test_fsdp_logprobs_equal_the_memory_lean_path(tiny_model):
     results = []
     for fn in (completion_logprobs, distributed.fsdp_completion_logprobs):
         tiny_model.zero_grad()
-        logps, entropy = fn(tiny_model, input_ids, attention_mask, 5, temperature=0.7, chunk_size=4,
-                            with_entropy=True)
+        out = fn(tiny_model, input_ids, attention_mask, 5, temperature=0.7, chunk_size=4, with_entropy=True)
+        logps, entropy = out.logps, out.entropy
         logps.sum().backward()
         results.append((logps.detach(), entropy, [p.grad.clone() for p in tiny_model.parameters()]))
     (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results

@@ -20,6 +20,24 @@ def test_accuracy_verifies_math_in_text_and_chat_completions(args):
     assert accuracy(completions=["\\boxed{1}"], solution=["no number"]) == [None]  # unparseable gold: skipped
 
 
+def test_open_r1_reward_names(args):
+    """open-r1's recipes name `format`, `tag_count`, `reasoning_steps` and `soft_overlong_punishment`."""
+    strict = reward_library.get_reward_func("format", args)
+    tag_count = reward_library.get_reward_func("tag_count", args)
+    steps = reward_library.get_reward_func("reasoning_steps", args)
+    full = "<think>\nadd\n</think>\n<answer>\n4\n</answer>"
+    same_line = "<think>add</think>\n<answer>\n4\n</answer>"  # <think> without its newlines
+    chat = [{"role": "assistant", "content": full}]
+    assert strict(completions=[full, same_line, chat, full + "\nmore"]) == [1.0, 0.0, 1.0, 1.0]  # `$` ends a line
+    # tags present exactly once: all 4 -> 1.0; same_line lacks "<think>\n" and "\n</think>\n" -> 0.5;
+    # "<answer>\n" alone lacks the leading newline of "\n<answer>\n" -> 0.0; a doubled "\n</answer>" -> 0.75
+    assert tag_count(completions=[full, same_line, "<answer>\n", full + "\n</answer>"]) == [1.0, 0.5, 0.0, 0.75]
+    # markers: "Step 1:" "Step 2:" -> 2/3; "First," "Next," "Finally," + "\n-" -> 4, capped at 1; none -> 0
+    assert steps(completions=["Step 1: a Step 2: b", "First, a. Next, b. Finally,\n- c", "4"]) == [
+        pytest.approx(2 / 3), 1.0, 0.0]
+    assert reward_library.REWARD_FUNCS["soft_overlong_punishment"] is reward_library.REWARD_FUNCS["soft_overlong"]
+
+
 def test_format_rewards(args):
     think = reward_library.get_reward_func("think_format", args)
     think_answer = reward_library.get_reward_func("think_answer_format", args)

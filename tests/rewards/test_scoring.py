@@ -1,4 +1,4 @@
-"""The reward-function contract: keyword arguments, missing values, async functions, errors, pass@k, reward models."""
+"""The reward-function contract: keyword arguments, missing values, async functions, errors, reward models."""
 
 import asyncio
 import math
@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-from grpo_trainer.reporting.metrics import pass_at_k
 from grpo_trainer.rewards.scoring import RewardError, RewardModel, reward_name, score_completions
 
 PROMPTS = ["p0", "p1", "p2"]
@@ -149,37 +148,26 @@ def test_infinite_reward_found_while_locating_another_failure():
     assert out[:2, 0].tolist() == [1.0, 1.0] and math.isnan(out[2, 0].item())
 
 
+def test_logging_callables_reach_the_function_and_one_sample_reruns_log_nothing():
+    logged = []
+
+    def fragile(completions, log_extra, log_metric, **kwargs):
+        log_extra("seen", list(completions))
+        log_metric("batch", float(len(completions)))
+        if len(completions) > 1:
+            raise RuntimeError("batch failed")  # the per-sample re-run scores it
+        return [1.0]
+
+    out = score([fragile], policy="none", log_extra=lambda c, v: logged.append((c, v)),
+                log_metric=lambda n, v: logged.append((n, v)))
+    assert out[:, 0].tolist() == [1.0, 1.0, 1.0]
+    # only the batch call logged: a one-sample call's column would be a fragment of the round's
+    assert logged == [("seen", COMPLETIONS), ("batch", 3.0)]
+
+
 def test_reward_name():
     assert reward_name(length) == "length"
     assert reward_name("org/some-reward-model/") == "some-reward-model"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# pass@k
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def test_pass_at_k_by_hand():
-    # one group, n = 4, c = 1 correct: pass@k = 1 - C(n-c, k) / C(n, k)
-    #   pass@1 = 1 - C(3,1)/C(4,1) = 1 - 3/4 = 0.25
-    #   pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5
-    #   pass@4 = 1 - C(3,4)/C(4,4) = 1 - 0/1 = 1
-    assert pass_at_k(torch.tensor([0.0, 1.0, 0.0, 0.0]), 4) == pytest.approx(
-        {"pass@1": 0.25, "pass@2": 0.5, "pass@4": 1.0}, abs=1e-12)
-    # two groups (c = 1 and c = 0) are averaged: pass@1 = (0.25 + 0) / 2, pass@2 = 0.25, pass@4 = 0.5
-    rewards = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-    assert pass_at_k(rewards, 4) == pytest.approx({"pass@1": 0.125, "pass@2": 0.25, "pass@4": 0.5}, abs=1e-12)
-
-
-def test_pass_at_k_ks_include_g():
-    # G = 6: k = 1, 2, 4 and 6; c = 2: pass@4 = 1 - C(4,4)/C(6,4) = 1 - 1/15, pass@6 = 1 - C(4,6)/1 = 1
-    out = pass_at_k(torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), 6)
-    assert out == pytest.approx({"pass@1": 2 / 6, "pass@2": 1 - 6 / 15, "pass@4": 1 - 1 / 15, "pass@6": 1.0})
-
-
-def test_pass_at_k_non_binary_rewards():
-    assert pass_at_k(torch.tensor([0.0, 0.5, 1.0, 0.0]), 4) == {}
-    assert pass_at_k(torch.tensor([0.0, math.nan, 1.0, 0.0]), 4) == {}
 
 
 # ---------------------------------------------------------------------------------------------------------------

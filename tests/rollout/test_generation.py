@@ -9,11 +9,14 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_trainer import GRPOConfig
+from grpo_trainer.rollout.backend import BACKENDS
+from grpo_trainer.rollout.capture import KEEP_NOTHING
 from grpo_trainer.rollout.fast import guard
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
 from grpo_trainer.rollout.types import PromptBatch, completion_mask
+from tests.helpers import greedy_config, model_of_kind
 
 EOS, END = 1, 6  # the tiny tokenizer's "<eos>" and "<|end|>"
 
@@ -66,6 +69,36 @@ def test_max_prompt_length_keeps_the_last_tokens(tokenizer):
     assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
     unchanged = tokenize_prompts(tokenizer, ["ab", "abcd"], max_prompt_length=10)
     assert unchanged.ids.shape == (2, 4)
+
+
+def test_pad_to_multiple_of_left_pads_after_truncation(tokenizer):
+    a, b, c, d = ids_of(tokenizer, ["a", "b", "c", "d"])
+    pad = tokenizer.pad_token_id
+    # 4 columns -> 6 (the next multiple of 3): two more pad columns on the left, masked out
+    prompts = tokenize_prompts(tokenizer, ["ab", "abcd"], None, pad_to_multiple_of=3)
+    assert prompts.ids.tolist() == [[pad, pad, pad, pad, a, b], [pad, pad, a, b, c, d]]
+    assert prompts.mask.tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1]]
+    # truncated to the last 3 tokens first, then 3 is already a multiple of 3
+    assert tokenize_prompts(tokenizer, ["ab", "abcd"], 3, pad_to_multiple_of=3).ids.tolist() == [[pad, a, b],
+                                                                                                 [b, c, d]]
+    assert tokenize_prompts(tokenizer, ["ab", "abcd"], None, pad_to_multiple_of=4).ids.shape == (2, 4)
+
+
+@pytest.mark.parametrize("backend", ["generate", "fast"])
+def test_extra_left_padding_changes_no_completion(tokenizer, backend):
+    """Whole columns of left padding (pad_to_multiple_of) leave greedy completions as they were, in both
+    backends."""
+    model = model_of_kind("qwen2", tokenizer)
+    texts = ["copy 123:", "copy 98765:", "c", "copy 4:"]
+    plain = tokenize_prompts(tokenizer, texts, None)
+    padded = tokenize_prompts(tokenizer, texts, None, pad_to_multiple_of=16)
+    assert plain.ids.shape[1] == 11 and padded.ids.shape[1] == 16  # "copy 98765:": 11 characters
+    config = greedy_config(tokenizer)
+    with torch.no_grad():
+        want = BACKENDS[backend]().generate(model, plain, config, KEEP_NOTHING)
+        got = BACKENDS[backend]().generate(model, padded, config, KEEP_NOTHING)
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.completion_mask, want.completion_mask)
 
 
 def test_conversational_prompts_use_the_chat_template(tokenizer):

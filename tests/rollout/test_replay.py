@@ -65,7 +65,7 @@ def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokeniz
         context = replay.replayed_layers(lm.get_decoder().layers, rollout.layer_outputs) if replayed \
             else contextlib.nullcontext()
         with context:
-            logps, _ = completion_logprobs(model, input_ids, attention_mask, T, known_logps=rollout.sampling_logps)
+            logps = completion_logprobs(model, input_ids, attention_mask, T, known_logps=rollout.sampling_logps).logps
         (logps * weights).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, runs[0]
 

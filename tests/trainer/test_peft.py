@@ -60,7 +60,7 @@ def sequence_logps(model, tokenizer) -> torch.Tensor:
     mask = torch.cat([prompts.attention_mask, torch.ones_like(completion)], dim=1)
     model.eval()
     with torch.no_grad():
-        logps, _ = completion_logprobs(model, input_ids, mask, completion.shape[1], 1.0, 1024, False)
+        logps = completion_logprobs(model, input_ids, mask, completion.shape[1], 1.0, 1024, False).logps
     return logps
 
 
@@ -147,13 +147,39 @@ def test_an_already_trained_adapter_with_beta_warns_that_the_reference_is_the_ba
                     train_dataset=copy_digits_dataset(8), processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("field", ["target_modules", "modules_to_save"])
-def test_an_adapter_on_lm_head_is_rejected(tmp_path, tiny_model, tokenizer, field):
-    peft_config = LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
-    setattr(peft_config, field, ["q_proj", "lm_head"] if field == "target_modules" else ["lm_head"])
-    with pytest.raises(ValueError, match="lm_head"):
+def test_an_adapter_on_lm_head_is_rejected(tmp_path, tiny_model, tokenizer):
+    peft_config = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="adapter on lm_head"):
         GRPOTrainer(tiny_model, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
                     processing_class=tokenizer, peft_config=peft_config)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_prompt_learning_adapters_are_refused(tmp_path, tokenizer, wrapped):
+    """Prompt tuning prepends virtual tokens in PeftModel.forward, which the rollout backends and the log-prob
+    forward bypass: refused by name (TRL 1.16 accepts it; its older releases refused it with the Liger loss)."""
+    from peft import PromptTuningConfig, TaskType
+
+    prompt_tuning = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    model = get_peft_model(base_model(tokenizer), prompt_tuning) if wrapped else base_model(tokenizer)
+    with pytest.raises(ValueError, match="PromptTuningConfig is a prompt-learning PEFT method"):
+        GRPOTrainer(model, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
+                    processing_class=tokenizer, peft_config=None if wrapped else prompt_tuning)
+
+
+def test_modules_to_save_lm_head_trains_a_copy_of_the_head(tmp_path, tokenizer):
+    """TRL 1.16 accepts `modules_to_save=["lm_head"]`: the head is a fully trained copy (not an adapter), which the
+    log-probs reach through the wrapper's forward; the KL reference (adapter disabled) keeps the original head."""
+    model = base_model(tokenizer)
+    original_head = model.lm_head.weight.detach().clone()
+    peft_config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model, copy_digits_reward, args=config(tmp_path, beta=0.1, learning_rate=0.1),
+                          train_dataset=copy_digits_dataset(8), processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    trained = trainer.model.get_parameter("base_model.model.lm_head.modules_to_save.default.weight")
+    assert not torch.equal(trained, original_head)
+    torch.testing.assert_close(trainer.model.get_parameter("base_model.model.lm_head.original_module.weight"),
+                               original_head, atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------------- saving + reloading

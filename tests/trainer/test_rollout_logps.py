@@ -31,11 +31,13 @@ def _without_rollout_values(inputs):
                                layer_outputs=None)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_loss_and_gradients_with_rollout_logps_equal_a_full_forward(tmp_path, tokenizer, toy_dataset, beta):
-    """On-policy, compute_loss with the sampler's log-probs (the forward skips the LM head) gives the loss, the
-    metrics and the gradients of the plain forward."""
-    trainer = _trainer(tmp_path, tokenizer, toy_dataset, beta=beta, temperature=0.9)
+@pytest.mark.parametrize(("beta", "entropy_coef"), [(0.0, 0.0), (0.04, 0.0), (0.0, 0.3)])
+def test_loss_and_gradients_with_rollout_logps_equal_a_full_forward(tmp_path, tokenizer, toy_dataset, beta,
+                                                                    entropy_coef):
+    """On-policy, compute_loss with the sampler's log-probs and entropies (the forward skips the LM head) gives
+    the loss, the metrics and the gradients of the plain forward, also with the entropy bonus (whose gradient
+    goes through the rollout's entropies)."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, beta=beta, temperature=0.9, entropy_coef=entropy_coef)
     model = trainer.model
     inputs = _micro_batch(trainer, toy_dataset)
     assert inputs.sampling_logps is not None
@@ -96,8 +98,11 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
 
     skipped = loss_and_grads()
     assert rows_seen == [5]  # the three zero-advantage rows never ran
-    monkeypatch.setattr(trainer, "_policy_logps", lambda m, batch, mode: (
-        *trainer._logps(m, batch, with_entropy=True, policy=True), batch.completion_mask))
+    def full_forward(m, batch, mode):
+        out = trainer._logps(m, batch, with_entropy=True, policy=True)
+        return out.logps, out.entropy, batch.completion_mask, out.aux_loss
+
+    monkeypatch.setattr(trainer, "_policy_logps", full_forward)
     plain = loss_and_grads()
     assert rows_seen == [5, 8]
     torch.testing.assert_close(skipped[0], plain[0], atol=1e-7, rtol=1e-6)
@@ -106,10 +111,12 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
     assert any(g.abs().sum() > 0 for g in skipped[1])
 
 
-def test_zero_advantage_rows_are_not_skipped_with_a_kl_term(tmp_path, tokenizer, toy_dataset):
-    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, beta=0.1)
+@pytest.mark.parametrize("setting", [{"beta": 0.1}, {"entropy_coef": 0.1}, {"use_adaptive_entropy": True}])
+def test_zero_advantage_rows_are_not_skipped_with_a_kl_term_or_an_entropy_bonus(tmp_path, tokenizer, toy_dataset,
+                                                                                setting):
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, **setting)
     inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset), advantages=torch.zeros(8))
-    rows_seen = []  # the KL term still has a gradient on every row
+    rows_seen = []  # the KL term and the entropy still have a gradient on every row
     trainer.model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
                                             with_kwargs=True)
     trainer.compute_loss(trainer.model, inputs)

@@ -65,6 +65,41 @@ def _round_of(rows: int) -> Round:
                  advantages=torch.arange(float(rows)), window_tokens=torch.tensor(1.0))
 
 
+def test_padded_pads_every_column_field_to_the_multiple_on_its_side():
+    round_ = _round()  # S = 4, T = 4
+    round_.pad_to_multiple_of = 3
+    padded = round_.padded(pad_token_id=-1)
+    # 4 -> 6 columns each: prompts gain 2 columns on the left, completions 2 on the right
+    assert padded.prompt_ids.shape == padded.prompt_mask.shape == (3, 6)
+    assert padded.completion_ids.shape == padded.old_logps.shape == (3, 6)
+    assert torch.equal(padded.prompt_ids[:, :2], torch.full((3, 2), -1))  # token ids take the pad token id
+    assert torch.equal(padded.prompt_ids[:, 2:], round_.prompt_ids)
+    assert torch.equal(padded.completion_ids[:, 4:], torch.full((3, 2), -1))
+    assert not padded.prompt_mask[:, :2].any() and not padded.completion_mask[:, 4:].any()
+    assert torch.equal(padded.old_logps[:, :4], round_.old_logps) and not padded.old_logps[:, 4:].any()
+    assert padded.sampling_probs.shape == (3, 6, 5)
+    # sequence columns: 2 new on the left (before the prompt), 2 on the right (after the completion) of S + T = 8
+    assert padded.layer_outputs.shape == (3, 2, 12, 1)
+    assert torch.equal(padded.layer_outputs[:, :, 2:10], round_.layer_outputs)
+    assert not padded.layer_outputs[:, :, :2].any() and not padded.layer_outputs[:, :, 10:].any()
+    assert padded.advantages is round_.advantages
+
+
+def test_trims_keep_widths_that_are_multiples():
+    round_ = _round()  # real prompt columns 1..3 (3 wide), longest completion 2
+    round_.pad_to_multiple_of = 2
+    # prompt: 3 real columns -> 4 (a multiple of 2), i.e. from column 0; completion: 2 is already a multiple
+    assert round_.kept_columns() == (0, 2)
+    trimmed = round_.trimmed()
+    assert trimmed.prompt_ids.shape == (3, 4) and trimmed.completion_ids.shape == (3, 2)
+    assert trimmed.layer_outputs.shape == (3, 2, 6, 1)
+    assert trimmed.pad_to_multiple_of == 2 and trimmed.select(torch.tensor([0])).pad_to_multiple_of == 2
+    # one row: prompt of 2 -> 2, completion of 1 -> 2 (never wider than the round: T = 4 here)
+    assert round_.select(torch.tensor([0])).kept_columns() == (2, 2)
+    round_.pad_to_multiple_of = 8  # wider than the round: the round's own widths, never more
+    assert round_.kept_columns() == (0, 4)
+
+
 def test_env_mask_follows_its_rows_and_completion_columns_and_takes_tool_tokens_out_of_the_loss():
     round_ = _round()
     round_.env_mask = torch.tensor([[1, 0, 1, 1], [1, 0, 0, 1], [0, 1, 1, 1]])  # 0: a tool wrote the token

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from grpo_trainer import GRPOConfig, GRPOTrainer, RLOOAdvantage
+from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.cli.toy import copy_digits_reward
 
 
@@ -44,11 +45,23 @@ def varied_reward(completions, **kwargs):
     return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+# The metrics TRL logs for each loss type, besides the common ones.
+LOSS_METRICS = {"clip": {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                         "clip_ratio/low_min", "clip_ratio/high_max"},
+                "cispo": {"cispo_clip_ratio"}, "sapo": set(), "vespo": {"vespo/phi_seq_mean"}}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_each_loss_type_trains_every_parameter(tmp_path, tiny_model, tokenizer, toy_dataset, loss_type):
-    _, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, loss_type=loss_type,
-                       epsilon_high=5.0 if loss_type == "cispo" else None)
+    trainer, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, loss_type=loss_type,
+                             epsilon_high=5.0 if loss_type == "cispo" else None,
+                             importance_sampling_level="sequence" if loss_type == "luspo" else "token")
     assert all(changed.values())
+    logged_keys = set(trainer.state.log_history[0])
+    surrogate = LOSS_TYPES[loss_type][0]
+    assert LOSS_METRICS[surrogate] <= logged_keys
+    assert not (set().union(*LOSS_METRICS.values()) - LOSS_METRICS[surrogate]) & logged_keys
+    assert not {"policy_loss", "entropy_coef"} & logged_keys  # TRL logs these only with the entropy bonus
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo", "reinforce_pp_baseline"])
@@ -243,16 +256,6 @@ def test_sequence_level_importance_sampling_trains(tmp_path, tiny_model, tokeniz
     assert logged(trainer, "clip_ratio/region_mean")[1] > 0.0  # the sequence ratio left the band on pass 2
 
 
-def test_top_entropy_quantile_keeps_only_high_entropy_tokens():
-    from grpo_trainer.algorithms.losses import high_entropy_mask
-
-    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 9.0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])  # the 7.0 and 9.0 are padding: never in the quantile
-    # Valid entropies sorted: 0.1 0.2 0.3 0.5 0.7 0.9; the 1 - 0.5 quantile (linear) is 0.3 + 0.5*(0.5-0.3) = 0.4
-    kept = high_entropy_mask(entropy, mask, 0.5) * mask
-    assert kept.tolist() == [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
-
-
 def test_top_entropy_quantile_trains(tmp_path, tiny_model, tokenizer, toy_dataset):
     _, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, top_entropy_quantile=0.2)
     assert all(changed.values())
@@ -277,19 +280,3 @@ def test_reward_model_given_as_a_path(tmp_path, tiny_model, tokenizer, toy_conve
                              str(tmp_path / "rm"))
     assert trainer.reward_names == ["rm"] and all(changed.values())
     assert trainer.reward_funcs[0].model.config.pad_token_id == tokenizer.pad_token_id  # set for batched scoring
-
-
-def test_rollout_metrics_by_hand():
-    from grpo_trainer.reporting.metrics import rollout_metrics
-
-    # Two groups of G=2, two reward functions weighted (1, 2); the second function abstains on row 3.
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, math.nan]])
-    out = rollout_metrics(torch.tensor([3, 5, 2, 4]), torch.tensor([0, 1, 0, 0]), rewards,
-                          torch.tensor([1.0, 2.0]), 2, ["a", "b"], with_pass_at_k=False)
-    # totals: 1, 2, 3, 1 (nansum) -> reward mean 7/4; group stds: |1-2|/sqrt(2), |3-1|/sqrt(2) -> mean 1.5/sqrt(2)
-    assert out["reward"].item() == pytest.approx(1.75)
-    assert out["reward_std"].item() == pytest.approx(1.5 / math.sqrt(2), abs=1e-6)
-    assert out["frac_reward_zero_std"].item() == 0.0
-    assert out["rewards/b/mean"].item() == pytest.approx(2 / 3)  # the abstention is left out
-    assert out["completions/mean_length"].item() == 3.5 and out["completions/clipped_ratio"].item() == 0.25
-    assert out["completions/mean_terminated_length"].item() == pytest.approx(3.0)  # (3 + 2 + 4) / 3

@@ -116,10 +116,11 @@ def test_sampling_logps_are_the_training_forwards_values(tokenizer):
     torch.manual_seed(0)
     rollout = fast_rollout(model, prompts, greedy_config(tokenizer, do_sample=True, temperature=0.7, top_k=5))
     with torch.no_grad():
-        logps, entropy = completion_logprobs(
+        out = completion_logprobs(
             model, torch.cat([prompts.ids, rollout.completion_ids], 1),
             torch.cat([prompts.mask, rollout.completion_mask], 1),
             rollout.completion_ids.shape[1], temperature=0.7, with_entropy=True)
+    logps, entropy = out.logps, out.entropy
     active = rollout.completion_mask.bool()
     torch.testing.assert_close(rollout.sampling_logps[active], logps[active], atol=1e-5, rtol=0)
     torch.testing.assert_close(rollout.sampling_entropy[active], entropy[active], atol=1e-5, rtol=0)

@@ -1,0 +1,190 @@
+"""Model options of TRL 1.16 on real tiny training runs: custom-code checkpoints (trust_remote_code), the MoE router
+auxiliary loss (router_aux_loss_coef), a float32 LM head (cast_lm_head_to_fp32) and fixed-multiple padding
+(pad_to_multiple_of)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.algorithms.logprobs import Float32Head
+from grpo_trainer.cli.toy import make_tiny_model
+from tests.helpers import write_remote_code_model
+
+
+def varied_reward(completions, **kwargs):
+    """Always separates the completions of a group, so every step has a gradient."""
+    return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
+
+
+def make_args(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                    max_completion_length=6, learning_rate=0.1, max_steps=2, report_to="none", save_strategy="no",
+                    logging_steps=1, seed=0)
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def train(trainer):
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    return [n for n, p in model.named_parameters() if n in before and torch.equal(p, before[n])]
+
+
+def _common(tokenizer):
+    return dict(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+MOE_CONFIGS = {
+    "qwen3_moe": lambda common: Qwen3MoeConfig(**common, intermediate_size=32, moe_intermediate_size=8, head_dim=8,
+                                               num_experts=4, num_experts_per_tok=2),
+    "mixtral": lambda common: MixtralConfig(**common, intermediate_size=16, num_local_experts=4,
+                                            num_experts_per_tok=2),
+}
+
+
+def moe_model(tokenizer, kind="qwen3_moe"):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(MOE_CONFIGS[kind](_common(tokenizer)))
+
+
+# ------------------------------------------------------------------------------------------- custom code
+
+
+def test_custom_code_checkpoints_need_trust_remote_code_then_train(tmp_path, tokenizer, toy_dataset):
+    """TRL's test_trust_remote_code, offline: a checkpoint whose architecture is its own code is refused with an
+    error naming custom code, and with trust_remote_code=True the policy, its tokenizer, a reward model and the
+    reward model's tokenizer all load with their own classes, and the run trains."""
+    policy = write_remote_code_model(tmp_path / "policy", tokenizer)
+    reward = write_remote_code_model(tmp_path / "reward", tokenizer, task="reward")
+    with pytest.raises(ValueError, match="custom code"):
+        GRPOTrainer(policy, varied_reward, args=make_args(tmp_path), train_dataset=toy_dataset)
+    with pytest.raises(ValueError, match="custom code"):  # a reward model by path is checked the same way
+        GRPOTrainer(make_tiny_model(tokenizer), reward, args=make_args(tmp_path), train_dataset=toy_dataset,
+                    processing_class=tokenizer)
+
+    trainer = GRPOTrainer(policy, [varied_reward, reward], args=make_args(tmp_path, trust_remote_code=True),
+                          train_dataset=toy_dataset)
+    assert type(trainer.model).__name__ == "TinyRemoteForCausalLM"
+    assert type(trainer.processing_class).__name__ == "TinyRemoteTokenizer"
+    assert type(trainer.reward_funcs[1].model).__name__ == "TinyRemoteForSequenceClassification"
+    assert trainer.reward_processing_classes[0] is None
+    assert type(trainer.reward_processing_classes[1]).__name__ == "TinyRemoteTokenizer"
+    assert train(trainer) == []
+
+
+# ------------------------------------------------------------------------------------- router aux loss
+
+
+@pytest.mark.parametrize("kind", sorted(MOE_CONFIGS))
+def test_moe_models_train_with_their_router_aux_loss(tmp_path, tokenizer, toy_dataset, kind):
+    """TRL's test_train on an MoE model: the aux loss is on by default (the config's coefficient) and logged as
+    `aux_loss`; every parameter, router included, trains."""
+    trainer = GRPOTrainer(moe_model(tokenizer, kind), varied_reward, args=make_args(tmp_path),
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001
+    assert train(trainer) == []
+    aux = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
+    assert len(aux) == 2 and all(value > 0 for value in aux)
+
+
+def test_router_aux_loss_coef_zero_turns_it_off(tmp_path, tokenizer, toy_dataset):
+    trainer = GRPOTrainer(moe_model(tokenizer), varied_reward, args=make_args(tmp_path, router_aux_loss_coef=0.0),
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    assert not trainer.aux_loss_enabled
+    train(trainer)
+    assert not any("aux_loss" in entry for entry in trainer.state.log_history)
+
+
+def test_router_aux_loss_coef_on_a_dense_model_is_an_error(tmp_path, tiny_model, tokenizer, toy_dataset):
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 but .* is not a Mixture-of-Experts model"):
+        GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, router_aux_loss_coef=0.01),
+                    train_dataset=toy_dataset, processing_class=tokenizer)
+
+
+def test_the_loss_adds_coef_times_aux_over_the_accumulation_steps(tmp_path, tokenizer, toy_dataset):
+    """loss = policy loss + coef * aux / gradient_accumulation_steps (TRL 1.16), where aux is the router's
+    load-balancing loss of the whole micro-batch, zero-advantage rows included (they are not skipped)."""
+    coef, steps = 0.5, 4
+    trainer = GRPOTrainer(moe_model(tokenizer), varied_reward, train_dataset=toy_dataset, processing_class=tokenizer,
+                          args=make_args(tmp_path, router_aux_loss_coef=coef, gradient_accumulation_steps=steps,
+                                         per_device_train_batch_size=2))
+    model = trainer.model
+    round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(8)], "train")
+    inputs = trainer._micro_batch(round_, "train")
+    inputs = dataclasses.replace(inputs, advantages=torch.tensor([1.0, 0.0, -1.0, 0.0, 0.5, 0.0, -0.5, 0.0]))
+    ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], 1)
+    mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], 1)
+    with torch.no_grad():
+        aux = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    output_router_logits=True).aux_loss
+        with_aux = trainer.compute_loss(model, inputs)
+        trainer.aux_loss_enabled = False
+        without = trainer.compute_loss(model, inputs)
+    # coef 0.5, 4 accumulation steps: the aux term is aux / 8
+    torch.testing.assert_close(with_aux - without, aux / 8, atol=1e-6, rtol=0)
+    torch.testing.assert_close(trainer._metrics["train"]["aux_loss"][-1], aux, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ float32 head
+
+
+def test_cast_lm_head_to_fp32_trains_a_bf16_policy_with_a_float32_head(tmp_path, tokenizer, toy_dataset):
+    """TRL's test_train_with_cast_lm_head_to_fp32 (untied heads): the policy's and the reference's heads are float32
+    and train (the reference stays frozen); the rest of the model stays bf16."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**_common(tokenizer), intermediate_size=32, tie_word_embeddings=False), dtype=torch.bfloat16)
+    trainer = GRPOTrainer(model, varied_reward, args=make_args(tmp_path, cast_lm_head_to_fp32=True, beta=0.1),
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    for lm in (trainer.model, trainer.ref_model):
+        assert type(lm.lm_head) is Float32Head and lm.lm_head.weight.dtype == torch.float32
+    assert trainer.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert train(trainer) == []
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+
+
+def test_cast_lm_head_to_fp32_refuses_a_tied_head(tmp_path, tiny_model, tokenizer, toy_dataset):
+    with pytest.raises(ValueError, match="untied LM head"):
+        GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, cast_lm_head_to_fp32=True),
+                    train_dataset=toy_dataset, processing_class=tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------- padding
+
+
+def test_pad_to_multiple_of_pads_every_micro_batch_and_trains(tmp_path, tokenizer, toy_dataset):
+    """TRL's test_train_with_pad_to_multiple_of, plus the shapes: every micro-batch the loss sees (after its own
+    trim) has prompt and completion widths that are multiples of 8."""
+    trainer = GRPOTrainer(make_tiny_model(tokenizer), varied_reward, train_dataset=toy_dataset,
+                          processing_class=tokenizer,
+                          args=make_args(tmp_path, pad_to_multiple_of=8, gradient_accumulation_steps=2))
+    seen, compute_loss = [], trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        seen.append((inputs.prompt_ids.shape[1], inputs.completion_ids.shape[1]))
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recording
+    assert train(trainer) == []
+    # prompts "copy 123:" are 9-10 characters (plus BOS): 16 columns; completions of at most 6 tokens: 8 columns
+    assert seen == [(16, 8)] * 4
+
+
+def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path, tokenizer, toy_dataset):
+    """Padding columns are masked everywhere: the same micro-batch padded to multiples of 8 gives the same loss."""
+    trainer = GRPOTrainer(make_tiny_model(tokenizer), varied_reward, args=make_args(tmp_path, beta=0.1),
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
+    inputs = trainer._micro_batch(round_, "train")
+    padded = dataclasses.replace(inputs, pad_to_multiple_of=8).padded(tokenizer.pad_token_id).trimmed()
+    assert padded.prompt_ids.shape[1] % 8 == 0 and padded.completion_ids.shape[1] % 8 == 0
+    assert padded.completion_ids.shape[1] > inputs.completion_ids.shape[1]
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.compute_loss(trainer.model, padded),
+                                   trainer.compute_loss(trainer.model, inputs), atol=1e-6, rtol=0)
