@@ -133,6 +133,7 @@ class GRPOTrainer(Trainer):
         owned_rewards = environments.reward_funcs if environments else []
         check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
         processing_class = self._load_processing_class(model, processing_class, args)
+        self.rollout_backend = rollout.select(args)
         train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
                                                 train_dataset)
         _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
@@ -145,7 +146,6 @@ class GRPOTrainer(Trainer):
         self._entropy = EntropyControl(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
                                        args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
         self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
-        self.rollout_backend = rollout.select(args)
 
         model = self._build_models(model, args, peft_config, quantization_config)
         if self._multi_turn is not None:
@@ -204,12 +204,15 @@ class GRPOTrainer(Trainer):
                            environments: multiturn.Environments | None, rollout_func: Any, train_dataset: Any) -> Any:
         """`self._multi_turn` (None for single-turn runs) and TRL's attributes for it; the train dataset (a
         placeholder when an environment owns the data), its prompts checked for tools."""
-        self._multi_turn = multiturn.MultiTurn(processing_class, args, tools, environments, rollout_func) \
+        self._multi_turn = multiturn.MultiTurn(processing_class, args, tools, environments) \
             if tools or environments or rollout_func else None
         # TRL's attributes: every tool, the rollout_func, the latest round's environments, each one's tools and pool
         self.tools, self.rollout_func, self.environments = [], rollout_func, None
         if self._multi_turn is not None:
             self.tools = self._multi_turn.tools
+            if self.tools and not self.rollout_backend.capabilities.multi_turn:
+                raise ValueError(f"generation_backend={args.generation_backend!r} cannot continue a rollout after a "
+                                 "tool's result (its capabilities say multi_turn=False); choose another backend.")
         if environments is not None:
             self._env_tools, self._environment_pool = environments.tools, environments.pools
         if train_dataset is None:

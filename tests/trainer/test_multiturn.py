@@ -10,6 +10,8 @@ from datasets import Dataset
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
+from grpo_trainer.rollout import BACKENDS, Capabilities, RolloutBackend
+from grpo_trainer.rollout.capture import KEEP_NOTHING
 from grpo_trainer.trainer.round import Round
 from tests.tool_helpers import calling_kwargs, fetch, get
 
@@ -149,6 +151,19 @@ def test_bad_multi_turn_set_ups_are_refused_before_any_model_is_loaded(tmp_path,
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         GRPOTrainer(NEVER_LOADED, settings.pop("reward_funcs"), args=config(tmp_path, max_steps=max_steps),
                     processing_class=TOKENIZER, **settings)
+
+
+def test_a_backend_that_cannot_continue_a_rollout_is_refused_with_tools(tmp_path, monkeypatch):
+    class SingleTurn(RolloutBackend):
+        capabilities = Capabilities(multi_turn=False)
+
+        def generate(self, model, prompts, config, capture=KEEP_NOTHING):
+            raise AssertionError("never reached")
+
+    monkeypatch.setitem(BACKENDS, "single_turn", SingleTurn)
+    with pytest.raises(ValueError, match="generation_backend='single_turn' cannot continue a rollout"):
+        GRPOTrainer(NEVER_LOADED, alternating, args=config(tmp_path, generation_backend="single_turn"),
+                    train_dataset=dataset(), processing_class=TOKENIZER, tools=[get])
 
 
 def test_a_row_naming_an_unknown_environment_fails_the_round(tmp_path):

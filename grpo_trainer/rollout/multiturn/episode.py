@@ -54,10 +54,10 @@ class Episode:
 
 
 class MultiTurn:
-    """The tools, environments and rollout_func of a run, checked, and the round that uses them."""
+    """The tools and environments of a run, checked, and the round that uses them (and a `rollout_func`)."""
 
-    def __init__(self, tokenizer: Any, args: Any, tools: Sequence[Callable] | None, environments: Environments | None,
-                 rollout_func: Callable | None) -> None:
+    def __init__(self, tokenizer: Any, args: Any, tools: Sequence[Callable] | None,
+                 environments: Environments | None) -> None:
         """`environments`: built from `environment_factory` first, since their rewards are checked with
         `reward_funcs` before the tokenizer is loaded."""
         self.tokenizer = tokenizer
@@ -66,7 +66,6 @@ class MultiTurn:
         self.chat_template_kwargs = args.chat_template_kwargs or {}
         self.max_prompt_length, self.max_completion_length = args.max_prompt_length, args.max_completion_length
         self.max_iterations = args.max_tool_calling_iterations
-        self.rollout_func = rollout_func
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise ValueError(f"tools must be a list of functions, not a {type(tools).__name__}.")
         standalone = list(tools or [])
@@ -86,11 +85,6 @@ class MultiTurn:
         self.eos_token_ids, self.max_context = list(eos_token_ids), max_context
         if self.suffix is not None:
             self.suffix.eos = set(self.eos_token_ids)
-
-    @property
-    def reward_funcs(self) -> list[Callable]:
-        """Environment-owned reward sources (`get_reward`), scored after `reward_funcs`."""
-        return self.environments.reward_funcs if self.environments else []
 
     def check_dataset(self, dataset: Any, name: str) -> None:
         """Tools and environments talk in chat messages: text prompts are refused."""

@@ -59,8 +59,8 @@ class Door:
         return float(self.opened)
 
 
-def make(tools=None, environments=None, rollout_func=None, **overrides):
-    multi_turn = MultiTurn(TOKENIZER, args(**overrides), tools, environments, rollout_func)
+def make(tools=None, environments=None, **overrides):
+    multi_turn = MultiTurn(TOKENIZER, args(**overrides), tools, environments)
     multi_turn.attach_model([TOKENIZER.eos_token_id, END], None)  # the toy model's EOS ids: <eos> and <|end|>
     return multi_turn
 
@@ -118,7 +118,7 @@ def test_a_rollout_funcs_turn_is_continued_by_the_tool_loop_and_its_fields_reach
         return {"prompt_ids": [prompt, prompt], "completion_ids": [ids("<call>get</call><|end|>"), ids("x<|end|>")],
                 "logprobs": [[0.0] * 6, [0.0] * 2], "judge": ["a", "b"]}
 
-    multi_turn = make([get], rollout_func=rollout_func)
+    multi_turn = make([get])
     script = Script(["42<|end|>"])
     episode = multi_turn.run(rows(1, 2), script, lambda p: call_rollout_func(rollout_func, p, None), "cpu")
     assert len(script.prompts) == 1  # the backend only ran the turn after the tool result
@@ -132,7 +132,7 @@ def test_a_rollout_funcs_env_mask_without_tools_is_the_rounds_env_mask():
         return {"prompt_ids": [[5, 6], [7]], "completion_ids": [[8, 9, END], [10]], "logprobs": [[0.0] * 3, [0.0]],
                 "env_mask": [[1, 0, 1], [1]]}
 
-    multi_turn = make(rollout_func=rollout_func)
+    multi_turn = make()
     prompts = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
     episode = multi_turn.run([{"prompt": p} for p in prompts], Script(), lambda p: call_rollout_func(
         rollout_func, p, None), "cpu")
