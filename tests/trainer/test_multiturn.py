@@ -65,6 +65,15 @@ def test_a_model_calls_a_tool_and_trains_on_every_backend(tmp_path, backend):
     assert all(not torch.equal(before[n], p) for n, p in run.model.named_parameters())
 
 
+def test_tool_rounds_pad_to_a_multiple_like_any_round(tmp_path):
+    run = trainer(tmp_path, tools=[get], pad_to_multiple_of=8)
+    run.train()
+    (round_,) = run._buffer
+    assert round_.prompt_ids.shape[1] % 8 == 0 and round_.completion_ids.shape[1] % 8 == 0
+    assert round_.env_mask.shape == round_.completion_ids.shape
+    assert round_.loss_mask.sum(1).tolist() == [2 * len(CALL)] * 4  # the padding is in no loss either
+
+
 @pytest.mark.parametrize(("call", "failures"), [("<call>fetch</call><|end|>", 0.0), ("<call>nope</call><|end|>", 1.0)])
 def test_async_tools_run_and_failed_calls_are_counted_like_trl(tmp_path, call, failures):
     run = trainer(tmp_path, tools=[fetch, get], generation_kwargs=calling_kwargs(TOKENIZER, call),
@@ -143,6 +152,7 @@ def test_a_rollout_func_rollout_trains_with_its_env_mask_and_extra_fields(tmp_pa
     ({"environment_factory": {"a": Vault, "b": Vault}, "train_dataset": None}, "requires a `train_dataset`"),
     ({"environment_factory": Vault, "train_dataset": None, "max_steps": -1}, "set `max_steps` > 0"),
     ({"tools": [lambda x: x]}, "tool '<lambda>' cannot be described to the model"),
+    ({"tools": get, "environment_factory": Vault}, "tools must be a list of functions, not a function"),
     ({"tools": [get], "train_dataset": Dataset.from_dict({"prompt": ["text"]})}, "text prompts"),
 ])
 def test_bad_multi_turn_set_ups_are_refused_before_any_model_is_loaded(tmp_path, kwargs, message):

@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from grpo_trainer.rollout.multiturn.tools import check_tools, run_async, toolbox
+from grpo_trainer.rollout.multiturn.tools import check_tools, run_async, tool_list, toolbox
 
 __all__ = ["EMPTY_PROMPT", "Environments", "placeholder_dataset"]
 
@@ -97,7 +97,7 @@ class Environments:
     @classmethod
     def of(cls, factory: Callable | dict[str, Callable] | None, tools: list[Callable] | None) -> Environments | None:
         """The environments of `GRPOTrainer(environment_factory=, tools=)`; None without a factory."""
-        return None if factory is None else cls(factory, list(tools or []))
+        return None if factory is None else cls(factory, tool_list(tools))
 
     @property
     def all_tools(self) -> list[Callable]:

@@ -35,7 +35,7 @@ from grpo_trainer.rollout.multiturn.loop import (
 )
 from grpo_trainer.rollout.multiturn.rollout_func import RolloutFuncOutput
 from grpo_trainer.rollout.multiturn.tool_calls import select_parser
-from grpo_trainer.rollout.multiturn.tools import check_tools, toolbox
+from grpo_trainer.rollout.multiturn.tools import check_tools, tool_list, toolbox
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
@@ -65,10 +65,9 @@ class MultiTurn:
         self.eos_token_ids, self.max_context = [tokenizer.eos_token_id], None
         self.chat_template_kwargs = args.chat_template_kwargs or {}
         self.max_prompt_length, self.max_completion_length = args.max_prompt_length, args.max_completion_length
+        self.pad_to_multiple_of = args.pad_to_multiple_of
         self.max_iterations = args.max_tool_calling_iterations
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            raise ValueError(f"tools must be a list of functions, not a {type(tools).__name__}.")
-        standalone = list(tools or [])
+        standalone = tool_list(tools)
         check_tools(standalone)
         self.environments = environments
         self.tools = environments.all_tools if environments else standalone
@@ -118,7 +117,7 @@ class MultiTurn:
             out = self._from_token_lists(output, device)
         else:
             batch = tokenize_prompts(self.tokenizer, prompts, self.max_prompt_length, self.chat_template_kwargs,
-                                     tools=offered if self.tools else None)
+                                     self.pad_to_multiple_of, tools=offered if self.tools else None)
             out = generate(batch.to(device), None, False)
         if not self.tools:
             texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)  # padded with pad

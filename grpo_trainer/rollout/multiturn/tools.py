@@ -24,7 +24,14 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-__all__ = ["ToolResult", "check_tools", "run_async", "run_calls", "toolbox"]
+__all__ = ["ToolResult", "check_tools", "run_async", "run_calls", "tool_list", "toolbox"]
+
+
+def tool_list(tools: Any) -> list[Callable]:
+    """`GRPOTrainer(tools=)` as a list (None: no tools)."""
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of functions, not a {type(tools).__name__}; pass tools=[f].")
+    return list(tools or [])
 
 
 def check_tools(tools: Sequence[Callable], owner: str = "tools") -> None:

@@ -21,7 +21,7 @@ def ids(text):
 
 def args(**overrides):
     return SimpleNamespace(**{"chat_template_kwargs": None, "max_prompt_length": None, "max_completion_length": 64,
-                              "max_tool_calling_iterations": None, **overrides})
+                              "max_tool_calling_iterations": None, "pad_to_multiple_of": None, **overrides})
 
 
 class Script:
