@@ -91,7 +91,7 @@ def forward_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfi
         dataclasses.replace(capture, layer_outputs=False), rows=B, prompt_length=S, max_new_tokens=max_new,
         layers=0, hidden_size=0, vocab_size=lm.get_output_embeddings().weight.shape[0], dtype=lm.dtype,
         device=prompts.ids.device)
-    with torch.no_grad(), getattr(lm, "_optimize_model_for_decode", contextlib.nullcontext)():
+    with torch.no_grad():
         completion_ids, logps, entropy, plain_logits = _decode(lm, config, prompts, max_new, probs)
     eos, pad = loop.special_tokens(config)
     mask, truncated = completion_mask(completion_ids, eos)
@@ -143,4 +143,6 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_n
         kwargs = lm._update_model_kwargs_for_generation(out, kwargs)
         return out.logits[:, -1].float()
 
-    return *loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs), plain_logits
+    # generate's decode-time switches (MoE expert kernels on accelerators), after the prefill as there
+    with getattr(lm, "_optimize_model_for_decode", contextlib.nullcontext)():
+        return *loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs), plain_logits

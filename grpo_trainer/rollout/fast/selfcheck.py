@@ -9,9 +9,10 @@ Decisions:
 
 1. Once per model and structure: the verdict is kept per module object (weakly) with a fingerprint of what
    the decoder's arithmetic depends on: every module's class, instance-level forward and hooks, every
-   parameter's and buffer's identity, storage, dtype and device, and the config. Training updates weights in
-   place, which changes none of these; swapping a module, adding a hook, casting or reloading weights does,
-   and the check runs again. A new model object is always checked, even where an old one's address is reused.
+   parameter's and buffer's identity (the tensor object), dtype and device, and the config. Training updates
+   weights in place, and ZeRO-3 gathers them into the same parameters, which changes none of these; swapping a
+   module, adding a hook, casting or replacing weights does, and the check runs again. A new model object is
+   always checked, even where an old one's address is reused.
 2. The difference is measured on log-probs (logits up to their common shift) where the model gives a token at
    least `LOGP_FLOOR`, relative to the logits' magnitude (`TOLERANCE` x max(1, max |logit|)): what KV-cache
    decoding legitimately differs by from a full forward (summation order) scales with both: a few units of the
@@ -53,7 +54,7 @@ def fingerprint(lm: nn.Module) -> tuple:
     """What the decoder's arithmetic depends on, short of the weights' values (decision 1)."""
     modules = tuple((type(m), m.__dict__.get("forward"), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
                     for m in lm.modules())
-    tensors = tuple((id(t), t.data_ptr(), t.dtype, t.device) for t in itertools.chain(lm.parameters(), lm.buffers()))
+    tensors = tuple((id(t), t.dtype, t.device) for t in itertools.chain(lm.parameters(), lm.buffers()))
     return modules, tensors, lm.config.to_json_string(use_diff=False)
 
 
