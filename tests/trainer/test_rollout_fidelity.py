@@ -9,6 +9,7 @@ import torch
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.rewards.library import copy_digits_reward
+from grpo_trainer.rollout.fast import selfcheck
 from grpo_trainer.rollout.generate import generate_rollout
 from tests.helpers import model_of_kind
 
@@ -82,3 +83,14 @@ def test_nan_logits_stop_training_with_an_error_naming_the_model(tmp_path, token
     trainer = _trainer(tmp_path, model, tokenizer, toy_dataset, max_nonfinite_steps=0)
     with pytest.raises(RuntimeError, match="the model produced NaN/inf logits at completion token 0 in 8 of 8 rows"):
         trainer.train()
+
+
+def test_the_decoders_self_check_runs_once_per_training_run(tmp_path, tokenizer, toy_dataset, monkeypatch):
+    """Training changes weights in place and adds transformers' own hooks (hidden-state recording, input grads
+    re-registered around each rollout): none of it is a reason to check the decoder again."""
+    checked = []
+    measure = selfcheck._measure
+    monkeypatch.setattr(selfcheck, "_measure", lambda *args: checked.append(args[0]) or measure(*args))
+    trainer = _trainer(tmp_path, model_of_kind("qwen2", tokenizer), tokenizer, toy_dataset, max_steps=3)
+    trainer.train()
+    assert checked == [trainer.model] and trainer.state.global_step == 3

@@ -126,7 +126,7 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_n
         out = lm(**inputs, return_dict=True)
     finally:
         hook.remove()
-    plain_logits = len(head_output) == 1 and torch.equal(head_output[0][:, -1], out.logits[:, -1])
+    plain_logits = len(head_output) == 1 and torch.equal(head_output[0][:, -1].float(), out.logits[:, -1].float())
     kwargs = lm._update_model_kwargs_for_generation(out, kwargs)
     kwargs["cache"].batch_select_indices(group)  # each row takes its prompt's keys and values
     for name in ("attention_mask", "position_ids"):

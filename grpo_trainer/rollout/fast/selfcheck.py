@@ -47,15 +47,27 @@ LOGP_FLOOR = -20.0  # tokens the model gives less than e^-20 are not compared: t
 # (decision 2; TF32 matmuls keep float16's 10 mantissa bits).
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 0.08, torch.float16: 0.01}
 
+# (module, name) of transformers' hooks that record or mark tensors without changing them
+VALUE_PRESERVING_HOOKS = {("transformers.utils.output_capturing", "output_capturing_hook"),
+                          ("transformers.modeling_utils", "make_inputs_require_grads")}
+
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm -> (fingerprint, reason or None)
 
 
 def fingerprint(lm: nn.Module) -> tuple:
     """What the decoder's arithmetic depends on, short of the weights' values (decision 1)."""
-    modules = tuple((type(m), m.__dict__.get("forward"), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+    modules = tuple((type(m), m.__dict__.get("forward"), _hooks(m._forward_hooks), _hooks(m._forward_pre_hooks))
                     for m in lm.modules())
     tensors = tuple((id(t), t.dtype, t.device) for t in itertools.chain(lm.parameters(), lm.buffers()))
     return modules, tensors, lm.config.to_json_string(use_diff=False)
+
+
+def _hooks(hooks: dict) -> tuple:
+    """The handles of the hooks that may change a value. transformers' own output-recording and input-grad hooks
+    do not, and come and go during training (recording hooks are installed by the first forward that asks for
+    hidden states; toggling activation checkpointing around each rollout registers another input-grad hook)."""
+    return tuple(handle for handle, hook in hooks.items()
+                 if (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) not in VALUE_PRESERVING_HOOKS)
 
 
 def decoder_mismatch(lm: nn.Module, prompts: PromptBatch,

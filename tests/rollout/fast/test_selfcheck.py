@@ -96,6 +96,12 @@ def test_the_fingerprint_follows_structure_not_weight_values(tokenizer):
         for p in model.parameters():
             p.add_(0.1)  # an optimizer step
     assert selfcheck.fingerprint(model) == before
+    model.enable_input_require_grads()  # transformers' hook marking embeddings as requiring grad
+    assert selfcheck.fingerprint(model) == before
+    hook = scale_output(model.model.embed_tokens, 1.0)  # any other hook counts, even one that changes nothing
+    assert selfcheck.fingerprint(model) != before
+    hook.remove()
+    assert selfcheck.fingerprint(model) == before
     model.model.layers[0].mlp.act_fn = nn.GELU()
     assert selfcheck.fingerprint(model) != before
     model = model_of_kind("qwen2", tokenizer)
