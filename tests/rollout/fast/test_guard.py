@@ -13,6 +13,7 @@ from tests.helpers import assert_same_rollout, fast_rollout, greedy_config, grou
 # Weights larger than the default init make the tiny model's tokens depend on positions, so a wrong rotary
 # table changes greedy tokens rather than only the last digits of the logits.
 SENSITIVE = {"initializer_range": 0.1, "max_position_embeddings": 16}
+LONG_ROPE = {"short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}  # D/2
 
 
 def assert_equals_generate(model, tokenizer, **settings):
@@ -44,6 +45,7 @@ def test_dynamic_rope_past_the_original_context_is_refused_and_the_rollout_equal
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8},
     {"rope_type": "dynamic", "factor": 8.0},  # within the original context: the plain frequencies
+    {"rope_type": "longrope", "original_max_position_embeddings": 64, **LONG_ROPE},  # within it: short factors
 ])
 def test_each_rope_type_the_guard_clears_gives_generates_tokens(tokenizer, rope):
     model = model_of_kind("llama", tokenizer, rope_scaling=rope, **{**SENSITIVE, "max_position_embeddings": 64})
@@ -56,10 +58,12 @@ def test_each_rope_type_the_guard_clears_gives_generates_tokens(tokenizer, rope)
         assert not torch.equal(unscaled.completion_ids, reference.completion_ids)
 
 
-def test_long_rope_is_refused(tokenizer):
-    model = model_of_kind("llama", tokenizer, rope_scaling={"rope_type": "linear", "factor": 4.0}, **SENSITIVE)
-    model.model.rotary_emb.rope_type = "longrope"  # no Llama config builds one; the guard reads the module
-    model.model.rotary_emb.config.rope_parameters["original_max_position_embeddings"] = 8
+def test_long_rope_past_the_original_context_is_refused(tokenizer):
+    """LongRoPE switches from short to long factors once a call's longest position passes the original
+    context: within one rollout, depending on the step."""
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 12, **LONG_ROPE}  # prompts: <= 11
+    model = model_of_kind("llama", tokenizer, rope_scaling=rope, **{**SENSITIVE, "max_position_embeddings": 64})
+    assert_equals_generate(model, tokenizer)
     assert "RoPE type 'longrope'" in blocker(model, tokenizer)
 
 
