@@ -18,7 +18,6 @@ __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 PENDING: dict[str, tuple[Any, str]] = {
     "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
     "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
-    "use_transformers_continuous_batching": (lambda v: v, "transformers' continuous-batching backend (issue 19)"),
 }
 
 

@@ -79,8 +79,9 @@ class GRPOConfig(LegacyFields, TrainingArguments):
     generation_backend: str = _opt(
         "fast", "Rollout backend by registry name (grpo_trainer.rollout.BACKENDS). 'fast': each prompt prefilled "
         "once for its G completions and a tight decode loop over a preallocated KV cache (Llama-family models; "
-        "anything it does not reproduce falls back to model.generate). 'generate': always model.generate, the "
-        "reference path.")
+        "other architectures run 'forward', and anything neither reproduces falls back to model.generate). "
+        "'forward': the model's own forward over the same shared-prefix cache. 'generate': always "
+        "model.generate, the reference path. use_transformers_continuous_batching overrides this field.")
     pad_to_multiple_of: int | str | None = _opt(
         "auto", "Pad prompt and completion ids to a multiple of this many columns (fixed shapes for compilers). "
         "'auto': 128 on Neuron (AWS Trainium), no padding elsewhere; None: no padding.")
