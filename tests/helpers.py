@@ -2,7 +2,18 @@
 comparisons. Everything is built offline from configs."""
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GenerationConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rollout.capture import Capture
@@ -13,21 +24,32 @@ from grpo_trainer.rollout.types import PromptBatch, Rollout
 MAX_NEW = 12
 
 
-def model_of_kind(kind: str, tokenizer):
-    """A tiny randomly initialised model of each supported family (seeded)."""
-    if kind == "qwen2":
+def model_of_kind(kind: str, tokenizer, **overrides):
+    """A tiny randomly initialised model of each family (seeded); `overrides` go into its config."""
+    if kind == "qwen2" and not overrides:
         return make_tiny_model(tokenizer, seed=1)
     common = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
               "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = {"llama": lambda: LlamaConfig(**common, attention_bias=True),  # biased q/k/v/o
-              "qwen3": lambda: Qwen3Config(**common, head_dim=24),  # q/k RMSNorm, head_dim != hidden / heads
-              "mistral": lambda: MistralConfig(**common, sliding_window=4096),  # a window longer than any test
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    config = {"qwen2": lambda: Qwen2Config(**{**common, **overrides}),
+              "llama": lambda: LlamaConfig(**{"attention_bias": True, **common, **overrides}),  # biased q/k/v/o
+              "qwen3": lambda: Qwen3Config(**{**common, "head_dim": 24, **overrides}),  # q/k norms, head_dim != E / H
+              # a window longer than any test unless overridden
+              "mistral": lambda: MistralConfig(**{**common, "sliding_window": 4096, **overrides}),
               # Llama 3.x: frequency-dependent rotary scaling, untied LM head, no biases.
-              "llama3": lambda: LlamaConfig(**common, rope_scaling={
+              "llama3": lambda: LlamaConfig(**{**common, "rope_scaling": {
                   "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 16}),
-              "gpt2": lambda: GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)}[kind]()
+                  "original_max_position_embeddings": 16}, **overrides}),
+              "gpt2": lambda: GPT2Config(**{"vocab_size": len(tokenizer), "n_embd": 32, "n_layer": 1, "n_head": 2,
+                                            **overrides}),
+              "gpt2_no_dropout": lambda: GPT2Config(**{"vocab_size": len(tokenizer), "n_embd": 32, "n_layer": 2,
+                                                       "n_head": 2, **no_dropout, **overrides}),
+              # local/global layers (a sliding window of 4), attention and final logit soft-capping
+              "gemma2": lambda: Gemma2Config(**{**common, "head_dim": 16, "sliding_window": 4, **overrides}),
+              "phi3": lambda: Phi3Config(**{**common, **overrides}),  # fused qkv and gate|up projections
+              "mixtral": lambda: MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                  **overrides})}[kind]()
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

@@ -17,7 +17,6 @@ __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
 PENDING: dict[str, tuple[Any, str]] = {
     "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
-    "use_transformers_continuous_batching": (lambda v: v, "transformers' continuous-batching backend (issue 19)"),
 }
 
 

@@ -1,13 +1,13 @@
 """Rollouts: prompts in, completions out, through interchangeable backends (`backend.RolloutBackend`).
 
 Importing this package registers the built-in backends: `generate` (transformers' `model.generate`, the
-reference) and `fast` (`rollout.fast`).
+reference), `fast` and `forward` (`rollout.fast`), and `transformers_continuous_batching` (`rollout.continuous`).
 """
 
-from grpo_trainer.rollout import generate  # noqa: F401  (registers "generate")
+from grpo_trainer.rollout import continuous, generate  # noqa: F401  (they register their backends)
 from grpo_trainer.rollout.backend import BACKENDS, Capabilities, RolloutBackend, register_backend, select
 from grpo_trainer.rollout.capture import Capture
-from grpo_trainer.rollout.fast import backend as _fast  # noqa: F401  (registers "fast")
+from grpo_trainer.rollout.fast import backend as _fast  # noqa: F401  (registers "fast" and "forward")
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
 __all__ = ["BACKENDS", "Capabilities", "Capture", "PromptBatch", "Rollout", "RolloutBackend", "register_backend",

@@ -4,10 +4,13 @@ Decisions:
 
 1. A backend is an object with declared `Capabilities` and one method, `generate(model, prompts, config,
    capture) -> Rollout`. The trainer and `capture` read capabilities, never backend names.
-2. Backends register under the names `GRPOConfig` selects them by (`BACKENDS`, `select`); a new one (vLLM,
-   continuous batching, a user's own) is one class and one registry entry.
+2. Backends register under the names `GRPOConfig` selects them by (`BACKENDS`, `select`); a new one (vLLM, a
+   user's own) is one class and one registry entry. `use_transformers_continuous_batching` selects
+   transformers' continuous-batching engine whatever `generation_backend` says, as in TRL.
 3. `generate` (transformers' `model.generate`) is the reference every other backend is tested against. A backend
    that cannot reproduce a model or setting falls back to it and logs why.
+4. Capabilities say what a backend keeps when it serves a model itself; a fall-back keeps what the backend it
+   fell back to keeps, and the `Rollout` fields it cannot fill stay None (consumers read the fields).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from transformers import GenerationConfig
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
-__all__ = ["BACKENDS", "Capabilities", "RolloutBackend", "register_backend", "select"]
+__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "Capabilities", "RolloutBackend", "register_backend", "select"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class RolloutBackend(ABC):
         """Completions for `prompts` under the resolved sampling `config`; `capture` says which replay tensors the
         loss would like kept (a backend without those capabilities ignores it)."""
 
+    @classmethod
+    def from_args(cls, args: Any) -> RolloutBackend:
+        """The backend a GRPOConfig configures (a backend with settings of its own reads them here)."""
+        return cls()
+
 
 BACKENDS: dict[str, type[RolloutBackend]] = {}
 
@@ -68,9 +76,14 @@ def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[Rollout
     return add
 
 
+CONTINUOUS_BATCHING = "transformers_continuous_batching"  # `rollout.continuous`
+
+
 def select(args: Any) -> RolloutBackend:
-    """The backend a GRPOConfig asks for."""
-    name = args.generation_backend
+    """The backend a GRPOConfig asks for: `use_transformers_continuous_batching` overrides `generation_backend`."""
+    continuous = getattr(args, "use_transformers_continuous_batching", False) \
+        or getattr(args, "use_transformers_paged", False)  # the deprecated name, set after construction
+    name = CONTINUOUS_BATCHING if continuous else args.generation_backend
     if name not in BACKENDS:
         raise ValueError(f"unknown generation_backend {name!r}; choose one of {sorted(BACKENDS)}.")
-    return BACKENDS[name]()
+    return BACKENDS[name].from_args(args)

@@ -25,6 +25,13 @@ class PromptBatch:
     def to(self, device: torch.device | str) -> PromptBatch:
         return PromptBatch(self.ids.to(device), self.mask.to(device))
 
+    def distinct_rows(self) -> tuple[Tensor, Tensor]:
+        """Indices of the first row of each run of identical consecutive rows `[P]` (a prompt's G copies), and
+        each row's run `[B]`."""
+        same = (self.ids[1:] == self.ids[:-1]).all(1) & (self.mask[1:] == self.mask[:-1]).all(1)  # [B-1]
+        starts = torch.cat([same.new_ones(1), ~same])  # [B]
+        return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
+
 
 @dataclass
 class Rollout:

@@ -41,7 +41,7 @@ from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
-from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import losses, masks, surrogates
@@ -408,8 +408,8 @@ class GRPOTrainer(Trainer):
             training=mode == "train", on_policy=self._on_policy(mode),
             plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
             and not self.is_fsdp_enabled, checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
+        with distributed.unwrapped_for_generation(self.model_wrapped, self.accelerator,
+                                                  self.args.ds3_gather_for_generation) as model:
             config = make_generation_config(self.args, model.generation_config, self.processing_class,
                                             max_new_tokens or self.args.max_completion_length)
             with torch.no_grad():

@@ -119,3 +119,14 @@ def test_every_legacy_name_is_listed_with_its_reason():
     from grpo_trainer.config.legacy import LEGACY
 
     assert sorted(name for name, reason in OURS_ONLY.items() if reason.startswith("legacy")) == sorted(LEGACY)
+
+
+def test_dict_fields_given_as_json_strings_are_parsed_as_trl_parses_them():
+    """Command lines and YAML recipes pass dict fields as JSON strings; TRL lists the same four for parsing."""
+    config = GRPOConfig(output_dir="unused", report_to="none", generation_kwargs='{"top_k": 5}',
+                        model_init_kwargs='{"dtype": "float32"}', chat_template_kwargs='{"enable_thinking": false}',
+                        transformers_continuous_batching_config='{"max_memory_percent": 0.3}')
+    assert config.generation_kwargs == {"top_k": 5} and config.model_init_kwargs == {"dtype": "float32"}
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    assert config.transformers_continuous_batching_config == {"max_memory_percent": 0.3}
+    assert set(GRPOConfig._VALID_DICT_FIELDS) == set(trl.GRPOConfig._VALID_DICT_FIELDS)

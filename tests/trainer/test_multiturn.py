@@ -46,7 +46,7 @@ def trainer(tmp_path, model=None, reward_funcs=alternating, train_dataset=None, 
                        processing_class=TOKENIZER, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["fast", "generate"])
+@pytest.mark.parametrize("backend", ["fast", "forward", "generate"])
 def test_a_model_calls_a_tool_and_trains_on_every_backend(tmp_path, backend):
     # The sequence bias makes every turn `<call>get</call><|end|>`; with one round of calls allowed each rollout
     # is: call, the tool's result, call again (not run). The tool tokens sit between two sampled turns.

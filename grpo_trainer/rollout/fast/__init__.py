@@ -1,1 +1,2 @@
-"""The fast rollout backend: a hand-written Llama-family decode loop over the model's own weights."""
+"""The fast rollout backends: a hand-written Llama-family decoder over the model's own weights (guarded and
+self-checked), and the model's own forward over the same shared-prefix cache for other architectures."""

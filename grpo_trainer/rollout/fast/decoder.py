@@ -151,7 +151,7 @@ class Decoder:
         self.head_weight = head.weight if big_cpu_head else None
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
-        qk_norm = ARCHITECTURES[config.model_type]
+        qk_norm = ARCHITECTURES[config.model_type][1]
         self.layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp

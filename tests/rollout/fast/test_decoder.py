@@ -153,7 +153,7 @@ def test_cpu_decode_of_a_small_model_runs_single_threaded_and_restores_the_threa
     try:
         prompts = grouped_prompts(tokenizer)
         fast_rollout(tiny_model, prompts, greedy_config(tokenizer))
-        assert seen == [1] and torch.get_num_threads() == 2
+        assert seen[-1] == 1 and torch.get_num_threads() == 2  # the rollout's (after the first use's self-check)
     finally:
         torch.set_num_threads(before)
 

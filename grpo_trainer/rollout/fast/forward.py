@@ -1,0 +1,148 @@
+"""The model's own forward as a rollout backend: each distinct prompt prefilled once, its cache shared by its rows.
+
+For the architectures the hand-written decoder does not serve (GPT-2, Gemma-2, Phi-3, Mixtral, sliding windows,
+dynamic RoPE past the original context, ...). The arithmetic is the model's, called as `generate` calls it: the
+cache `generate` builds (`DynamicCache` from the config, sliding layers included), inputs from the model's own
+`prepare_inputs_for_generation`, positions and masks from the attention mask, `logits_to_keep=1`. So greedy tokens
+equal `generate`'s. What is saved is the prefill of each prompt's G - 1 copies; what is gained is the token loop
+the decoder uses (`loop.run`: every logits processor, sampling log-probs for the loss, a stop on NaN logits).
+
+Decisions:
+
+1. A registered backend of its own ("forward"), and the fast backend's tier for models its decoder refuses:
+   selectable and tested on its own, and its capabilities differ from the decoder's (no layer outputs: the
+   model's forward does not hand out every layer's output at every step).
+2. Sampling log-probs (and the softmax for `replay`) are kept only where the model's logits are its LM head's
+   output, which is how the loss computes them (`algorithms.logprobs`); a model that scales or soft-caps its
+   logits (Gemma-2, Cohere) gets None, and the trainer computes its old log-probs itself. Checked at each
+   prefill, by a hook on the head for that one call.
+3. Not served (the caller falls back to `generate`): encoder-decoder and multimodal models, and models whose cache
+   is not transformers' dynamic cache of attention layers (recurrent or linear-attention states).
+
+Shapes: `B` rows, `P` distinct prompts, `S` prompt columns, `T` new tokens, `V` vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, GenerationConfig
+
+from grpo_trainer.rollout import capture as capture_
+from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
+from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
+from grpo_trainer.rollout.fast import loop
+from grpo_trainer.rollout.fast.guard import resolved, settings_blocker
+from grpo_trainer.rollout.generate import generate_rollout
+from grpo_trainer.rollout.settings import max_new_tokens
+from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.runtime.models import causal_lm
+
+__all__ = ["ForwardBackend", "forward_blocker", "forward_rollout"]
+
+logger = logging.getLogger(__name__)
+
+
+@register_backend("forward")
+class ForwardBackend(RolloutBackend):
+    """The model's own forward over a shared-prefix cache; `model.generate` for what it does not serve."""
+
+    capabilities = Capabilities(sampling_logps=True, sampling_probs=True)  # where decision 2 holds
+
+    def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
+                 capture: Capture = KEEP_NOTHING) -> Rollout:
+        lm = causal_lm(model)
+        reason = settings_blocker(model, config, prompts.ids.shape[1]) or forward_blocker(lm)
+        if reason is not None:
+            logger.info("generation_backend='forward' falls back to model.generate: %s.", reason)
+            return generate_rollout(model, prompts, config)
+        return forward_rollout(lm, prompts, resolved(lm, config), capture)
+
+
+def forward_blocker(lm: nn.Module) -> str | None:
+    """Why this causal LM's forward cannot be driven the way this module drives it (decision 3)."""
+    config = lm.config
+    if config.is_encoder_decoder:
+        return "an encoder-decoder model"
+    if config.get_text_config(decoder=True) is not config:
+        return "a multimodal model"
+    supports_cache = getattr(lm, "_supports_default_dynamic_cache", None)
+    if not callable(getattr(lm, "prepare_inputs_for_generation", None)) or supports_cache is None \
+            or not hasattr(lm, "_update_model_kwargs_for_generation"):
+        return "transformers' generation internals differ from the ones this module calls"
+    if not supports_cache():
+        return f"{type(lm).__name__} keeps a cache of its own"
+    if any(DynamicCache(config=config).is_linear):
+        return "recurrent or linear-attention layers"
+    return None
+
+
+def forward_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
+                    capture: Capture = KEEP_NOTHING) -> Rollout:
+    """Completions for `prompts` under resolved settings `config`, through `lm`'s own forward."""
+    B, S = prompts.ids.shape
+    max_new = max_new_tokens(config, S)
+    _, probs = capture_.replay_buffers(
+        dataclasses.replace(capture, layer_outputs=False), rows=B, prompt_length=S, max_new_tokens=max_new,
+        layers=0, hidden_size=0, vocab_size=lm.get_output_embeddings().weight.shape[0], dtype=lm.dtype,
+        device=prompts.ids.device)
+    with torch.no_grad():
+        completion_ids, logps, entropy, plain_logits = _decode(lm, config, prompts, max_new, probs)
+    eos, pad = loop.special_tokens(config)
+    mask, truncated = completion_mask(completion_ids, eos)
+    completion_ids = completion_ids.masked_fill(mask == 0, pad)
+    if not plain_logits:  # decision 2
+        logps = entropy = probs = None
+    probs = None if probs is None else probs[:, :completion_ids.shape[1]]
+    return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, logps, entropy, probs)
+
+
+def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_new: int, probs: Tensor | None
+            ) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """`loop.run` over the model's forward; also whether its logits are its head's output (decision 2)."""
+    B, S = prompts.ids.shape
+    first, group = prompts.distinct_rows()
+    mask = prompts.mask
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's position ids
+    accepted = inspect.signature(lm.forward).parameters
+    kwargs = {"cache": DynamicCache(config=lm.config), "use_cache": True}
+    # generate drops an all-ones mask (no padding anywhere) before its first forward; so do we.
+    if "attention_mask" in accepted and not bool((mask == 1).all()):
+        kwargs["attention_mask"] = mask[first]
+    if "position_ids" in accepted:
+        kwargs["position_ids"] = positions[first]
+    if "logits_to_keep" in accepted:
+        kwargs["logits_to_keep"] = 1
+
+    head_output = []
+    hook = lm.get_output_embeddings().register_forward_hook(lambda m, i, out: head_output.append(out))
+    try:
+        inputs = lm.prepare_inputs_for_generation(prompts.ids[first], is_first_iteration=True, **kwargs)
+        out = lm(**inputs, return_dict=True)
+    finally:
+        hook.remove()
+    plain_logits = len(head_output) == 1 and torch.equal(head_output[0][:, -1].float(), out.logits[:, -1].float())
+    kwargs = lm._update_model_kwargs_for_generation(out, kwargs)
+    kwargs["cache"].batch_select_indices(group)  # each row takes its prompt's keys and values
+    for name in ("attention_mask", "position_ids"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name][group]
+    scores = out.logits[:, -1].float()[group]  # [B, V]
+    del out
+    sequences = torch.cat([prompts.ids, prompts.ids.new_full((B, max_new), loop.special_tokens(config)[1])], 1)
+
+    def next_scores(tokens: Tensor, t: int) -> Tensor:
+        nonlocal kwargs
+        inputs = lm.prepare_inputs_for_generation(sequences[:, :S + t + 1], next_sequence_length=1, **kwargs)
+        out = lm(**inputs, return_dict=True)
+        kwargs = lm._update_model_kwargs_for_generation(out, kwargs)
+        return out.logits[:, -1].float()
+
+    # generate's decode-time switches (MoE expert kernels on accelerators), after the prefill as there
+    with getattr(lm, "_optimize_model_for_decode", contextlib.nullcontext)():
+        return *loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs), plain_logits
