@@ -51,6 +51,14 @@ class Rollout:
     # layer's output at every prompt and completion column (zeros for the last completion token, never fed back).
     sampling_probs: Tensor | None = None  # [B, T, V] float32
     layer_outputs: Tensor | None = None  # [B, L, S + T, E]
+    # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
+    # environment wrote. None: the policy sampled every completion token.
+    env_mask: Tensor | None = None  # [B, T] int
+
+    @property
+    def sampled_mask(self) -> Tensor:
+        """`[B, T]` 1 for the completion tokens the policy sampled (what lengths and token counts count)."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:

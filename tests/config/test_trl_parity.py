@@ -99,7 +99,6 @@ def test_deprecated_spellings_map_to_their_replacements_with_trls_warning():
 
 @pytest.mark.parametrize(("field", "value", "feature"), [
     ("use_vllm", True, "vLLM generation"),
-    ("max_tool_calling_iterations", 3, "multi-turn tool calling"),
 ])
 def test_fields_of_pending_features_are_refused_by_name(field, value, feature):
     with pytest.raises(NotImplementedError, match=f"{field}={value!r} asks for {feature}"):

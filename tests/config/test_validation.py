@@ -38,6 +38,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"reward_error_policy": "skip"}, "unknown reward_error_policy 'skip'"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
+    ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:
