@@ -13,19 +13,25 @@ Decisions:
    and may need updating when accelerate changes. FSDP1 cannot run on CPU, so it is refused.
 3. `full_parameters` returns every parameter's full value on every process, whatever the sharding (ZeRO-3
    partitions, FSDP2 DTensors). It is a collective: every process must call it.
+4. `decided_by_main` runs a decision about shared files (which checkpoint to resume from, whether output_dir is
+   free) on the main process and hands its outcome, result or exception, to all: every process acts alike.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 from torch import Tensor, nn
 
-__all__ = ["check_processes", "enable_fsdp2_on_cpu", "full_parameters", "is_zero3_partitioned", "launched_world_size",
-           "make_reference_model", "parameter_digest", "prepare_backend"]
+__all__ = ["check_processes", "decided_by_main", "enable_fsdp2_on_cpu", "full_parameters", "is_zero3_partitioned",
+           "launched_world_size", "make_reference_model", "parameter_digest", "prepare_backend"]
+
+T = TypeVar("T")
 
 
 def launched_world_size() -> int:
@@ -167,3 +173,21 @@ def parameter_digest(params: dict[str, Tensor]) -> str:
         digest.update(name.encode())
         digest.update(params[name].to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def decided_by_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+    """`decide()` run on the main process only, its result (or the exception it raised) handed to every process:
+    a check of shared files runs once, and all processes raise together instead of the others waiting forever at
+    the next collective."""
+    outcome: list = [(None, None)]
+    if accelerator.is_main_process:
+        try:
+            outcome = [(decide(), None)]
+        except Exception as exc:  # noqa: BLE001 - re-raised on every process below
+            outcome = [(None, exc)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome)
+    value, error = outcome[0]
+    if error is not None:
+        raise error
+    return value

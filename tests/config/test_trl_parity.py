@@ -19,6 +19,9 @@ OURS_ONLY = {
     "reward_model_batch_size": "reward models score in micro-batches",
     "logprob_chunk_size": "completion tokens per LM-head chunk",
     "max_nonfinite_steps": "the non-finite-loss guard",
+    "reward_timeout": "a time limit for reward functions (a stuck call becomes a reward failure)",
+    "signal_grace_period": "how long SIGTERM/SIGINT waits for the current step before the process exits",
+    "ignore_output_dir_lock": "opting in to two live runs writing one output_dir (no such field in transformers 5)",
 }
 # Shared fields whose default differs on purpose: field -> (ours, reason). (`bf16` is None in both dataclasses; TRL
 # resolves it to True, we to what the hardware runs fast: tests/config/test_validation.py.)
