@@ -40,13 +40,11 @@ def _bad_row(name: str, index: int, prompt: Any) -> ValueError:
 
 def _arrow_column(dataset: Any) -> Any:
     """The prompt column as an Arrow array in the dataset's row order, or None for a dataset that is not Arrow."""
-    with_format = getattr(dataset, "with_format", None)
-    if with_format is None or not hasattr(dataset, "features"):
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset):  # a stream has no column to read without consuming it
         return None
-    try:
-        return with_format("arrow")["prompt"]
-    except (TypeError, ValueError, KeyError):  # e.g. an IterableDataset: no random access
-        return None
+    return dataset.with_format("arrow")["prompt"]
 
 
 def _check_arrow(column: Any, name: str, dataset: Any) -> bool:

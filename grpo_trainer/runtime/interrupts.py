@@ -11,9 +11,11 @@ Decisions:
    (`between_steps`), and there is a single process (a save from a side thread must not take part in collective
    operations that the stuck processes never join). The step-end save of decision 1, once begun, is not cut
    short: the grace period bounds the wait for the step, not the save.
-3. A second signal exits at once (status 128 + the signal number).
-4. Signal handlers can only be installed from the main thread; elsewhere (a notebook's worker thread) nothing
-   changes.
+3. A second signal exits at once (status 128 + the signal number), also in a notebook, whose kernel then ends.
+4. Python runs signal handlers in the main thread, between bytecodes: a main thread stuck inside C code (a
+   network library that retries interrupted calls) would never run one. So the signals are acted on by a thread
+   of their own, woken through `signal.set_wakeup_fd`; the Python-level handler only replaces the default action.
+   Handlers can only be installed from the main thread; elsewhere (a notebook's worker thread) nothing changes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -34,6 +37,11 @@ __all__ = ["SignalStop"]
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def _noted(signum: int, frame: Any) -> None:
+    """The Python-level handler: it only replaces the default action (exit, or KeyboardInterrupt); the signal
+    watcher thread acts on the signal (decision 4)."""
+
+
 def _exit(signum: int, message: str) -> None:
     sys.stderr.write(f"{message}\n")
     for stream in (sys.stdout, sys.stderr):
@@ -43,7 +51,7 @@ def _exit(signum: int, message: str) -> None:
 
 
 class SignalStop(TrainerCallback):
-    """Decisions 1-3. The trainer marks its rollouts with `between_steps()` and trains inside `handling(...)`."""
+    """Decisions 1-4. The trainer marks its rollouts with `between_steps()` and trains inside `handling(...)`."""
 
     def __init__(self, grace_period: float) -> None:
         self.grace_period = grace_period
@@ -88,30 +96,47 @@ class SignalStop(TrainerCallback):
 
     @contextlib.contextmanager
     def handling(self, save_last_step: Callable[[], None] | None) -> Iterator[None]:
-        """While training, handle SIGTERM and SIGINT (decisions 1-3). `save_last_step` saves a checkpoint of the last
+        """While training, handle SIGTERM and SIGINT (decisions 1-4). `save_last_step` saves a checkpoint of the last
         finished step from the watchdog thread; None where that is unsafe (several processes)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
         self.signum, self._saving, self._save_last_step = None, False, save_last_step
-        previous = {signum: signal.signal(signum, self._handle) for signum in SIGNALS}
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)  # the interpreter's C-level handler writes to it and must never block
+        previous = {signum: signal.signal(signum, _noted) for signum in SIGNALS}
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        watcher = threading.Thread(target=self._watch, args=(reader,), name="signal watcher", daemon=True)
+        watcher.start()
         try:
             yield
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            signal.set_wakeup_fd(previous_fd)
+            writer.close()  # the watcher reads end-of-file and returns
+            watcher.join(timeout=5)
+            reader.close()
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _watch(self, reader: socket.socket) -> None:
+        """Decision 4: the interpreter writes each signal's number to the wakeup socket from its C-level handler,
+        so this thread learns of a signal even while the main thread is stuck in C code."""
+        while data := reader.recv(64):
+            for signum in data:
+                if signum in SIGNALS:
+                    self._handle(signum)
+
+    def _handle(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
             _exit(signum, f"{name} received a second time: exiting now.")
         self.signum = signum
         warnings.warn(f"{name} received: saving a checkpoint after the current optimizer step, then stopping. A step "
                       f"that has not ended within signal_grace_period ({self.grace_period} s) is abandoned; a second "
-                      "signal exits at once.", stacklevel=2)
+                      "signal exits at once.", stacklevel=1)
         self._timer = threading.Timer(self.grace_period, self._expire)
         self._timer.daemon = True
         self._timer.start()
