@@ -432,7 +432,8 @@ class GRPOTrainer(Trainer):
         super()._load_rng_state(checkpoint)
         path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
         if checkpoint is not None and os.path.isfile(path):
-            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            device = self.accelerator.device  # "cpu:0" under a multi-process CPU launch, which torch cannot map to
+            state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
             self._buffer, self._micro_step, self._num_tokens = state["buffer"], state["micro_step"], state["num_tokens"]
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
