@@ -154,3 +154,18 @@ def write_remote_code_model(folder, tokenizer, task: str = "causal-lm") -> str:
     update("tokenizer_config.json", tokenizer_class="TinyRemoteTokenizer",
            auto_map={"AutoTokenizer": [None, "tokenization_tinyremote.TinyRemoteTokenizer"]})
     return folder
+
+
+def copy_task_trainer(output_dir, tokenizer, dataset, reward_funcs=None, model=None, **overrides):
+    """A GRPOTrainer on the toy copy task with a tiny seeded model: 4 completions per step, G=2, short completions,
+    no checkpoints unless asked for."""
+    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from grpo_trainer.cli.toy import copy_digits_reward
+
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
+                    max_completion_length=4, learning_rate=0.01, max_steps=2, report_to="none", save_strategy="no",
+                    logging_steps=1, seed=0, disable_tqdm=True)
+    settings.update(overrides)
+    return GRPOTrainer(model if model is not None else make_tiny_model(tokenizer, seed=7),
+                       reward_funcs if reward_funcs is not None else copy_digits_reward,
+                       args=GRPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer)

@@ -148,6 +148,10 @@ class GRPOConfig(LegacyFields, TrainingArguments):
         "the sample, 'none' treats that reward as missing (None).")
     reward_model_batch_size: int | None = _opt(
         None, "Completions scored per reward-model forward (None = per_device_train_batch_size).")
+    reward_timeout: float | None = _opt(
+        None, "Seconds a reward function may take on one batch; past it the call is abandoned and counts as a "
+        "failure of that function (reward_error_policy). None: no limit. With a limit, synchronous functions run "
+        "in a worker thread.")
 
     # Loss
     beta: float = _opt(0.0, "KL coefficient. 0 loads no reference model.")
@@ -189,6 +193,16 @@ class GRPOConfig(LegacyFields, TrainingArguments):
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once.")
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
+
+    # Interruption and concurrent runs
+    signal_grace_period: float = _opt(
+        25.0, "Seconds after SIGTERM or SIGINT for the current step to end (then a checkpoint is saved and training "
+        "stops). A step still running then is abandoned: the process exits (status 128 + signal), first saving the "
+        "last finished step when the run is stuck in a rollout or reward function. Keep it below the scheduler's "
+        "kill delay (Slurm KillWait, Kubernetes terminationGracePeriodSeconds: 30 s by default).")
+    ignore_output_dir_lock: bool = _opt(
+        False, "Train even when another live run holds output_dir's lock (_grpo_trainer.lock). Both runs then write "
+        "into the same folder, and one may overwrite the other's checkpoints.")
 
     # Reference model sync (TR-DPO)
     sync_ref_model: bool = _opt(False, "Update the reference model towards the policy every few steps.")

@@ -18,24 +18,29 @@ Decisions:
    `gradient_checkpointing_disable`/`_enable` pair (what TRL's `unwrap_model_for_generation` calls every round)
    registers a new input-grad hook on each enable without removing the last, and re-enables with default
    checkpoint kwargs: after N rounds the embedding runs N hooks per call.
+5. `decided_by_main` runs a decision about shared files (which checkpoint to resume from, whether output_dir is
+   free) on the main process and hands its outcome, result or exception, to all: every process acts alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 from torch import Tensor, nn
 
 from grpo_trainer.algorithms.logprobs import LogProbs
 
-__all__ = ["check_processes", "checkpointing_paused", "enable_fsdp2_on_cpu", "full_parameters",
+__all__ = ["check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu", "full_parameters",
            "is_zero3_partitioned", "launched_world_size", "make_reference_model", "parameter_digest", "prepare_backend",
            "unwrapped_for_generation"]
+
+T = TypeVar("T")
 
 
 def launched_world_size() -> int:
@@ -219,3 +224,21 @@ def unwrapped_for_generation(model: nn.Module, accelerator: Accelerator, gather_
                 yield unwrapped
             finally:
                 add_hooks(model)
+
+
+def decided_by_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+    """`decide()` run on the main process only, its result (or the exception it raised) handed to every process:
+    a check of shared files runs once, and all processes raise together instead of the others waiting forever at
+    the next collective."""
+    outcome: list = [(None, None)]
+    if accelerator.is_main_process:
+        try:
+            outcome = [(decide(), None)]
+        except Exception as exc:  # noqa: BLE001 - re-raised on every process below
+            outcome = [(None, exc)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome)
+    value, error = outcome[0]
+    if error is not None:
+        raise error
+    return value

@@ -41,6 +41,7 @@ from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
 from grpo_trainer import rollout
@@ -50,7 +51,13 @@ from grpo_trainer.algorithms.entropy import EntropyControl, window_stats
 from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import advisories, check_config
-from grpo_trainer.data.checks import check_dataset, eval_datasets, is_conversational, prepare_for_streaming
+from grpo_trainer.data.checks import (
+    check_dataset,
+    check_enough_prompts,
+    eval_datasets,
+    is_conversational,
+    prepare_for_streaming,
+)
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
@@ -60,7 +67,7 @@ from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setu
 from grpo_trainer.rollout import capture, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
-from grpo_trainer.runtime import checkpoints, distributed, models
+from grpo_trainer.runtime import checkpoints, distributed, interrupts, models, run_lock
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["GRPOTrainer"]
@@ -77,6 +84,7 @@ def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset
     """Datasets and the options that depend on them, before any model is loaded. `prompt_optional`: environments
     write the prompts (`rollout.multiturn`)."""
     check_dataset(train_dataset, "train_dataset", processing_class, prompt_optional=prompt_optional)
+    check_enough_prompts(train_dataset, "train_dataset", args.generation_batch_size, args.num_generations)
     for name, dataset in eval_datasets(eval_dataset):
         check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
                       prompt_optional=prompt_optional)
@@ -163,6 +171,8 @@ class GRPOTrainer(Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self._prepare_auxiliary_models()
+        self._signal_stop = interrupts.SignalStop(args.signal_grace_period)
+        self.add_callback(self._signal_stop)
         self._buffer: list[Round] | None = None
         self._micro_step = 0
         self._nonfinite_in_a_row = self._nonfinite_since_log = 0
@@ -340,7 +350,8 @@ class GRPOTrainer(Trainer):
             return self._micro_batch(self._generate_and_score(generation_batch, "eval"), "eval")
         args = self.args
         if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
-            round_ = self._generate_and_score(generation_batch, "train")
+            with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
+                round_ = self._generate_and_score(generation_batch, "train")
             self._buffer = [self._micro_batch(part, "train") for part in round_.split(args.steps_per_generation)]
         inputs = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
@@ -362,7 +373,8 @@ class GRPOTrainer(Trainer):
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
                                                   completion_ids, columns, args.reward_error_policy,
-                                                  trainer_state=self.state, log_extra=self._reward_logs.log_extra,
+                                                  args.reward_timeout, trainer_state=self.state,
+                                                  log_extra=self._reward_logs.log_extra,
                                                   log_metric=self._reward_logs.log_metric).to(device)  # [B, F]
         unrewarded = torch.isnan(local_rewards).all(dim=1).nonzero()  # rows no reward function scored
         if len(unrewarded):
@@ -647,23 +659,54 @@ class GRPOTrainer(Trainer):
         super()._load_rng_state(checkpoint)
         path = os.path.join(checkpoint or "", f"grpo_state_{self.accelerator.process_index}.pt")
         if checkpoint is not None and os.path.isfile(path):
-            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            device = self.accelerator.device  # "cpu:0" under a multi-process CPU launch, which torch cannot map to
+            state = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
             self._buffer, self._micro_step = state["buffer"], state["micro_step"]
         entropy_state = os.path.join(checkpoint or "", _ENTROPY_STATE)
         if checkpoint is not None and self._entropy.adaptive and os.path.isfile(entropy_state):
             with open(entropy_state) as f:
                 self._entropy.load_state_dict(json.load(f))
 
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, written completely or not at all (`runtime.checkpoints`): a manifest last, the
+        partial folder removed and a clear error if the save fails. Older checkpoints are rotated out
+        (`save_total_limit`) only once the new one is complete."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            with checkpoints.save_guard(folder, self.args.should_save, self.accelerator.wait_for_everyone):
+                super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_last_step(self) -> None:
+        """Called from the signal watchdog while the main thread is stuck in a rollout or reward function that
+        began before any micro-step of the current step: the model and optimizer hold the last finished step."""
+        if self.state.global_step > 0 and not checkpoints.is_saved(self.args.output_dir, self.state.global_step):
+            self._save_checkpoint(self.model, trial=None)
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        # Private Trainer hook: it checks max_steps only after a step, so a run resumed at or past max_steps would
+        # train one step more.
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
-        """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM
-        saves a checkpoint and stops training cleanly."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpoints.latest_complete(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
-                                 "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
-        with checkpoints.save_on_sigterm(self):
-            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        """`Trainer.train`, holding output_dir's lock (`runtime.run_lock`). `resume_from_checkpoint=True` picks the
+        newest checkpoint that verifies, a path must verify (`runtime.checkpoints`); SIGTERM or SIGINT saves a
+        checkpoint and stops (`runtime.interrupts`)."""
+        with run_lock.hold(self.args.output_dir, self.accelerator, self.args.ignore_output_dir_lock):
+            resume_from_checkpoint = distributed.decided_by_main(
+                self.accelerator, lambda: checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir))
+            # A save from the watchdog thread is safe only alone: collectives would wait on the stuck processes.
+            save_last_step = self._save_last_step if self.accelerator.num_processes == 1 else None
+            with self._signal_stop.handling(save_last_step):
+                output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
             self._completions_upload.push_now()
         return output

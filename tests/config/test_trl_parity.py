@@ -38,6 +38,9 @@ OURS_ONLY = {
     "overwrite_output_dir": "legacy (transformers < 5), no effect: Trainer never read it (open-r1's recipes set it)",
     "logging_dir": "legacy (transformers < 5), no effect: TENSORBOARD_LOGGING_DIR sets TensorBoard's folder",
     "save_safetensors": "legacy (transformers < 5), no effect: checkpoints are always safetensors",
+    "reward_timeout": "a time limit for reward functions (a stuck call becomes a reward failure)",
+    "signal_grace_period": "how long SIGTERM/SIGINT waits for the current step before the process exits",
+    "ignore_output_dir_lock": "opting in to two live runs writing one output_dir (no such field in transformers 5)",
 }
 # Shared fields whose default differs on purpose: field -> (ours, reason). (`bf16` is None in both dataclasses; TRL
 # resolves it to True, we to what the hardware runs fast: tests/config/test_validation.py.)

@@ -36,6 +36,8 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"importance_sampling_level": "seq"}, "unknown importance_sampling_level 'seq'"),
     ({"scale_rewards": "prompt"}, "unknown scale_rewards 'prompt'"),
     ({"reward_error_policy": "skip"}, "unknown reward_error_policy 'skip'"),
+    ({"reward_timeout": 0.0}, "reward_timeout must be > 0 seconds or None (got 0.0)"),
+    ({"signal_grace_period": -1.0}, "signal_grace_period must be >= 0 seconds (got -1.0)"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
@@ -100,6 +102,8 @@ def test_reward_weights_length(tmp_path, tokenizer):
     (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
     (Dataset.from_dict({"prompt": [3]}), "must hold strings or lists of {'role', 'content'} messages"),
     (Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "must hold strings or lists of {'role', 'content'}"),
+    (Dataset.from_dict({"prompt": ["copy 1:", "copy 2:", None, "copy 4:"]}), "train_dataset row 2 has no prompt"),
+    (Dataset.from_dict({"prompt": ["copy 1:"]}), "train_dataset has 1 prompts but one generation round needs 2"),
 ])
 def test_dataset_is_checked_before_loading(args, tokenizer, dataset, message):
     with pytest.raises(ValueError) as error:
