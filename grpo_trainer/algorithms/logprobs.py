@@ -203,6 +203,7 @@ def completion_logprobs(
     known_entropy: Tensor | None = None,
     known_probs: Tensor | None = None,
     with_aux_loss: bool = False,
+    model_inputs: dict | None = None,
 ) -> LogProbs:
     """Log-probs of the last `completion_length` tokens of each row.
 
@@ -220,14 +221,18 @@ def completion_logprobs(
             with `known_logps` only: the backward then takes the softmax from it instead of recomputing the logits.
         with_aux_loss: a Mixture-of-Experts model also returns its router's load-balancing loss (the model is asked
             for its router logits, `output_router_logits=True`).
+        model_inputs: more keyword arguments of the forward (a vision-language model's pixel values, image grids,
+            token types); a `position_ids` entry replaces the attention-mask positions (None: the model's own).
     Returns:
         `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None).
     """
     # Positions count real tokens only, as in `generate`, so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    router = {"output_router_logits": True} if with_aux_loss else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
-                output_hidden_states=True, use_cache=False, **router)
+    extra = {"position_ids": position_ids, **(model_inputs or {})}
+    if with_aux_loss:
+        extra["output_router_logits"] = True
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, output_hidden_states=True,
+                use_cache=False, **extra)
     aux_loss = getattr(out, "aux_loss", None) if with_aux_loss else None
     if with_aux_loss and aux_loss is None:
         raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset
+from transformers import ProcessorMixin
 
 __all__ = ["check_dataset", "eval_datasets", "is_conversational", "prepare_for_streaming"]
 
@@ -28,6 +29,11 @@ def check_dataset(dataset: Any, name: str, tokenizer: Any) -> None:
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
+    image_columns = sorted({"image", "images"} & set(columns or []))
+    if image_columns and tokenizer is not None and not isinstance(tokenizer, ProcessorMixin):
+        raise ValueError(f"{name} has an {image_columns[0]!r} column, so its prompts come with images, but "
+                         f"processing_class is a {type(tokenizer).__name__}, which cannot read images; pass the "
+                         "model's processor, e.g. processing_class=AutoProcessor.from_pretrained(model_id).")
     if columns is not None and "prompt" not in columns:
         raise ValueError(f"{name} has no 'prompt' column (columns: {columns}); rename the column that holds the "
                          "prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")

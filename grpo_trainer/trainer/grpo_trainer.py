@@ -51,13 +51,14 @@ from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.checks import check_dataset, eval_datasets, is_conversational, prepare_for_streaming
+from grpo_trainer.data.multimodal import attach_images, row_images
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
-from grpo_trainer.rollout import capture, replay
+from grpo_trainer.rollout import capture, multimodal, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
 from grpo_trainer.runtime import checkpoints, distributed, models
@@ -124,6 +125,7 @@ class GRPOTrainer(Trainer):
             else [reward_funcs]
         check_reward_setup(reward_funcs, args, reward_processing_classes)
         processing_class = self._load_processing_class(model, processing_class, args)
+        multimodal.check_processor_setup(args, processing_class)
         _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         self._surrogate_params = surrogates.SurrogateParams(
@@ -165,19 +167,26 @@ class GRPOTrainer(Trainer):
 
     @staticmethod
     def _load_processing_class(model: str | nn.Module, processing_class: Any, args: GRPOConfig) -> Any:
-        """The given tokenizer, else the model's own (left padding and truncation), with a pad token. A model id
-        whose code is untrusted is refused first: loading its tokenizer may already run that code."""
+        """The given tokenizer or processor, else the model's own (its processor for a vision-language model; left
+        padding and truncation), with a pad token. A model id whose code is untrusted is refused first: loading
+        its tokenizer may already run that code."""
         kwargs = models.init_kwargs(args.model_init_kwargs, args.trust_remote_code)
         trust, revision = kwargs["trust_remote_code"], kwargs.get("revision") if isinstance(model, str) else None
         if isinstance(model, str):
             models.check_remote_code(model, trust, revision)
         if processing_class is None:
             model_id = model if isinstance(model, str) else model.config._name_or_path
-            processing_class = models.load_tokenizer(model_id, trust, revision, padding_side="left",
-                                                     truncation_side="left")
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+            processing_class = models.load_processing_class(model_id, trust, revision, padding_side="left",
+                                                            truncation_side="left")
+        tokenizer = multimodal.text_tokenizer(processing_class)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
         return processing_class
+
+    @property
+    def _tokenizer(self) -> Any:
+        """The text tokenizer: the processing class, or a processor's tokenizer (TRL's attribute name)."""
+        return multimodal.text_tokenizer(self.processing_class)
 
     def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
                       quantization_config: Any) -> nn.Module:
@@ -302,6 +311,9 @@ class GRPOTrainer(Trainer):
     def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in batch]
+        images = row_images(batch)  # [B] lists of images, or None for a text-only round
+        if images is not None:
+            prompts = attach_images(prompts, images)  # rewards and the log see them as TRL passes them
         prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
                                         args.chat_template_kwargs, args.pad_to_multiple_of).to(device)
         out = self._rollout(prompt_batch, mode)
@@ -339,8 +351,8 @@ class GRPOTrainer(Trainer):
                      completion_mask=loss_mask.int(), advantages=advantages,
                      window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
                      sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
-                     layer_outputs=out.layer_outputs,
-                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self.processing_class.pad_token_id)
+                     layer_outputs=out.layer_outputs, images=prompt_batch.images,
+                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self._tokenizer.pad_token_id)
 
     def _on_policy(self, mode: str) -> bool:
         """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
@@ -355,14 +367,18 @@ class GRPOTrainer(Trainer):
                             checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
-            config = make_generation_config(self.args, model.generation_config, self.processing_class,
-                                            self.args.max_completion_length)
+            config = make_generation_config(self.args, model.generation_config, self._tokenizer,
+                                            self.args.max_completion_length, suppress_tokens=self._suppressed(model))
             with torch.no_grad():
-                out = self.rollout_backend.generate(model, prompts, config, plan)
+                out = rollout.serving(self.rollout_backend, prompts).generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, self.args.temperature)
 
+    def _suppressed(self, model: nn.Module) -> list[int] | None:
+        """Tokens sampling must never produce: a vision-language model's image placeholders (TRL's rule)."""
+        return multimodal.image_token_ids(model) if multimodal.is_processor(self.processing_class) else None
+
     def _completion_texts(self, out: rollout.Rollout, prompts: list) -> list:
-        texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
+        texts = self._tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         if is_conversational(prompts[0]):
             return [[{"role": "assistant", "content": text}] for text in texts]
         return texts
@@ -414,9 +430,11 @@ class GRPOTrainer(Trainer):
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
         with_aux_loss = policy and self.aux_loss_enabled
+        images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
             return distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss)
+                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss,
+                                                        model_inputs=images)
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = contextlib.nullcontext()
         if policy and inputs.layer_outputs is not None and model.training:
@@ -424,7 +442,7 @@ class GRPOTrainer(Trainer):
         with replayed:
             return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
                                        self.args.logprob_chunk_size, with_entropy, *known,
-                                       with_aux_loss=with_aux_loss)
+                                       with_aux_loss=with_aux_loss, model_inputs=images)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
