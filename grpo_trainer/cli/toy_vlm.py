@@ -238,6 +238,11 @@ def make_tiny_vlm(family: str, seed: int = 0) -> tuple[PreTrainedModel, Processo
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        for name, param in model.named_parameters():
+            # transformers initialises Gemma 3's image projection to zeros (a checkpoint's is trained): the vision
+            # tower would get no gradient from a first step, unlike with any real model.
+            if name.endswith("mm_input_projection_weight"):
+                torch.nn.init.normal_(param, std=config.text_config.initializer_range)
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|end|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos

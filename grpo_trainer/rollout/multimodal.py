@@ -167,7 +167,7 @@ def tokenize_with_processor(processor: ProcessorMixin, prompts: list, max_prompt
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     images = split_fields(encoded, [count_images(prompt) for prompt in prompts])
     if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
-        keep = truncate_keeping(mask, protected_columns(ids, images, tokenizer), max_prompt_length)
+        keep = truncate_keeping(mask, protected_columns(ids, images, processor), max_prompt_length)
         ids, mask, images = _compact(ids, mask, images, keep, tokenizer.pad_token_id)
     extra = -ids.shape[1] % pad_to_multiple_of if pad_to_multiple_of else 0
     if extra:
@@ -178,17 +178,20 @@ def tokenize_with_processor(processor: ProcessorMixin, prompts: list, max_prompt
     return PromptBatch(ids, mask, images if has_inputs else None)
 
 
-def protected_columns(ids: Tensor, images: ImageInputs, tokenizer: Any) -> Tensor:
+def protected_columns(ids: Tensor, images: ImageInputs, processor: ProcessorMixin) -> Tensor:
     """`[B, S]` True at the tokens of image spans (decision 3): image tokens (a token field marks them, or they
-    are the tokenizer's image token), and the runs of special tokens that contain them (begin/end-of-image,
-    tile markers)."""
+    are the processor's or tokenizer's image token), and the runs of special tokens that contain them
+    (begin/end-of-image, tile markers)."""
+    tokenizer = processor.tokenizer
     image = torch.zeros_like(ids, dtype=torch.bool)
     for value in images.token_fields.values():
         image |= value != 0
-    image_token = getattr(tokenizer, "image_token_id", None)
-    if image_token is not None:
-        image |= ids == image_token
-    special = image | torch.isin(ids, torch.tensor(sorted(tokenizer.all_special_ids), device=ids.device))
+    for owner in (processor, tokenizer):
+        image_token = getattr(owner, "image_token_id", None)
+        if isinstance(image_token, int):
+            image |= ids == image_token
+    special_ids = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = image | torch.isin(ids, torch.tensor(sorted(special_ids), device=ids.device))
     # Label the runs of consecutive special tokens; a run is protected when it holds an image token.
     starts = torch.ones_like(special)
     starts[:, 1:] = special[:, 1:] != special[:, :-1]

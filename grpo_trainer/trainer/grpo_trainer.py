@@ -51,7 +51,7 @@ from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.checks import check_dataset, eval_datasets, is_conversational, prepare_for_streaming
-from grpo_trainer.data.multimodal import attach_images, row_images
+from grpo_trainer.data.multimodal import attach_images, row_images, strip_images
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
@@ -345,8 +345,9 @@ class GRPOTrainer(Trainer):
         extra = self._reward_logs.gather_columns(len(prompts), gather_object) if args.log_completions else {}
         self._reward_logs.columns.clear()
         if args.log_completions and mode == "train":
-            self._completions.add(gather_object(prompts), gather_object(completions), all_rewards.cpu(),
-                                  all_advantages, extra)
+            logged_images = gather_object(images) if images is not None and args.log_multimodal else None
+            self._completions.add(gather_object([strip_images(p) for p in prompts]), gather_object(completions),
+                                  all_rewards.cpu(), all_advantages, extra, images=logged_images)
         return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
                      completion_mask=loss_mask.int(), advantages=advantages,
                      window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
