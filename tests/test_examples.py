@@ -21,7 +21,7 @@ def _trained_two_steps(trainer) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer"])
+@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer", "vlm_colours"])
 def test_example_smoke(name, tmp_path):
     trainer = load(name).main(["--smoke", "--output_dir", str(tmp_path)])
     rows = _trained_two_steps(trainer)
@@ -54,3 +54,14 @@ def test_migration_reward_prefers_the_bare_answer():
     example = load("migrate_from_trainer")
     completions = [[{"content": "Paris."}], [{"content": "It is Paris"}], [{"content": "Lyon"}]]
     assert example.answer_matches(completions, answer=["Paris"] * 3) == [1.0, 0.5, 0.0]
+
+
+def test_vlm_colour_reward_and_images():
+    example = load("vlm_colours")
+    completions = [[{"content": "Red."}], [{"content": "reddish"}], [{"content": "blue"}], [{"content": ""}]]
+    # "reddish" starts with all 3 letters of "red" but is not the word: 0.5 * 3/3; "blue" vs "red": no letter
+    assert example.colour_reward(completions, colour=["red"] * 4) == [1.0, 0.5, 0.0, 0.0]
+    dataset = example.colour_dataset(4, size=32)
+    row = dataset[0]
+    pixels = set(row["image"].getdata())
+    assert pixels == {(255, 255, 255), example.COLOURS[row["colour"]]}  # white and the square's colour only

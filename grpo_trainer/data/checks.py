@@ -1,5 +1,6 @@
-"""Checks of a dataset before any model is loaded: a `prompt` column of strings or chat messages, at least one row;
-and the loader settings a streamed (`IterableDataset`) train or eval set needs.
+"""Checks of a dataset before any model is loaded: a `prompt` column of strings or chat messages, at least one row,
+a processor (not a tokenizer) when rows hold images; and the loader settings a streamed (`IterableDataset`) train or
+eval set needs.
 
 Each failure raises one `ValueError` that names the dataset and column and says how to fix it (docs/ERRORS.md).
 """
