@@ -7,9 +7,10 @@ class, its PIL image processor (the torchvision-based fast ones are not needed),
 part as the family's image placeholder. The processor expands that placeholder into as many image tokens as the
 vision tower produces features, exactly as the real processor does.
 
-Processor classes that also take a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3.5, SmolVLM) cannot be built
+Processor classes that also take a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3.5, Gemma 4) cannot be built
 without torchvision in transformers 5.x (their video processors need it), so an image-only subclass of the real
-class stands in for them: the same `__call__`, image processing and token expansion, no video processor.
+class stands in for them: the same `__call__`, image processing and token expansion, no video processor (nor
+Gemma 4's audio feature extractor).
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def _image_only(processor_class: type) -> type:
         processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     return type(processor_class.__name__, (processor_class,), {"__init__": __init__})
+
+
+def _without_video(processor_class: type) -> type:
+    """`processor_class` accepting None for its video processor and audio feature extractor (Gemma 4 passes them to
+    `ProcessorMixin` by keyword, so `_image_only` cannot drop them)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        return None if argument is None else processor_class.check_argument_for_proper_class(self, argument_name,
+                                                                                            argument)
+
+    return type(processor_class.__name__, (processor_class,),
+                {"check_argument_for_proper_class": check_argument_for_proper_class})
 
 
 def _ids(tokenizer: PreTrainedTokenizerFast, *tokens: str) -> list[int]:
@@ -176,6 +189,30 @@ def _gemma3() -> tuple[Any, ProcessorMixin]:
     return config, processor
 
 
+def _gemma4() -> tuple[Any, ProcessorMixin]:
+    from transformers import Gemma4Config, Gemma4Processor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tokens = ["<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>"]
+    names = ["boi_token", "eoi_token", "image_token", "boa_token", "eoa_token", "audio_token"]
+    tokenizer = _tokenizer(tokens, dict(zip(names, tokens)))
+    boi, eoi, image, boa = _ids(tokenizer, *tokens[:4])
+    # 70 image tokens per image (the smallest budget Gemma 4 allows): up to 630 16-pixel patches, pooled 3 x 3.
+    image_processor = Gemma4ImageProcessorPil(max_soft_tokens=70, patch_size=16, pooling_kernel_size=3)
+    processor = _without_video(Gemma4Processor)(None, image_processor, tokenizer, None, image_seq_length=70,
+                                                chat_template=chat_template("<|image|>"))
+    text = _text(tokenizer, layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+                 num_kv_shared_layers=0, global_head_dim=8, hidden_size_per_layer_input=16,
+                 vocab_size_per_layer_input=len(tokenizer))
+    vision = {"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 630, "default_output_length": 70,
+              "patch_size": 16, "pooling_kernel_size": 3}
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, boi_token_id=boi,
+                          eoi_token_id=eoi, image_token_id=image, video_token_id=processor.video_token_id,
+                          boa_token_id=boa, tie_word_embeddings=True)
+    return config, processor
+
+
 def _llava_next() -> tuple[Any, ProcessorMixin]:
     from transformers import LlavaNextConfig, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
@@ -223,6 +260,7 @@ VLM_FAMILIES: dict[str, Callable[[], tuple[Any, ProcessorMixin]]] = {
     "qwen3_5": lambda: _qwen3_5(moe=False),
     "qwen3_5_moe": lambda: _qwen3_5(moe=True),
     "gemma3": _gemma3,
+    "gemma4": _gemma4,
     "llava": _llava,
     "llava_next": _llava_next,
     "idefics3": _idefics3,

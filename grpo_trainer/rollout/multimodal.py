@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from transformers import ProcessorMixin
 
 from grpo_trainer.data.checks import is_conversational
-from grpo_trainer.data.multimodal import count_images, with_images
+from grpo_trainer.data.images import count_images, with_images
 from grpo_trainer.rollout.types import PromptBatch
 from grpo_trainer.runtime.models import causal_lm
 

@@ -51,7 +51,7 @@ from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.checks import check_dataset, eval_datasets, is_conversational, prepare_for_streaming
-from grpo_trainer.data.multimodal import attach_images, row_images, strip_images
+from grpo_trainer.data.images import attach_images, row_images, strip_images
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog

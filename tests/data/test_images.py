@@ -5,7 +5,7 @@ from datasets import Dataset
 
 from grpo_trainer.cli.toy import make_tokenizer
 from grpo_trainer.data.checks import check_dataset
-from grpo_trainer.data.multimodal import attach_images, count_images, row_images, strip_images, with_images
+from grpo_trainer.data.images import attach_images, count_images, row_images, strip_images, with_images
 
 RED, BLUE = object(), object()  # stand-ins: images are passed through, never inspected here
 
