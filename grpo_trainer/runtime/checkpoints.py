@@ -7,6 +7,10 @@ Decisions:
    mid-write and is never resumed from.
 2. SIGTERM (what schedulers such as Slurm and Kubernetes send before killing a job) asks the Trainer to save a
    checkpoint at the end of the current optimizer step and to stop; `train()` then returns normally.
+3. Resuming restores every weight. `save_pretrained` writes some models' weights under other names than the
+   model's own (vision-language models: `model.language_model.*` is saved as `model.*`), and `Trainer` reloads a
+   checkpoint's names as they are, with a warning, leaving those weights at their initial values. Such a
+   checkpoint is read back with `from_pretrained`, which maps the names, and copied into the model.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from transformers import TrainerCallback
+import torch
+from torch import nn
+from transformers import PreTrainedModel, TrainerCallback
 
-__all__ = ["is_complete", "latest_complete", "save_on_sigterm"]
+__all__ = ["is_complete", "latest_complete", "load_renamed_weights", "save_on_sigterm"]
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -77,3 +83,27 @@ def save_on_sigterm(trainer: Any) -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         trainer.remove_callback(callback)
+
+
+def load_renamed_weights(model: nn.Module, checkpoint: str) -> bool:
+    """Load a checkpoint's full weights into `model` when they are saved under other names than the model's own
+    (decision 3); False (nothing loaded) for any other model or checkpoint, which `Trainer` loads itself."""
+    path = os.path.join(checkpoint, "model.safetensors")
+    if not isinstance(model, PreTrainedModel) or not os.path.isfile(path):
+        return False
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        saved = set(f.keys())
+    if saved <= set(model.state_dict()):
+        return False
+    dtype = next(model.parameters()).dtype
+    reloaded = type(model).from_pretrained(checkpoint, dtype=dtype, device_map="cpu")
+    missing, unexpected = model.load_state_dict(reloaded.state_dict(), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"the checkpoint {checkpoint} does not hold this model's weights (missing: "
+                           f"{missing[:5]}, unexpected: {unexpected[:5]}).")
+    del reloaded
+    with torch.no_grad():
+        model.tie_weights()
+    return True

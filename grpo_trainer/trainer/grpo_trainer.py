@@ -597,6 +597,13 @@ class GRPOTrainer(Trainer):
             with open(entropy_state) as f:
                 self._entropy.load_state_dict(json.load(f))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Private Trainer hook: a model that saves its weights under other names (a VLM) is read back with its own
+        # name mapping; every other checkpoint loads as the Trainer loads it (`checkpoints.load_renamed_weights`).
+        target = model if model is not None else self.model
+        if self.is_fsdp_enabled or not checkpoints.load_renamed_weights(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         """`Trainer.train`; `resume_from_checkpoint=True` picks the latest *complete* checkpoint, and SIGTERM
         saves a checkpoint and stops training cleanly."""

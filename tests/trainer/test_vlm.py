@@ -11,6 +11,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 from PIL import Image
+from transformers import TrainerCallback
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
@@ -153,3 +154,38 @@ def test_continuous_batching_is_refused_with_a_processor(tmp_path):
     with pytest.raises(ValueError, match="does not support multimodal models"):
         GRPOTrainer(model, reward_funcs=varied_reward, train_dataset=image_dataset(), processing_class=processor,
                     args=config(tmp_path, use_transformers_continuous_batching=True))
+
+
+def test_evaluate_with_images(tmp_path):
+    model, processor = make_tiny_vlm("qwen2_5_vl")
+    trainer = GRPOTrainer(model, reward_funcs=varied_reward, processing_class=processor,
+                          args=config(tmp_path, per_device_eval_batch_size=4, num_generations_eval=2),
+                          train_dataset=image_dataset(), eval_dataset=image_dataset(rows=2))
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and "eval_reward" in metrics
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def test_resume_in_the_middle_of_a_round_with_images(tmp_path):
+    """A checkpoint taken between the micro-batches of a round keeps their image inputs: the resumed run ends
+    where an uninterrupted one does."""
+    def run(output_dir, stop_at, resume=None):
+        model, processor = make_tiny_vlm("qwen2_vl")
+        trainer = GRPOTrainer(model, reward_funcs=varied_reward, processing_class=processor,
+                              train_dataset=image_dataset(), callbacks=[StopAt(stop_at)],
+                              args=config(output_dir, per_device_train_batch_size=2, steps_per_generation=2,
+                                          max_steps=2, learning_rate=0.01, save_strategy="steps", save_steps=1))
+        trainer.train(resume_from_checkpoint=resume)
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    straight = run(tmp_path / "straight", 2)
+    run(tmp_path / "split", 1)
+    resumed = run(tmp_path / "split", 2, resume=str(tmp_path / "split" / "checkpoint-1"))
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= 1e-6
