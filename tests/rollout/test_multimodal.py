@@ -185,3 +185,21 @@ def test_backends_declare_images_and_others_hand_image_rounds_to_generate():
     assert serving(fast, text_only) is fast  # token types alone are no images
     generate = GenerateBackend()
     assert serving(generate, with_pictures) is generate
+
+
+def test_processor_setup_lets_ddp_find_the_vision_towers_unused_parameters(tmp_path):
+    from grpo_trainer import GRPOConfig
+    from grpo_trainer.cli.toy import make_tokenizer
+    from grpo_trainer.rollout.multimodal import check_processor_setup
+
+    _, processor = make_tiny_vlm("llava")
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    check_processor_setup(args, processor)
+    assert args.ddp_find_unused_parameters is True  # a round without images leaves the vision tower unused
+    reentrant = GRPOConfig(output_dir=str(tmp_path), report_to="none",
+                           gradient_checkpointing_kwargs={"use_reentrant": True})
+    check_processor_setup(reentrant, processor)
+    assert reentrant.ddp_find_unused_parameters is None  # reentrant checkpointing cannot look for them
+    text = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    check_processor_setup(text, make_tokenizer())
+    assert text.ddp_find_unused_parameters is None
