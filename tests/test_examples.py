@@ -21,7 +21,8 @@ def _trained_two_steps(trainer) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer", "tool_use"])
+@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer", "tool_use",
+                                  "vlm_colours"])
 def test_example_smoke(name, tmp_path):
     trainer = load(name).main(["--smoke", "--output_dir", str(tmp_path)])
     rows = _trained_two_steps(trainer)
@@ -75,3 +76,14 @@ def test_tool_use_a_tiny_model_learns_to_read_the_vault(tmp_path):
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
     assert rows[0]["tools/call_frequency"] < 0.7 and rows[-1]["tools/call_frequency"] > 0.9
     assert (rows[-1]["reward"] + rows[-2]["reward"]) / 2 > rows[0]["reward"] + 0.1
+
+
+def test_vlm_colour_reward_and_images():
+    example = load("vlm_colours")
+    completions = [[{"content": "Red."}], [{"content": "reddish"}], [{"content": "blue"}], [{"content": ""}]]
+    # "reddish" starts with all 3 letters of "red" but is not the word: 0.5 * 3/3; "blue" vs "red": no letter
+    assert example.colour_reward(completions, colour=["red"] * 4) == [1.0, 0.5, 0.0, 0.0]
+    dataset = example.colour_dataset(4, size=32)
+    row = dataset[0]
+    pixels = set(row["image"].getdata())
+    assert pixels == {(255, 255, 255), example.COLOURS[row["colour"]]}  # white and the square's colour only

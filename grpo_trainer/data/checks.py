@@ -1,5 +1,6 @@
-"""Checks of a dataset before any model is loaded: a `prompt` in every row, enough prompts for a generation round;
-and the loader settings a streamed (`IterableDataset`) train or eval set needs.
+"""Checks of a dataset before any model is loaded: a `prompt` in every row, enough prompts for a generation round, a
+processor (not a tokenizer) when rows hold images; and the loader settings a streamed (`IterableDataset`) train or
+eval set needs.
 
 Each failure raises one `ValueError` that names the dataset, the column (and the first bad row) and says how to fix
 it (docs/ERRORS.md).
@@ -24,6 +25,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 from torch.utils.data import IterableDataset
+from transformers import ProcessorMixin
 
 __all__ = ["check_dataset", "check_enough_prompts", "eval_datasets", "is_conversational", "prepare_for_streaming"]
 
@@ -102,6 +104,11 @@ def check_dataset(dataset: Any, name: str, tokenizer: Any, prompt_optional: bool
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
+    image_columns = sorted({"image", "images"} & set(columns or []))
+    if image_columns and tokenizer is not None and not isinstance(tokenizer, ProcessorMixin):
+        raise ValueError(f"{name} has an {image_columns[0]!r} column, so its prompts come with images, but "
+                         f"processing_class is a {type(tokenizer).__name__}, which cannot read images; pass the "
+                         "model's processor, e.g. processing_class=AutoProcessor.from_pretrained(model_id).")
     if prompt_optional and (columns is not None and "prompt" not in columns or _first_prompt_is_none(dataset)):
         return
     if columns is not None and "prompt" not in columns:

@@ -5,10 +5,10 @@ reference), `fast` and `forward` (`rollout.fast`), and `transformers_continuous_
 """
 
 from grpo_trainer.rollout import continuous, generate  # noqa: F401  (they register their backends)
-from grpo_trainer.rollout.backend import BACKENDS, Capabilities, RolloutBackend, register_backend, select
+from grpo_trainer.rollout.backend import BACKENDS, Capabilities, RolloutBackend, register_backend, select, serving
 from grpo_trainer.rollout.capture import Capture
 from grpo_trainer.rollout.fast import backend as _fast  # noqa: F401  (registers "fast" and "forward")
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
 __all__ = ["BACKENDS", "Capabilities", "Capture", "PromptBatch", "Rollout", "RolloutBackend", "register_backend",
-           "select"]
+           "select", "serving"]

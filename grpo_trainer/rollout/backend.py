@@ -11,10 +11,14 @@ Decisions:
    that cannot reproduce a model or setting falls back to it and logs why.
 4. Capabilities say what a backend keeps when it serves a model itself; a fall-back keeps what the backend it
    fell back to keeps, and the `Rollout` fields it cannot fill stay None (consumers read the fields).
+5. Prompts with images go to a backend whose capabilities say `images`; any other backend's rounds with images
+   run on `generate` instead (`serving`), logged once. (The continuous-batching engine is refused with a
+   processor before any model loads, as in TRL.)
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +30,10 @@ from transformers import GenerationConfig
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
-__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "Capabilities", "RolloutBackend", "register_backend", "select"]
+__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "Capabilities", "RolloutBackend", "register_backend", "select",
+           "serving"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,3 +94,18 @@ def select(args: Any) -> RolloutBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown generation_backend {name!r}; choose one of {sorted(BACKENDS)}.")
     return BACKENDS[name].from_args(args)
+
+
+_REFERENCE = "generate"  # `rollout.generate`: takes every model's image inputs
+_told_about_images: set[str] = set()
+
+
+def serving(backend: RolloutBackend, prompts: PromptBatch) -> RolloutBackend:
+    """The backend that samples `prompts`: `backend`, unless they hold images it cannot take (decision 5)."""
+    if prompts.images is None or not prompts.images.has_images or backend.capabilities.images:
+        return backend
+    if backend.name not in _told_about_images:
+        _told_about_images.add(backend.name)
+        logger.info("generation_backend=%r does not take image inputs; rounds with images run on model.generate.",
+                    backend.name)
+    return BACKENDS[_REFERENCE]()

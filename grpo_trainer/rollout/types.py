@@ -8,9 +8,13 @@ layers, `E` hidden size, `V` vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from grpo_trainer.rollout.multimodal import ImageInputs
 
 __all__ = ["PromptBatch", "Rollout", "completion_mask"]
 
@@ -21,9 +25,13 @@ class PromptBatch:
 
     ids: Tensor  # [B, S] left-padded, so every completion starts at the same column
     mask: Tensor  # [B, S] 1 for real tokens
+    # A vision-language model's inputs beside the ids (pixel values, image grids, token types), when a processor
+    # tokenised the prompts (`rollout.multimodal`); None for a tokenizer's prompts.
+    images: ImageInputs | None = None
 
     def to(self, device: torch.device | str) -> PromptBatch:
-        return PromptBatch(self.ids.to(device), self.mask.to(device))
+        images = None if self.images is None else self.images.to(device)
+        return PromptBatch(self.ids.to(device), self.mask.to(device), images)
 
     def distinct_rows(self) -> tuple[Tensor, Tensor]:
         """Indices of the first row of each run of identical consecutive rows `[P]` (a prompt's G copies), and

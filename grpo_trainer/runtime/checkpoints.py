@@ -17,6 +17,11 @@ Decisions:
 5. A save that fails (disk full, permissions, ...) removes its partial folder and raises `CheckpointSaveError`
    saying what happened and to which file. A folder saved again at the same step is first moved aside and only
    deleted once the new one is complete (restored if the new save fails): nothing already saved is lost.
+6. Resuming restores every weight. `save_pretrained` writes some models' weights under other names than the
+   model's own (vision-language models: `model.language_model.*` is saved as `model.*`), and `Trainer` reloads a
+   checkpoint's names as they are, with a warning, leaving those weights at their initial values. Such a
+   checkpoint is read back with `from_pretrained`, which maps the names, and copied into the model
+   (`load_renamed_weights`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
 __all__ = ["CheckpointSaveError", "CorruptCheckpointError", "check_resumable", "is_saved", "latest_complete",
-           "problem", "resolve_resume", "save_guard", "write_manifest"]
+           "load_renamed_weights", "problem", "resolve_resume", "save_guard", "write_manifest"]
 
 MANIFEST = "checkpoint_manifest.json"
 IN_PROGRESS = ".save_in_progress"
@@ -326,3 +335,27 @@ def save_guard(folder: str, writes: bool, wait_for_everyone: Callable[[], None])
         raise save_failure(folder, exc, remove=writes, restore=aside) from exc
     if writes:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def load_renamed_weights(model: nn.Module, checkpoint: str) -> bool:
+    """Load a checkpoint's full weights into `model` when they are saved under other names than the model's own
+    (decision 3); False (nothing loaded) for any other model or checkpoint, which `Trainer` loads itself."""
+    path = os.path.join(checkpoint, "model.safetensors")
+    if not isinstance(model, PreTrainedModel) or not os.path.isfile(path):
+        return False
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        saved = set(f.keys())
+    if saved <= set(model.state_dict()):
+        return False
+    dtype = next(model.parameters()).dtype
+    reloaded = type(model).from_pretrained(checkpoint, dtype=dtype, device_map="cpu")
+    missing, unexpected = model.load_state_dict(reloaded.state_dict(), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"the checkpoint {checkpoint} does not hold this model's weights (missing: "
+                           f"{missing[:5]}, unexpected: {unexpected[:5]}).")
+    del reloaded
+    with torch.no_grad():
+        model.tie_weights()
+    return True

@@ -130,7 +130,7 @@ def is_fsdp_module(model: nn.Module) -> bool:
 
 def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
                              temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                             with_aux_loss: bool = False) -> LogProbs:
+                             with_aux_loss: bool = False, model_inputs: dict | None = None) -> LogProbs:
     """`logprobs.completion_logprobs` for FSDP2-sharded models: the LM head runs inside the model's forward.
 
     accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings). Projecting hidden
@@ -144,9 +144,11 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
     from grpo_trainer.algorithms.logprobs import token_logprobs
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as in generate, ignoring left padding
-    router = {"output_router_logits": True} if with_aux_loss else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=completion_length + 1, use_cache=False, **router)
+    extra = {"position_ids": position_ids, **(model_inputs or {})}  # a VLM's image inputs, as in the plain path
+    if with_aux_loss:
+        extra["output_router_logits"] = True
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_length + 1,
+                use_cache=False, **extra)
     logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]  # [B, T]
     flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # [B*T, V], [B*T]

@@ -58,13 +58,14 @@ from grpo_trainer.data.checks import (
     is_conversational,
     prepare_for_streaming,
 )
+from grpo_trainer.data.images import attach_images, row_images, strip_images
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
-from grpo_trainer.rollout import capture, multiturn, replay
+from grpo_trainer.rollout import capture, multimodal, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, models, run_lock
@@ -142,6 +143,7 @@ class GRPOTrainer(Trainer):
         check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
         processing_class = self._load_processing_class(model, processing_class, args)
         self.rollout_backend = rollout.select(args)
+        multimodal.check_processor_setup(args, processing_class)
         train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
                                                 train_dataset)
         _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
@@ -196,18 +198,20 @@ class GRPOTrainer(Trainer):
 
     @staticmethod
     def _load_processing_class(model: str | nn.Module, processing_class: Any, args: GRPOConfig) -> Any:
-        """The given tokenizer, else the model's own (left padding and truncation), with a pad token. A model id
-        whose code is untrusted is refused first: loading its tokenizer may already run that code."""
+        """The given tokenizer or processor, else the model's own (its processor for a vision-language model; left
+        padding and truncation), with a pad token. A model id whose code is untrusted is refused first: loading
+        its tokenizer may already run that code."""
         kwargs = models.init_kwargs(args.model_init_kwargs, args.trust_remote_code)
         trust, revision = kwargs["trust_remote_code"], kwargs.get("revision") if isinstance(model, str) else None
         if isinstance(model, str):
             models.check_remote_code(model, trust, revision)
         if processing_class is None:
             model_id = model if isinstance(model, str) else model.config._name_or_path
-            processing_class = models.load_tokenizer(model_id, trust, revision, padding_side="left",
-                                                     truncation_side="left")
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+            processing_class = models.load_processing_class(model_id, trust, revision, padding_side="left",
+                                                            truncation_side="left")
+        tokenizer = multimodal.text_tokenizer(processing_class)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
         return processing_class
 
     def _set_up_multi_turn(self, processing_class: Any, args: GRPOConfig, tools: list | None,
@@ -235,6 +239,11 @@ class GRPOTrainer(Trainer):
     def reward_func_names(self) -> list[str]:
         """TRL's name for `reward_names`: each reward source's metric name."""
         return self.reward_names
+
+    @property
+    def _tokenizer(self) -> Any:
+        """The text tokenizer: the processing class, or a processor's tokenizer (TRL's attribute name)."""
+        return multimodal.text_tokenizer(self.processing_class)
 
     def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
                       quantization_config: Any) -> nn.Module:
@@ -361,12 +370,17 @@ class GRPOTrainer(Trainer):
         args, device = self.args, self.accelerator.device
         if self._multi_turn is None:
             prompts = [row["prompt"] for row in batch]
+            images = row_images(batch)  # [B] lists of images, or None for a text-only round
+            if images is not None:
+                prompts = attach_images(prompts, images)  # rewards and the log see them as TRL passes them
             prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
                                             args.chat_template_kwargs, args.pad_to_multiple_of).to(device)
             out = self._rollout(prompt_batch, mode)
             completions, episode_columns = self._completion_texts(out, prompts), {}
+            prompt_images = prompt_batch.images
         else:
             prompts, out, completions, episode_columns = self._episode(batch, mode)
+            images = prompt_images = None  # multi-turn rounds are text-only (`rollout.prompts` rejects images)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
         columns.update(episode_columns)
@@ -396,15 +410,16 @@ class GRPOTrainer(Trainer):
         extra = self._reward_logs.gather_columns(len(prompts), gather_object) if args.log_completions else {}
         self._reward_logs.columns.clear()
         if args.log_completions and mode == "train":
-            self._completions.add(gather_object(prompts), gather_object(completions), all_rewards.cpu(),
-                                  all_advantages, extra)
+            logged_images = gather_object(images) if images is not None and args.log_multimodal else None
+            self._completions.add(gather_object([strip_images(p) for p in prompts]), gather_object(completions),
+                                  all_rewards.cpu(), all_advantages, extra, images=logged_images)
         return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
                      completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
                      window_tokens=self._window_tokens(loss_mask if out.env_mask is None else loss_mask * out.env_mask,
                                                        mode),
                      sampling_logps=out.sampling_logps, sampling_entropy=out.sampling_entropy,
-                     sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs,
-                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self.processing_class.pad_token_id)
+                     sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs, images=prompt_images,
+                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self._tokenizer.pad_token_id)
 
     def _on_policy(self, mode: str) -> bool:
         """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
@@ -422,10 +437,11 @@ class GRPOTrainer(Trainer):
             and not self.is_fsdp_enabled, checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
         with distributed.unwrapped_for_generation(self.model_wrapped, self.accelerator,
                                                   self.args.ds3_gather_for_generation) as model:
-            config = make_generation_config(self.args, model.generation_config, self.processing_class,
-                                            max_new_tokens or self.args.max_completion_length)
+            config = make_generation_config(self.args, model.generation_config, self._tokenizer,
+                                            max_new_tokens or self.args.max_completion_length,
+                                            suppress_tokens=self._suppressed(model))
             with torch.no_grad():
-                out = self.rollout_backend.generate(model, prompts, config, plan)
+                out = rollout.serving(self.rollout_backend, prompts).generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, self.args.temperature)
 
     def _episode(self, batch: list[dict], mode: str) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
@@ -449,8 +465,12 @@ class GRPOTrainer(Trainer):
         for this seam)."""
         return multiturn.call_rollout_func(self.rollout_func, prompts, self)
 
+    def _suppressed(self, model: nn.Module) -> list[int] | None:
+        """Tokens sampling must never produce: a vision-language model's image placeholders (TRL's rule)."""
+        return multimodal.image_token_ids(model) if multimodal.is_processor(self.processing_class) else None
+
     def _completion_texts(self, out: rollout.Rollout, prompts: list) -> list:
-        texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
+        texts = self._tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         if is_conversational(prompts[0]):
             return [[{"role": "assistant", "content": text}] for text in texts]
         return texts
@@ -502,9 +522,11 @@ class GRPOTrainer(Trainer):
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
         with_aux_loss = policy and self.aux_loss_enabled
+        images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
             return distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss)
+                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss,
+                                                        model_inputs=images)
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = contextlib.nullcontext()
         if policy and inputs.layer_outputs is not None and model.training:
@@ -512,7 +534,7 @@ class GRPOTrainer(Trainer):
         with replayed:
             return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
                                        self.args.logprob_chunk_size, with_entropy, *known,
-                                       with_aux_loss=with_aux_loss)
+                                       with_aux_loss=with_aux_loss, model_inputs=images)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
@@ -695,6 +717,13 @@ class GRPOTrainer(Trainer):
             self.control.should_training_stop = True
             return None
         return super()._run_epoch(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Private Trainer hook: a model that saves its weights under other names (a VLM) is read back with its own
+        # name mapping; every other checkpoint loads as the Trainer loads it (`checkpoints.load_renamed_weights`).
+        target = model if model is not None else self.model
+        if self.is_fsdp_enabled or not checkpoints.load_renamed_weights(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         """`Trainer.train`, holding output_dir's lock (`runtime.run_lock`). `resume_from_checkpoint=True` picks the

@@ -9,7 +9,10 @@ Decisions:
    groups no longer need to stay together), and each micro-batch is trimmed to its own longest prompt and
    completion once, before any forward pass: a micro-batch of short completions does not pay for the round's
    longest one.
-3. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
+3. A field may also hold an object with its own row and column selection (`select_rows`, `select_columns`,
+   `pad_columns`): a vision-language model's image inputs (`rollout.multimodal.ImageInputs`), whose image tensors
+   do not have one entry per row, and whose token fields span the prompt columns.
+4. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
    prompt and completion widths are padded once to multiples of it (`padded`), and every trim keeps multiples:
    it rounds the kept prompt and completion widths up, never past the round's own.
 
@@ -60,7 +63,9 @@ class Round:
     sampling_entropy: Tensor | None = _columns(_COMPLETION)  # [B, T]
     sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
-    # Keep S and T multiples of this (decision 3); None: trims keep exactly the columns some row uses.
+    # A vision-language model's image inputs for these rows (decision 3); None for text prompts.
+    images: Any = _columns(_PROMPT)
+    # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
     @property
@@ -91,33 +96,37 @@ class Round:
         return [self.select(order[i * size:(i + 1) * size]) for i in range(parts)]
 
     def kept_columns(self) -> tuple[int, int]:
-        """The first prompt column and the completion length that `trimmed` keeps (decision 3 included)."""
+        """The first prompt column and the completion length that `trimmed` keeps (decision 4 included)."""
         S, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
         first = int(self.prompt_mask.any(0).int().argmax())
         last = max(int(self.completion_mask.sum(1).max()), 1)
         multiple = self.pad_to_multiple_of
         return S - min(_round_up(S - first, multiple), S), min(_round_up(last, multiple), T)
 
-    def _column_fields(self) -> list[tuple[dataclasses.Field, Tensor, str]]:
-        """(field, tensor, axis) of every field that has columns, token-level advantages included."""
+    def _column_fields(self) -> list[tuple[dataclasses.Field, Any, str]]:
+        """(field, value, axis) of every field that has columns, token-level advantages included: tensors, and
+        objects that select their own columns (decision 3)."""
         found = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             axis = f.metadata.get("columns")
             if f.name == "advantages" and isinstance(value, Tensor) and value.dim() == 2:
                 axis = _COMPLETION  # token-level advantages
-            if axis is not None and isinstance(value, Tensor):
+            if axis is not None and (isinstance(value, Tensor) or hasattr(value, "select_columns")):
                 found.append((f, value, axis))
         return found
 
     def trimmed(self) -> Round:
         """This round without the columns that are padding in every row: left of the longest prompt, right of the
-        longest completion (at least one completion column is kept; widths rounded up as decision 3 says)."""
+        longest completion (at least one completion column is kept; widths rounded up as decision 4 says)."""
         first, last = self.kept_columns()
         width = self.prompt_ids.shape[1]
         keep = {_PROMPT: slice(first, None), _COMPLETION: slice(0, last), _SEQUENCE: slice(first, width + last)}
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f, value, axis in self._column_fields():
+            if not isinstance(value, Tensor):
+                values[f.name] = value.select_columns(keep[axis])
+                continue
             values[f.name] = value[(slice(None),) * f.metadata.get("dim", 1) + (keep[axis],)]
         return Round(**values)
 
@@ -132,6 +141,9 @@ class Round:
         sides = {_PROMPT: (left, 0), _COMPLETION: (0, right), _SEQUENCE: (left, right)}
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f, value, axis in self._column_fields():
+            if not isinstance(value, Tensor):
+                values[f.name] = value.pad_columns(sides[axis])
+                continue
             dim = f.metadata.get("dim", 1)
             # F.pad counts its (left, right) pairs from the last dimension backwards
             widths = (0, 0) * (value.dim() - dim - 1) + sides[axis]
