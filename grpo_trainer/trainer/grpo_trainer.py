@@ -60,7 +60,7 @@ from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setu
 from grpo_trainer.rollout import capture, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
-from grpo_trainer.runtime import checkpoints, distributed, models
+from grpo_trainer.runtime import checkpoints, compat, distributed, models
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["GRPOTrainer"]
@@ -352,7 +352,7 @@ class GRPOTrainer(Trainer):
         plan = capture.plan(training=mode == "train", on_policy=self._on_policy(mode),
                             plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
                             and not self.is_fsdp_enabled,
-                            checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
+                            checkpointing=compat.checkpointing_is_on(models.causal_lm(self.model)))
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
             config = make_generation_config(self.args, model.generation_config, self.processing_class,
@@ -458,6 +458,8 @@ class GRPOTrainer(Trainer):
         if aux_loss is not None:  # TRL: scaled for gradient accumulation like the policy loss (auto-scaling is off)
             loss = loss + self.router_aux_loss_coef * aux_loss / norm.accumulation_steps
             window["aux_loss"].append(aux_loss.detach())
+        if mode == "train":
+            loss = compat.loss_for_training_step(self, loss)  # transformers < 5.19 divides it by the window again
         return (loss, None) if return_outputs else loss
 
     def _control_entropy(self, entropy: Tensor, mask: Tensor) -> None:

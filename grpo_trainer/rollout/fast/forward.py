@@ -41,6 +41,7 @@ from grpo_trainer.rollout.fast.guard import resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.runtime import compat
 from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ForwardBackend", "forward_blocker", "forward_rollout"]
@@ -77,7 +78,7 @@ def forward_blocker(lm: nn.Module) -> str | None:
         return "transformers' generation internals differ from the ones this module calls"
     if not supports_cache():
         return f"{type(lm).__name__} keeps a cache of its own"
-    if any(DynamicCache(config=config).is_linear):
+    if compat.has_linear_attention(config):
         return "recurrent or linear-attention layers"
     return None
 

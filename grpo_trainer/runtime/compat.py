@@ -1,0 +1,177 @@
+"""Everything that differs between the transformers releases grpo_trainer supports, in one place.
+
+Supported: transformers 5.x from `FLOOR` (setup.cfg's lower bound, which CI tests through
+`scripts/test_floor.sh`) to the newest 5.x release. Elsewhere the code is written against the newest API and calls
+this module where an older release spells something differently or lacks it. Each difference is detected from
+transformers itself (`hasattr`, a dataclass field), never from a version number, and its comment names the release
+that introduced the newer form, so that raising `FLOOR` past it tells which branch to delete.
+
+Decisions:
+
+1. Activation checkpointing (transformers 5.23 renamed gradient checkpointing): `TrainingArguments` gained
+   `activation_checkpointing` / `activation_checkpointing_kwargs` (the `gradient_checkpointing*` names became
+   deprecated aliases that mirror them) and models gained `activation_checkpointing_enable/_disable` and
+   `is_activation_checkpointing`. On older releases `CheckpointingFields` adds the new names to `GRPOConfig`, so a
+   script written for either release runs on both; `resolve_checkpointing` gives both names one value, as 5.23 does.
+2. Gradient-accumulation scaling (transformers 5.19 added `Trainer.loss_is_scaled_for_ga`): GRPO losses already
+   include it (`algorithms.losses`, decision 2). Before 5.19 `Trainer.training_step` divides `compute_loss`'s
+   result by the window's micro-batch count again whenever it has not counted label tokens itself, which is always
+   the case for GRPO's batches of rows; `loss_for_training_step` multiplies by that count first, so the division
+   gives back the loss as computed.
+3. The fast backend's model-forward tier asks the dynamic cache whether any layer is linear attention
+   (`DynamicCache.is_linear`, transformers 5.16); before it, a model with such layers kept a cache class of its
+   own, which the tier already refuses.
+4. Continuous batching: `generate_batch` takes a `ContinuousBatchingConfig` from transformers 5.4 on, and its `seed`
+   (which the backend sets for reproducible rollouts) from 5.9; older releases get an error naming 5.9 (TRL 1.16
+   accepts 5.8, where the engine cannot be seeded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from transformers import DynamicCache, PretrainedConfig, Trainer, TrainingArguments
+
+__all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "CheckpointingFields", "checkpointing_is_on",
+           "continuous_batching_blocker", "disable_checkpointing", "enable_checkpointing", "has_linear_attention",
+           "loss_for_training_step", "mirror_checkpointing", "resolve_checkpointing"]
+
+FLOOR = "5.0.0"  # setup.cfg's lower bound; tests/runtime/test_compat.py checks the two agree
+
+# --------------------------------------------------------------------------------- 1. activation checkpointing
+
+# transformers 5.23: `activation_checkpointing*` in TrainingArguments, `gradient_checkpointing*` its aliases.
+_ARGS_HAVE_ACTIVATION_NAMES = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+_CHECKPOINTING_NAMES = (("gradient_checkpointing", "activation_checkpointing"),
+                        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
+# Keys of `activation_checkpointing_kwargs` that transformers 5.23 reads itself (the rest go to torch's checkpoint).
+_NEWER_CHECKPOINTING_KEYS = ("every_n_layers", "offload")
+
+
+@dataclass
+class _ActivationCheckpointingNames:
+    """transformers >= 5.23's names for gradient checkpointing, for releases before it (decision 1)."""
+
+    activation_checkpointing: bool | None = field(default=None, metadata={
+        "help": "Activation checkpointing: recompute each layer's activations in the backward pass instead of "
+                "keeping them (less memory, one more forward). None: on. Alias of gradient_checkpointing."})
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "Keyword arguments of torch.utils.checkpoint.checkpoint. Alias of gradient_checkpointing_kwargs."})
+    # Redeclared with None ("not set") so that a default can be told from an explicit False.
+    gradient_checkpointing: bool | None = field(default=None, metadata={
+        "help": "Gradient (activation) checkpointing; the same setting as activation_checkpointing."})
+
+
+@dataclass
+class _NoNames:
+    """transformers >= 5.23 declares both names itself."""
+
+
+CheckpointingFields = _NoNames if _ARGS_HAVE_ACTIVATION_NAMES else _ActivationCheckpointingNames
+BACKPORTED_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(CheckpointingFields) if f.name not in TrainingArguments.__dataclass_fields__)
+
+
+def resolve_checkpointing(args: Any, default: bool) -> None:
+    """Before `TrainingArguments.__post_init__`: `default` where neither name is set, and on releases before 5.23
+    both names given one value, the new name winning as in 5.23 (decision 1)."""
+    if _ARGS_HAVE_ACTIVATION_NAMES:  # transformers resolves its deprecated alias itself
+        if args.activation_checkpointing is None and args.gradient_checkpointing is None:
+            args.activation_checkpointing = default
+        return
+    for old, new in _CHECKPOINTING_NAMES:
+        if getattr(args, new) is None:
+            setattr(args, new, getattr(args, old))
+        setattr(args, old, getattr(args, new))
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = args.gradient_checkpointing = default
+    kwargs = args.activation_checkpointing_kwargs
+    newer = [key for key in _NEWER_CHECKPOINTING_KEYS if isinstance(kwargs, dict) and key in kwargs]
+    if newer:
+        raise ValueError(f"activation_checkpointing_kwargs {newer} need transformers >= 5.23 (installed: "
+                         f"{_transformers_version()}); upgrade transformers or remove them.")
+
+
+def mirror_checkpointing(args: Any) -> None:
+    """After `TrainingArguments.__post_init__` (which parsed `gradient_checkpointing_kwargs` from JSON on releases
+    before 5.23): the new names hold the same values."""
+    if not _ARGS_HAVE_ACTIVATION_NAMES:
+        for old, new in _CHECKPOINTING_NAMES:
+            setattr(args, new, getattr(args, old))
+
+
+def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
+    """Turn activation checkpointing on, as `Trainer.train` does (`activation_checkpointing_enable`, 5.23)."""
+    if hasattr(type(model), "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(kwargs)
+
+
+def disable_checkpointing(model: nn.Module) -> None:
+    if hasattr(type(model), "activation_checkpointing_disable"):  # transformers 5.23
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def checkpointing_is_on(model: nn.Module) -> bool:
+    """Whether activation checkpointing is on (`is_activation_checkpointing`, 5.23; the older name warns there)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+# ------------------------------------------------------------------------------- 2. gradient-accumulation scaling
+
+# transformers 5.19: `Trainer.training_step` reads `loss_is_scaled_for_ga` and leaves a scaled loss alone.
+_TRAINER_READS_LOSS_IS_SCALED_FOR_GA = hasattr(Trainer, "loss_is_scaled_for_ga")
+
+
+def loss_for_training_step(trainer: Trainer, loss: Tensor) -> Tensor:
+    """`loss` (already scaled for gradient accumulation), such that `trainer.training_step` backpropagates and
+    reports exactly it (decision 2)."""
+    if _TRAINER_READS_LOSS_IS_SCALED_FOR_GA:
+        return loss
+    # Before 5.19 training_step divides by this count (a shorter last window of an epoch included).
+    return loss * trainer.current_gradient_accumulation_steps
+
+
+# ---------------------------------------------------------------------------------------------- 3. the cache
+
+
+def has_linear_attention(config: PretrainedConfig) -> bool:
+    """Whether the dynamic cache `generate` builds for `config` holds linear-attention (recurrent) layers."""
+    return any(getattr(DynamicCache(config=config), "is_linear", ()))  # `is_linear`: transformers 5.16 (decision 3)
+
+
+# --------------------------------------------------------------------------------------- 4. continuous batching
+
+CONTINUOUS_BATCHING_RELEASE = "5.9"
+
+
+def continuous_batching_blocker() -> str | None:
+    """Why transformers' continuous batching cannot be used with the installed release (None: it can)."""
+    try:  # transformers 5.4: generate_batch(continuous_batching_config=...) with this configuration class
+        from transformers.generation import ContinuousBatchingConfig
+    except ImportError:
+        ContinuousBatchingConfig = None
+    if ContinuousBatchingConfig is None or "seed" not in _fields(ContinuousBatchingConfig):  # `seed`: 5.9
+        return (f"transformers' continuous batching (use_transformers_continuous_batching) needs transformers >= "
+                f"{CONTINUOUS_BATCHING_RELEASE} (installed: {_transformers_version()})")
+    return None
+
+
+def _fields(cls: type) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(cls).parameters)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
