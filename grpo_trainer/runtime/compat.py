@@ -18,9 +18,10 @@ Decisions:
    result by the window's micro-batch count again whenever it has not counted label tokens itself, which is always
    the case for GRPO's batches of rows; `loss_for_training_step` multiplies by that count first, so the division
    gives back the loss as computed.
-3. The fast backend's model-forward tier asks the dynamic cache whether any layer is linear attention
-   (`DynamicCache.is_linear`, transformers 5.16); before it, a model with such layers kept a cache class of its
-   own, which the tier already refuses.
+3. The fast backend's model-forward tier passes the KV cache under the name the model's forward takes
+   (`cache` from transformers 5.24, `past_key_values` before), and asks the dynamic cache whether any layer is
+   linear attention (`DynamicCache.is_linear`, transformers 5.13); before it, a model with such layers kept a
+   cache class of its own, which the tier already refuses.
 4. Continuous batching: `generate_batch` takes a `ContinuousBatchingConfig` from transformers 5.4 on, and its `seed`
    (which the backend sets for reproducible rollouts) from 5.9; older releases get an error naming 5.9 (TRL 1.16
    accepts 5.8, where the engine cannot be seeded).
@@ -29,17 +30,24 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+import transformers
+from packaging.version import Version
 from torch import Tensor, nn
 from transformers import DynamicCache, PretrainedConfig, Trainer, TrainingArguments
 
-__all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "CheckpointingFields", "checkpointing_is_on",
-           "continuous_batching_blocker", "disable_checkpointing", "enable_checkpointing", "has_linear_attention",
-           "loss_for_training_step", "mirror_checkpointing", "resolve_checkpointing"]
+__all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "CheckpointingFields", "cache_argument",
+           "checkpointing_is_on", "continuous_batching_blocker", "disable_checkpointing", "enable_checkpointing",
+           "has_linear_attention", "loss_for_training_step", "mirror_checkpointing", "resolve_checkpointing"]
 
-FLOOR = "5.0.0"  # setup.cfg's lower bound; tests/runtime/test_compat.py checks the two agree
+FLOOR = "5.0.0"  # setup.cfg's lower bound; tests/runtime/test_transformers_compat.py checks the two agree
+
+if Version(transformers.__version__) < Version(FLOOR):  # e.g. installed with --no-deps next to another package
+    raise ImportError(f"grpo_trainer needs transformers >= {FLOOR} (installed: {transformers.__version__}); "
+                      f"upgrade it with: pip install 'transformers>={FLOOR},<6'")
 
 # --------------------------------------------------------------------------------- 1. activation checkpointing
 
@@ -92,7 +100,7 @@ def resolve_checkpointing(args: Any, default: bool) -> None:
     newer = [key for key in _NEWER_CHECKPOINTING_KEYS if isinstance(kwargs, dict) and key in kwargs]
     if newer:
         raise ValueError(f"activation_checkpointing_kwargs {newer} need transformers >= 5.23 (installed: "
-                         f"{_transformers_version()}); upgrade transformers or remove them.")
+                         f"{transformers.__version__}); upgrade transformers or remove them.")
 
 
 def mirror_checkpointing(args: Any) -> None:
@@ -143,9 +151,14 @@ def loss_for_training_step(trainer: Trainer, loss: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------- 3. the cache
 
 
+def cache_argument(lm: nn.Module) -> str:
+    """The keyword under which `lm.forward` takes its KV cache (decision 3)."""
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"  # `cache`: 5.24
+
+
 def has_linear_attention(config: PretrainedConfig) -> bool:
     """Whether the dynamic cache `generate` builds for `config` holds linear-attention (recurrent) layers."""
-    return any(getattr(DynamicCache(config=config), "is_linear", ()))  # `is_linear`: transformers 5.16 (decision 3)
+    return any(getattr(DynamicCache(config=config), "is_linear", ()))  # `is_linear`: transformers 5.13
 
 
 # --------------------------------------------------------------------------------------- 4. continuous batching
@@ -161,17 +174,9 @@ def continuous_batching_blocker() -> str | None:
         ContinuousBatchingConfig = None
     if ContinuousBatchingConfig is None or "seed" not in _fields(ContinuousBatchingConfig):  # `seed`: 5.9
         return (f"transformers' continuous batching (use_transformers_continuous_batching) needs transformers >= "
-                f"{CONTINUOUS_BATCHING_RELEASE} (installed: {_transformers_version()})")
+                f"{CONTINUOUS_BATCHING_RELEASE} (installed: {transformers.__version__})")
     return None
 
 
 def _fields(cls: type) -> set[str]:
-    import inspect
-
     return set(inspect.signature(cls).parameters)
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
