@@ -16,8 +16,8 @@ Decisions:
 2. Gradient-accumulation scaling (transformers 5.19 added `Trainer.loss_is_scaled_for_ga`): GRPO losses already
    include it (`algorithms.losses`, decision 2). Before 5.19 `Trainer.training_step` divides `compute_loss`'s
    result by the window's micro-batch count again whenever it has not counted label tokens itself, which is always
-   the case for GRPO's batches of rows; `loss_for_training_step` multiplies by that count first, so the division
-   gives back the loss as computed.
+   the case for GRPO's batches of rows, or a `compute_loss_func` is set; `loss_already_scaled` sets one (never
+   called) for the duration of `training_step`, so the loss is backpropagated as computed, bit for bit.
 3. The fast backend's model-forward tier passes the KV cache under the name the model's forward takes
    (`cache` from transformers 5.24, `past_key_values` before), and asks the dynamic cache whether any layer is
    linear attention (`DynamicCache.is_linear`, transformers 5.13); before it, a model with such layers kept a
@@ -29,19 +29,21 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
 from packaging.version import Version
-from torch import Tensor, nn
+from torch import nn
 from transformers import DynamicCache, PretrainedConfig, Trainer, TrainingArguments
 
 __all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "CheckpointingFields", "cache_argument",
            "checkpointing_is_on", "continuous_batching_blocker", "disable_checkpointing", "enable_checkpointing",
-           "has_linear_attention", "loss_for_training_step", "mirror_checkpointing", "resolve_checkpointing"]
+           "has_linear_attention", "loss_already_scaled", "mirror_checkpointing", "resolve_checkpointing"]
 
 FLOOR = "5.0.0"  # setup.cfg's lower bound; tests/runtime/test_transformers_compat.py checks the two agree
 
@@ -139,13 +141,25 @@ def checkpointing_is_on(model: nn.Module) -> bool:
 _TRAINER_READS_LOSS_IS_SCALED_FOR_GA = hasattr(Trainer, "loss_is_scaled_for_ga")
 
 
-def loss_for_training_step(trainer: Trainer, loss: Tensor) -> Tensor:
-    """`loss` (already scaled for gradient accumulation), such that `trainer.training_step` backpropagates and
-    reports exactly it (decision 2)."""
+@contextlib.contextmanager
+def loss_already_scaled(trainer: Trainer) -> Iterator[None]:
+    """Around `Trainer.training_step`: the loss `compute_loss` returns (already scaled for gradient accumulation)
+    is backpropagated and reported as is, on every release (decision 2)."""
     if _TRAINER_READS_LOSS_IS_SCALED_FOR_GA:
-        return loss
-    # Before 5.19 training_step divides by this count (a shorter last window of an epoch included).
-    return loss * trainer.current_gradient_accumulation_steps
+        yield
+        return
+    # Before 5.19 training_step skips its division when a `compute_loss_func` is set (it takes such a function's
+    # loss to be scaled already); GRPOTrainer's compute_loss never calls one.
+    saved = trainer.compute_loss_func
+    trainer.compute_loss_func = _scaled_by_compute_loss
+    try:
+        yield
+    finally:
+        trainer.compute_loss_func = saved
+
+
+def _scaled_by_compute_loss(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("GRPOTrainer computes its loss in compute_loss; compute_loss_func is not used.")
 
 
 # ---------------------------------------------------------------------------------------------- 3. the cache

@@ -458,8 +458,6 @@ class GRPOTrainer(Trainer):
         if aux_loss is not None:  # TRL: scaled for gradient accumulation like the policy loss (auto-scaling is off)
             loss = loss + self.router_aux_loss_coef * aux_loss / norm.accumulation_steps
             window["aux_loss"].append(aux_loss.detach())
-        if mode == "train":
-            loss = compat.loss_for_training_step(self, loss)  # transformers < 5.19 divides it by the window again
         return (loss, None) if return_outputs else loss
 
     def _control_entropy(self, entropy: Tensor, mask: Tensor) -> None:
@@ -539,7 +537,8 @@ class GRPOTrainer(Trainer):
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
         started = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with compat.loss_already_scaled(self):  # transformers < 5.19 would divide it by the window again
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self._record_step_time(time.perf_counter() - started)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))

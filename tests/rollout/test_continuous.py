@@ -1,8 +1,11 @@
 """transformers' continuous-batching backend: selected by `use_transformers_continuous_batching` (and its
 deprecated name) over `generation_backend`, `generate`'s greedy tokens, and a real training run through it."""
 
+import inspect
+
 import pytest
 import torch
+from transformers.generation import ContinuousBatchingConfig
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.rewards.library import copy_digits_reward
@@ -13,7 +16,9 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from tests.helpers import assert_same_rollout, greedy_config, grouped_prompts, model_of_kind
 
 # A small paged cache: the engine otherwise sizes it from free memory, which on a CPU machine is most of its RAM.
-SMALL = {"num_blocks": 16, "page_size": 32, "max_batch_tokens": 256}
+# (`page_size` is transformers 5.18's name for what 5.17 and older call `block_size`.)
+_PAGE = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+SMALL = {"num_blocks": 16, _PAGE: 32, "max_batch_tokens": 256}
 
 
 def _args(tmp_path, **overrides):

@@ -100,7 +100,7 @@ def test_gradient_accumulation_scales_the_gradient_once(tmp_path, tokenizer, toy
     """dapo's loss is the token mean over the whole accumulation window, whatever its split (DAPO, section 3.3), so
     one round of 8 completions gives the same gradient as one micro-batch of 8 or as 2 or 4 micro-batches
     accumulated. A loss divided by the micro-batch count again (transformers < 5.19 without
-    `compat.loss_for_training_step`) gives 1/2 and 1/4 of it, one never scaled 2 and 4 times it."""
+    `compat.loss_already_scaled`) gives 1/2 and 1/4 of it, one never scaled 2 and 4 times it."""
     whole = _first_grad_norm(tmp_path / "1", tokenizer, toy_dataset, accumulation=1)
     assert whole > 0
     for accumulation in (2, 4):
