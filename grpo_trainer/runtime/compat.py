@@ -17,7 +17,9 @@ Decisions:
    include it (`algorithms.losses`, decision 2). Before 5.19 `Trainer.training_step` divides `compute_loss`'s
    result by the window's micro-batch count again whenever it has not counted label tokens itself, which is always
    the case for GRPO's batches of rows, or a `compute_loss_func` is set; `loss_already_scaled` sets one (never
-   called) for the duration of `training_step`, so the loss is backpropagated as computed, bit for bit.
+   called) for the duration of `training_step`. And before 5.6 the Trainer gave Accelerate the accumulation steps
+   too, whose `backward` divided once more (except under DeepSpeed); `leave_accumulation_to_trainer` sets
+   Accelerate's to 1, as 5.6 does. So the loss is backpropagated as computed, bit for bit.
 3. The fast backend's model-forward tier passes the KV cache under the name the model's forward takes
    (`cache` from transformers 5.24, `past_key_values` before), and asks the dynamic cache whether any layer is
    linear attention (`DynamicCache.is_linear`, transformers 5.13); before it, a model with such layers kept a
@@ -25,25 +27,35 @@ Decisions:
 4. Continuous batching: `generate_batch` takes a `ContinuousBatchingConfig` from transformers 5.4 on, and its `seed`
    (which the backend sets for reproducible rollouts) from 5.9; older releases get an error naming 5.9 (TRL 1.16
    accepts 5.8, where the engine cannot be seeded).
+5. Replay (`rollout.replay`) makes each checkpointed decoder layer of the loss forward return the rollout's output
+   without running. From transformers 5.2 the model's recorded outputs come from hooks and its final hidden state
+   from its own output, so nothing is lost; before 5.2 the hidden states were collected by patching each decoder
+   layer's `forward`, which a replayed layer never calls, so the loss forward would return none, and replay is
+   off (`LAYER_REPLAY`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from packaging.version import Version
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig, Trainer, TrainingArguments
 
-__all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "CheckpointingFields", "cache_argument",
-           "checkpointing_is_on", "continuous_batching_blocker", "disable_checkpointing", "enable_checkpointing",
-           "has_linear_attention", "loss_already_scaled", "mirror_checkpointing", "resolve_checkpointing"]
+__all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "LAYER_REPLAY", "CheckpointingFields",
+           "cache_argument", "checkpointing_is_on", "continuous_batching_blocker", "disable_checkpointing",
+           "enable_checkpointing", "has_linear_attention", "leave_accumulation_to_trainer", "loss_already_scaled",
+           "mirror_checkpointing",
+           "resolve_checkpointing"]
 
 FLOOR = "5.0.0"  # setup.cfg's lower bound; tests/runtime/test_transformers_compat.py checks the two agree
 
@@ -158,6 +170,14 @@ def loss_already_scaled(trainer: Trainer) -> Iterator[None]:
         trainer.compute_loss_func = saved
 
 
+def leave_accumulation_to_trainer(accelerator: Accelerator) -> None:
+    """After the Trainer created its Accelerator: Accelerate does no gradient-accumulation scaling of its own (what
+    transformers >= 5.6 sets up itself; decision 2). DeepSpeed reads the steps from its config and scales nothing
+    here (the Trainer passes `scale_wrt_gas=False`)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED and accelerator.gradient_accumulation_steps != 1:
+        accelerator.gradient_accumulation_steps = 1
+
+
 def _scaled_by_compute_loss(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("GRPOTrainer computes its loss in compute_loss; compute_loss_func is not used.")
 
@@ -194,3 +214,9 @@ def continuous_batching_blocker() -> str | None:
 
 def _fields(cls: type) -> set[str]:
     return set(inspect.signature(cls).parameters)
+
+
+# ------------------------------------------------------------------------------------------------- 5. replay
+
+# transformers 5.2: outputs are recorded by hooks (`transformers.utils.output_capturing`), not by patched forwards.
+LAYER_REPLAY = importlib.util.find_spec("transformers.utils.output_capturing") is not None

@@ -161,6 +161,7 @@ class GRPOTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        compat.leave_accumulation_to_trainer(self.accelerator)  # transformers < 5.6 gave Accelerate the steps too
         distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
     @staticmethod
