@@ -1,6 +1,8 @@
 """Helpers shared by test modules: tiny models of each decoder family, grouped prompts, greedy settings, and rollout
 comparisons. Everything is built offline from configs."""
 
+import copy
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -52,6 +54,13 @@ def model_of_kind(kind: str, tokenizer, **overrides):
                                                   **overrides})}[kind]()
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def fresh_copy(model):
+    """A copy of `model` for a reference run, so the run under test starts from the same state. Dynamic RoPE keeps
+    state between calls: transformers < 5.14 left the frequencies grown by a long call in place for the next call
+    (it recorded the cached length under another attribute name), so a second run would start from other ones."""
+    return copy.deepcopy(model)
 
 
 def grouped_prompts(tokenizer, repeats: int = 2) -> PromptBatch:

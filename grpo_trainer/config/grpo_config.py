@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 
 from grpo_trainer.config.checks import check_config
 from grpo_trainer.config.legacy import LegacyFields, resolve_legacy
+from grpo_trainer.runtime import compat
 
 __all__ = ["GRPOConfig"]
 
@@ -35,7 +36,7 @@ def _bf16_is_fast() -> bool:
 
 
 @dataclass
-class GRPOConfig(LegacyFields, TrainingArguments):
+class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     """Configuration for `GRPOTrainer`. `per_device_train_batch_size` counts *completions*, as in TRL."""
 
     # Dict fields that may arrive as JSON strings (command line, YAML): TrainingArguments parses the ones listed here.
@@ -226,13 +227,13 @@ class GRPOConfig(LegacyFields, TrainingArguments):
         resolve_legacy(self)  # first: a legacy name's value is then checked and converted like its replacement's
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and _bf16_is_fast()
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True  # TRL's default (its deprecated alias gradient_checkpointing=True)
+        compat.resolve_checkpointing(self, default=True)  # TRL's default (gradient_checkpointing=True there)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size is not supported: shrinking the batch would split prompt groups. "
                              "Set it to False and lower per_device_train_batch_size instead.")
         super().__post_init__()
+        compat.mirror_checkpointing(self)
         self._resolve_deprecated_names()
         self._resolve_padding()
         self._resolve_generation_batch()

@@ -46,7 +46,7 @@ from transformers.utils import cached_file
 from grpo_trainer.algorithms.logprobs import Float32Head
 
 __all__ = ["cast_lm_head_to_fp32", "causal_lm", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
-           "is_checkpointing", "is_peft_model", "is_vision_language", "liger_kernel_config", "load_policy",
+           "is_peft_model", "is_vision_language", "liger_kernel_config", "load_policy",
            "load_processing_class", "load_reward_model", "load_tokenizer", "make_reference_model", "reference_context",
            "router_aux_loss_coef", "wrap_peft"]
 
@@ -147,12 +147,6 @@ def causal_lm(model: nn.Module) -> nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model.get_base_model() if is_peft_model(model) else model
-
-
-def is_checkpointing(lm: nn.Module) -> bool:
-    """Whether activation (gradient) checkpointing is on, under either of transformers' names for it."""
-    flag = getattr(type(lm), "is_activation_checkpointing", None)
-    return bool(lm.is_activation_checkpointing if flag is not None else getattr(lm, "is_gradient_checkpointing", False))
 
 
 def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:

@@ -68,7 +68,7 @@ from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setu
 from grpo_trainer.rollout import capture, multimodal, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
-from grpo_trainer.runtime import checkpoints, distributed, interrupts, models, run_lock
+from grpo_trainer.runtime import checkpoints, compat, distributed, interrupts, models, run_lock
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["GRPOTrainer"]
@@ -194,6 +194,7 @@ class GRPOTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        compat.leave_accumulation_to_trainer(self.accelerator)  # transformers < 5.6 gave Accelerate the steps too
         distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
     @staticmethod
@@ -434,7 +435,7 @@ class GRPOTrainer(Trainer):
         plan = capture.KEEP_NOTHING if continuation else capture.plan(
             training=mode == "train", on_policy=self._on_policy(mode),
             plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
-            and not self.is_fsdp_enabled, checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
+            and not self.is_fsdp_enabled, checkpointing=compat.checkpointing_is_on(models.causal_lm(self.model)))
         with distributed.unwrapped_for_generation(self.model_wrapped, self.accelerator,
                                                   self.args.ds3_gather_for_generation) as model:
             config = make_generation_config(self.args, model.generation_config, self._tokenizer,
@@ -647,7 +648,8 @@ class GRPOTrainer(Trainer):
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
         started = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with compat.loss_already_scaled(self):  # transformers < 5.19 would divide it by the window again
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self._record_step_time(time.perf_counter() - started)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))

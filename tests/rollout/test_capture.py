@@ -11,6 +11,7 @@ from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import capture
 from grpo_trainer.rollout.types import Rollout
+from grpo_trainer.runtime import compat
 
 
 def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
@@ -19,7 +20,7 @@ def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
     args = GRPOConfig(**{**settings, **overrides})
     trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
                           train_dataset=toy_dataset, processing_class=tokenizer)
-    trainer.model.activation_checkpointing_enable()  # what Trainer.train does first
+    compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
     trainer.model.train()
     return trainer
 
@@ -34,7 +35,7 @@ def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
 def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset, overrides, keeps):
     trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides)
     if overrides.get("gradient_checkpointing") is False:
-        trainer.model.activation_checkpointing_disable()
+        compat.disable_checkpointing(trainer.model)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
     assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps
     evaluation = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "eval")
