@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALES
+from grpo_trainer.algorithms.engine_correction import IS_MODES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
 __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
@@ -97,9 +98,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"{args.world_size} processes) must be divisible by the evaluation's num_generations "
          f"({args.num_generations_eval or G}): each prompt's completions are scored together."),
     ]
-
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _sequence_parallel(args: Any) -> bool:

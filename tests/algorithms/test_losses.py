@@ -418,3 +418,27 @@ def test_off_policy_mask_drops_the_surrogate_not_the_kl():
     close(with_kl.loss, (math.exp(-1) + math.exp(0.1)) / 2)
     # on-policy the drift is 0: nothing is dropped (A = -1 on-policy: -(-1) per token -> 1)
     close(policy_loss(logps, advantages, mask, LossNorm(), loss_type="grpo", off_policy_threshold=0.5).loss, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The inference engine's importance weight in the loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_engine_ratio_weights_the_surrogate_not_the_kl():
+    # On-policy (rho 1), grpo, A = [+1, -1], one row of two tokens each, engine weights [[0.5, 1.5], [2.0, 0.0]]:
+    #   row 0: -1 * [0.5, 1.5] -> mean -1.0; row 1: +1 * [2.0, 0.0] -> mean 1.0; grpo mean over rows = 0.0
+    # with beta 1 and ref = logps - 1 on every token: k3 = e^-1 + 1 - 1 = 0.367879 per token, unweighted
+    #   -> 0.0 + 0.367879
+    logps, mask = t([[-1.0, -2.0], [-0.5, -0.7]]), t([[1, 1], [1, 1]])
+    weights = t([[0.5, 1.5], [2.0, 0.0]])
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
+    close(out.loss, 0.0)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights,
+                      ref_logps=logps - 1.0, beta=1.0)
+    close(out.loss, math.exp(-1))
+    # its gradient: d/d logp of -A rho w = -A w per token (rho = 1): [[-0.5, -1.5], [2, 0]] / 2 tokens / 2 rows
+    logps = logps.clone().requires_grad_(True)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    close(grad, [[-0.125, -0.375], [0.5, 0.0]])
