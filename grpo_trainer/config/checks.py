@@ -17,7 +17,6 @@ __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 # Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
 PENDING: dict[str, tuple[Any, str]] = {
-    "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
     "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
 }
 
@@ -76,6 +75,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          and args.vllm_importance_sampling_clip_min >= args.vllm_importance_sampling_clip_max,
          f"vllm_importance_sampling_clip_min ({args.vllm_importance_sampling_clip_min}) must be less than "
          f"vllm_importance_sampling_clip_max ({args.vllm_importance_sampling_clip_max})."),
+        (args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction
+         and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"),
+         "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
+         f"{args.vllm_importance_sampling_mode}."),
         (args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("_truncate")
          and args.vllm_importance_sampling_clip_min is None and args.vllm_importance_sampling_clip_max is None,
          "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max; set one "

@@ -57,6 +57,11 @@ class Round:
     sampling_entropy: Tensor | None = _columns(_COMPLETION)  # [B, T]
     sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
+    # An inference engine's log-probs of the sampled tokens (never the trainer's values), and the importance weight
+    # correcting for its sampler (`algorithms.engine_correction`, broadcast over a completion's tokens in the
+    # sequence modes); None without an engine or without the correction.
+    engine_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
     # Keep S and T multiples of this (decision 3); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
