@@ -109,8 +109,10 @@ class ColocateEngine:
                 kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         else:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        from accelerate import PartialState
+
         self.tp_group = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if PartialState().num_processes > 1:  # the trainer's process group; vLLM's own otherwise
             kwargs["distributed_executor_backend"] = "external_launcher"
             self.tp_group = self._tensor_parallel_group(settings.tensor_parallel_size)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # decision 2

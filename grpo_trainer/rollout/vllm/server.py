@@ -102,6 +102,11 @@ class ServerClient:
         return (self.config.get("model_config") or {}).get("logprobs_mode")
 
     @property
+    def device(self) -> str | None:
+        """The server's device type ('cpu', 'cuda', ...)."""
+        return str((self.config.get("device_config") or {}).get("device") or "") or None
+
+    @property
     def transfer(self) -> str:
         """'nccl' or 'file' (decision 3)."""
         backend = (self.config.get("weight_transfer_config") or {}).get("backend")

@@ -1,14 +1,12 @@
 """The vLLM backend's up-front refusals that need no vLLM: the package missing, an unverified version, a head size
 vLLM's CPU attention cannot run. (With vLLM installed, tests/vllm/ checks the rest against the real package.)"""
 
-import importlib.util
-
 import pytest
 
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.rollout.vllm import checks
 
-needs_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+needs_no_vllm = pytest.mark.skipif(checks.installed_version() is not None, reason="vLLM is installed here")
 
 
 @needs_no_vllm
