@@ -1,9 +1,10 @@
-"""Two training processes against one vLLM server, as `accelerate launch` runs them in test_vllm_multiprocess.py.
+"""Two training processes with vLLM, as `accelerate launch` runs them in test_vllm_multiprocess.py.
 
-Each process trains 3 steps in server mode (the main process talks to the server; the others send their prompts
-through it and receive their own completions), then pushes the final weights, samples greedily through the server
-and writes `result-<rank>.json`: its log history, its rows' prompts and completions in the first round, the final
-greedy completions next to its own model's `generate`, and a digest of its parameters.
+Each process trains 3 steps in server mode with `--url` (the main process talks to the server; the others send
+their prompts through it and receive their own completions) or colocated without it (each process its own
+engine), then pushes the final weights, samples greedily through vLLM and writes `result-<rank>.json`: its log
+history, its rows' prompts and completions in the first round, the final greedy completions next to its own
+model's `generate`, and a digest of its parameters.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--url", required=True)
+    parser.add_argument("--url", default=None)  # server mode; colocate without it
     cli = parser.parse_args()
 
     from grpo_trainer import GRPOConfig, GRPOTrainer
@@ -38,7 +39,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
     model = AutoModelForCausalLM.from_pretrained(cli.model, dtype=torch.float32)
-    args = GRPOConfig(output_dir=cli.out, use_vllm=True, vllm_mode="server", vllm_server_base_url=cli.url,
+    args = GRPOConfig(output_dir=cli.out, use_vllm=True, vllm_mode="server" if cli.url else "colocate",
+                      vllm_server_base_url=cli.url, vllm_gpu_memory_utilization=0.2,
                       vllm_server_timeout=60, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=3, logging_steps=1, save_strategy="no", report_to="none",
                       disable_tqdm=True, learning_rate=1e-3, seed=0, activation_checkpointing=False)

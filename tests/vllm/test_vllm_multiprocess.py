@@ -1,6 +1,7 @@
-"""Two processes (`accelerate launch`, DDP over gloo on CPU) train against one vLLM server: each gets its own
-rows' completions, the weights pushed to the server are the synchronised ones, and the server's greedy
-completions after training equal each process's own `generate`."""
+"""Two processes (`accelerate launch`, DDP over gloo on CPU) train with vLLM: against one server, or each with its
+own engine (colocate, vLLM's external launcher on the trainer's process group). Each process gets its own rows'
+completions, the weights pushed are the synchronised ones, and the greedy completions after training equal each
+process's own `generate`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.vllm.vllm_helpers import REPO, free_port
@@ -19,11 +21,14 @@ LAUNCH_TIMEOUT_S = 480
 LOGP_ATOL = 1e-4
 
 
-def test_two_processes_train_against_one_server(tmp_path, served_model, vllm_server):
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_two_processes_train_with_vllm(tmp_path, served_model, request, mode):
     script = Path(__file__).with_name("multiprocess_run.py")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu/ddp.yaml",
                "--main_process_port", str(free_port()), str(script), "--out", str(tmp_path), "--model",
-               str(served_model), "--url", vllm_server]
+               str(served_model)]
+    if mode == "server":
+        command += ["--url", request.getfixturevalue("vllm_server")]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE"))}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     if not torch.cuda.is_available():
@@ -39,6 +44,7 @@ def test_two_processes_train_against_one_server(tmp_path, served_model, vllm_ser
             process.wait()
             code = -9
     assert code == 0, log.read_text()[-6000:]
+    assert "Traceback" not in log.read_text()  # vLLM's engines shut down cleanly at exit
     results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["processes"] for r in results] == [2, 2]
     # each process trained on its own rows and received the completions of those rows

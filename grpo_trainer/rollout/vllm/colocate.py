@@ -21,13 +21,18 @@ Decisions:
 5. A weight push ends by resetting the prefix cache: its blocks were computed with the old weights.
 6. Sleep mode (GPU only): the engine sleeps between rollouts with its weights discarded (level 2), so the next
    rollout pushes them again whether or not they changed.
+7. The engine lives as long as the process: vLLM's shutdown destroys the default process group, which the trainer
+   shares under the external launcher. At exit it is shut down while that group still exists; after the script
+   ended it (`accelerator.end_training()`), vLLM's cleanup is skipped instead of failing on destroyed groups.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +91,18 @@ def _policy_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def _shut_down(llm_ref: weakref.ref) -> None:
+    """Shut an engine down at exit (decision 7)."""
+    llm = llm_ref()
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is None:
+        return
+    if torch.distributed.is_initialized():
+        client.shutdown()
+    elif getattr(client, "_finalizer", None) is not None:
+        client._finalizer.detach()
+
+
 class ColocateEngine:
     """An in-process `vllm.LLM` serving the policy; every method is called by every process."""
 
@@ -124,6 +141,7 @@ class ColocateEngine:
             finally:
                 torch.set_num_threads = set_num_threads
                 random.setstate(python_state)
+        atexit.register(_shut_down, weakref.ref(self.llm))  # decision 7
         self.weights_asleep = False
         if settings.enable_sleep_mode:
             self.llm.sleep(level=2)
