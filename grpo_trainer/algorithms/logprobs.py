@@ -27,11 +27,16 @@ typed `LogProbs`, whatever was asked for.
 from __future__ import annotations
 
 import contextlib
+import logging
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Float32Head", "LogProbs", "completion_logprobs", "token_logprobs"]
 
@@ -191,6 +196,85 @@ def _is_plain_linear(head: nn.Module) -> bool:
             and type(weight.data) is torch.Tensor and not head._forward_hooks and not head._forward_pre_hooks)
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a causal LM does to its LM head's output before returning logits, read from its config: Cohere's
+    `logit_scale` (multiply), Granite's and MiniCPM3's `logits_scaling` (divide), Gemma 2/3's
+    `final_logit_softcapping` (cap * tanh(z / cap)). The loss must score the model's logits, not the head's."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> LogitTransform:
+        scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None)
+                                                                           or 1.0)
+        return cls(scale, getattr(config, "final_logit_softcapping", None))
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        logits = logits if self.scale == 1.0 else logits * self.scale
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+
+class _TransformedHead(nn.Module):
+    """`transform(head(x))`: a head whose output is post-processed, for the checkpointed per-chunk path."""
+
+    def __init__(self, head: nn.Module, transform: LogitTransform) -> None:
+        super().__init__()
+        self.head, self.transform = head, transform
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.transform(self.head(hidden))
+
+
+# Causal LMs whose returned logits were checked against transform(head(hidden)): model -> whether they matched.
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _head_reproduces_logits(lm: nn.Module, logits: Tensor, last_hidden: Tensor, head: nn.Module,
+                            transform: LogitTransform) -> bool:
+    """Once per model: do the model's own last-position logits `[B, V]` equal transform(head(hidden))? A model
+    that post-processes its logits in a way `LogitTransform` does not know fails, and is scored from its own
+    logits instead (a second forward), so log-probs are never silently another distribution's."""
+    if lm not in _CHECKED:
+        with torch.no_grad():
+            ours = transform(head(last_hidden)).float()  # [B, V]
+            theirs = logits.float()
+            tolerance = 1e-4 * max(1.0, float(theirs.abs().max()))
+            _CHECKED[lm] = bool((ours - theirs).abs().max() <= tolerance)
+        if not _CHECKED[lm]:
+            logger.warning("%s's logits are not its LM head's output (after the logit transforms grpo_trainer knows: "
+                           "%s); its log-probs are computed from the model's own logits, which costs a second "
+                           "forward and [B, T, V] logits in memory.", type(lm).__name__, transform)
+    return _CHECKED[lm]
+
+
+def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                                completion_length: int, temperature: float, chunk_size: int, with_entropy: bool,
+                                router: dict) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The model's own logits for the completion positions `[B, T, V]`, scored chunk by chunk (checkpointed)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=completion_length + 1, use_cache=False, **router)
+    logits = out.logits[:, :-1]  # [B, T, V]
+    tokens = input_ids[:, -completion_length:]
+    flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+    logps, entropies = [], []
+    for start in range(0, flat_tokens.numel(), chunk_size):
+        args = (flat_logits[start:start + chunk_size], flat_tokens[start:start + chunk_size], temperature)
+        if torch.is_grad_enabled() and flat_logits.requires_grad:
+            chosen, entropy = checkpoint(token_logprobs, *args, use_reentrant=False)
+        else:
+            chosen, entropy = token_logprobs(*args)
+        logps.append(chosen)
+        entropies.append(entropy)
+    return (torch.cat(logps).view(tokens.shape), torch.cat(entropies).view(tokens.shape) if with_entropy else None,
+            getattr(out, "aux_loss", None))
+
+
 def completion_logprobs(
     model: nn.Module,
     input_ids: Tensor,
@@ -232,13 +316,21 @@ def completion_logprobs(
     if with_aux_loss and aux_loss is None:
         raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
                          "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
+    head, lm = _output_head(model), _causal_lm(model)
+    transform = LogitTransform.of(getattr(lm, "config", None))
+    if not _head_reproduces_logits(lm, out.logits[:, -1], out.hidden_states[-1][:, -1], head, transform):
+        logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(
+            model, input_ids, attention_mask, position_ids, completion_length, temperature, chunk_size, with_entropy,
+            router)
+        return LogProbs(logps_t, entropies_t, aux_loss)
     # Position t predicts token t+1: the hidden states S-1 .. S+T-2 score completion tokens S .. S+T-1.
     hidden = out.hidden_states[-1][:, -completion_length - 1 : -1]  # [B, T, H]
     tokens = input_ids[:, -completion_length:]  # [B, T]
-    head = _output_head(model)
     flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # [B*T, H], [B*T]
     shape = tokens.shape
-    if _is_plain_linear(head):
+    if not transform.identity:
+        head = _TransformedHead(head, transform)  # through the checkpointed per-chunk path below
+    elif _is_plain_linear(head):
         known = None
         if known_logps is not None and (known_entropy is not None or not with_entropy):
             known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
@@ -262,6 +354,14 @@ def completion_logprobs(
         entropies.append(entropy)
     logps_t = torch.cat(logps).view(shape)
     return LogProbs(logps_t, torch.cat(entropies).view(shape) if with_entropy else None, aux_loss)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The model behind DDP / DeepSpeed / PEFT wrappers (the object whose config and logits are checked)."""
+    while hasattr(model, "module"):
+        model = model.module
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
 
 
 def _output_head(model: nn.Module) -> nn.Module:

@@ -16,9 +16,7 @@ __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 
 # Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
-PENDING: dict[str, tuple[Any, str]] = {
-    "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
-}
+PENDING: dict[str, tuple[Any, str]] = {}  # every TRL 1.16 feature is built; the guard stays for new fields
 
 
 def _rules(args: Any) -> list[tuple[bool, str]]:
@@ -45,6 +43,9 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.max_prompt_length is not None and args.max_prompt_length < 1,
          f"max_prompt_length must be >= 1 or None (got {args.max_prompt_length})."),
         (args.num_iterations < 1, f"num_iterations must be >= 1 (got {args.num_iterations})."),
+        (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,
+         f"max_tool_calling_iterations must be >= 0 or None (got {args.max_tool_calling_iterations}); None lets the "
+         "model call tools until it stops or its completion budget runs out."),
         (not 0 <= args.top_entropy_quantile <= 1,
          f"top_entropy_quantile must be in [0, 1] (got {args.top_entropy_quantile}); 1.0 keeps every token, 0.0 "
          "only the highest-entropy ones."),

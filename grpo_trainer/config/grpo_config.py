@@ -38,6 +38,10 @@ def _bf16_is_fast() -> bool:
 class GRPOConfig(LegacyFields, TrainingArguments):
     """Configuration for `GRPOTrainer`. `per_device_train_batch_size` counts *completions*, as in TRL."""
 
+    # Dict fields that may arrive as JSON strings (command line, YAML): TrainingArguments parses the ones listed here.
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs", "transformers_continuous_batching_config", "generation_kwargs", "chat_template_kwargs"]
+
     # Defaults TRL changes on TrainingArguments.
     learning_rate: float = _opt(1e-6, "Initial AdamW learning rate.")
     logging_steps: float = _opt(10, "Log every X optimizer steps (a float in [0, 1) is a ratio of all steps).")
@@ -56,8 +60,8 @@ class GRPOConfig(LegacyFields, TrainingArguments):
         None, "Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss (logged as "
         "aux_loss). None takes the model config's own coefficient, 0 turns it off; an error on a dense model.")
     cast_lm_head_to_fp32: bool = _opt(
-        False, "Keep the policy's and reference model's LM head in float32 (the ScaleRL recipe). Needs an untied "
-        "head (tie_word_embeddings=False).")
+        False, "Keep the policy's and reference model's LM head in float32 (the ScaleRL recipe). A tied head's "
+        "shared embedding matrix becomes float32 too; the embedding's outputs keep the model's dtype.")
 
     # Data and generation
     num_generations: int | None = _opt(8, "G: completions sampled per prompt. At least 2 for training.")

@@ -23,12 +23,13 @@ def is_conversational(prompt: Any) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
 
-def check_dataset(dataset: Any, name: str, tokenizer: Any) -> None:
-    """A dataset needs a `prompt` column of strings or message lists, and at least one row."""
+def check_dataset(dataset: Any, name: str, tokenizer: Any, prompt_optional: bool = False) -> None:
+    """A dataset needs a `prompt` column of strings or message lists, and at least one row. `prompt_optional`:
+    environments may write the prompts (`rollout.multiturn.environments`), so rows may have none."""
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and "prompt" not in columns and not prompt_optional:
         raise ValueError(f"{name} has no 'prompt' column (columns: {columns}); rename the column that holds the "
                          "prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")
     try:
@@ -36,7 +37,7 @@ def check_dataset(dataset: Any, name: str, tokenizer: Any) -> None:
     except StopIteration:
         raise ValueError(f"{name} is empty; it needs at least one row with a 'prompt'.") from None
     prompt = first.get("prompt") if isinstance(first, dict) else None
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or prompt is None and prompt_optional:
         return
     if not is_conversational(prompt):
         raise ValueError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages; the first "

@@ -16,6 +16,9 @@ Decisions:
    every row.
 5. `num_completions_to_print` rows are drawn at random by a generator seeded with the step, so printing leaves the
    run's `random` state alone. Missing rewards (None) are NaN in the parquet file and null in the JSONL file.
+6. A multi-turn completion's tool calls are logged with their arguments as JSON text (the OpenAI chat format's
+   convention): arguments of different tools have different fields, which one parquet column cannot hold as
+   objects (nor an empty argument object at all).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class CompletionLog:
         (NaN: None), advantages `[B]`, and the `log_extra` columns (`B` values each)."""
         extra = extra or {}
         for i, (score, advantage) in enumerate(zip(rewards.tolist(), advantages.tolist())):
-            self.rows.append({"prompt": prompts[i], "completion": completions[i],
+            self.rows.append({"prompt": prompts[i], "completion": _loggable(completions[i]),
                               "rewards": dict(zip(self.reward_names, score)), "advantage": advantage,
                               "extra": {name: values[i] for name, values in extra.items()}})
 
@@ -140,10 +143,25 @@ def unique_prompt_rows(frame: Any) -> Any:
 
 
 def format_messages(value: Any) -> str:
-    """A prompt or completion as text: a conversation as `ROLE` headers over each message's content."""
+    """A prompt or completion as text: a conversation as `ROLE` headers over each message's content and calls."""
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-        return "\n\n".join(f"{str(m.get('role', '')).upper()}\n{_content(m.get('content', ''))}" for m in value)
+        return "\n\n".join(f"{str(m.get('role', '')).upper()}\n{_content(m.get('content', ''))}{_calls(m)}"
+                           for m in value)
     return str(value)
+
+
+def _calls(message: dict) -> str:
+    return "".join(f"\n-> {c['function']['name']}({c['function']['arguments']})"
+                   for c in message.get("tool_calls") or [])
+
+
+def _loggable(completion: Any) -> Any:
+    """The completion with each tool call's arguments as JSON text (decision 6)."""
+    if not isinstance(completion, list) or not any(isinstance(m, dict) and m.get("tool_calls") for m in completion):
+        return completion
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"], default=str)}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in completion]
 
 
 def _content(content: Any) -> str:

@@ -14,6 +14,10 @@ Every backend returns the tokens and masks. Beyond them:
    the forward), and only the layer outputs need activation checkpointing.
 3. Replay tensors are kept only while they fit together in `Capture.max_bytes`, layer outputs first (they are the
    smaller, and save the most). They live from the rollout to the round's last micro-step.
+4. A multi-turn rollout whose completions hold tool results (`Rollout.env_mask`) keeps no sampling tensor at all:
+   tool tokens were never sampled, so no sampler value exists for them, and the loss must not read one there
+   (on-policy stand-ins, old log-probs, replay). The loss computes what it needs with a forward instead. The turns
+   after a tool result are rolled out keeping nothing (`KEEP_NOTHING`): only their tokens are used.
 
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens (the maximum), `L` layers, `E` hidden size, `V` vocab.
 """
@@ -29,7 +33,8 @@ from transformers import GenerationConfig
 
 from grpo_trainer.rollout.types import Rollout
 
-__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_unusable", "plan", "replay_buffers"]
+__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_for_tool_results", "drop_unusable", "plan",
+           "replay_buffers"]
 
 # A round of 8 x 1280-token rows of a 24-layer, 896-wide model in float32 keeps 0.9 GB of layer outputs (the tensors
 # activation checkpointing keeps during the loss forward anyway); 8 x 256 tokens x a 32k vocabulary of softmax is
@@ -82,3 +87,10 @@ def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float
     if config.do_sample and config.temperature == temperature:
         return rollout
     return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)
+
+
+def drop_for_tool_results(rollout: Rollout) -> Rollout:
+    """The rollout without any sampling tensor when tools wrote part of its completions (decision 4)."""
+    if rollout.env_mask is None:
+        return rollout
+    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None, layer_outputs=None)

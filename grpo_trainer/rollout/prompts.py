@@ -22,11 +22,17 @@ __all__ = ["tokenize_prompts"]
 
 
 def tokenize_prompts(tokenizer: Any, prompts: list, max_prompt_length: int | None,
-                     chat_template_kwargs: dict | None = None, pad_to_multiple_of: int | None = None) -> PromptBatch:
-    """Left-padded prompt ids and mask, `[B, S]` each (S a multiple of `pad_to_multiple_of` when it is set)."""
+                     chat_template_kwargs: dict | None = None, pad_to_multiple_of: int | None = None,
+                     tools: list | None = None) -> PromptBatch:
+    """Left-padded prompt ids and mask, `[B, S]` each (S a multiple of `pad_to_multiple_of` when it is set).
+    `tools`: per conversational prompt, the tools its chat template describes to the model (`rollout.multiturn`)."""
     if is_conversational(prompts[0]):
-        texts = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True,
-                                              **(chat_template_kwargs or {}))
+        kwargs = {"tokenize": False, "add_generation_prompt": True, **(chat_template_kwargs or {})}
+        if tools is None or all(t is tools[0] for t in tools):  # one call for the batch
+            # `or None`: some templates describe an empty tool list, which is not the same as none
+            texts = tokenizer.apply_chat_template(prompts, tools=(tools[0] or None) if tools else None, **kwargs)
+        else:
+            texts = [tokenizer.apply_chat_template(p, tools=t or None, **kwargs) for p, t in zip(prompts, tools)]
         add_special_tokens = False  # the template already wrote any BOS
     else:
         texts, add_special_tokens = prompts, True

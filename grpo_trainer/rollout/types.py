@@ -56,6 +56,14 @@ class Rollout:
     # importance-sampling correction compares them with the trainer's (`algorithms.engine_correction`). NaN where
     # the engine gave none, 0 on padding.
     engine_logps: Tensor | None = None  # [B, T] float32
+    # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
+    # environment wrote. None: the policy sampled every completion token.
+    env_mask: Tensor | None = None  # [B, T] int
+
+    @property
+    def sampled_mask(self) -> Tensor:
+        """`[B, T]` 1 for the completion tokens the policy sampled (what lengths and token counts count)."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:

@@ -13,11 +13,18 @@ Decisions:
    and may need updating when accelerate changes. FSDP1 cannot run on CPU, so it is refused.
 3. `full_parameters` returns every parameter's full value on every process, whatever the sharding (ZeRO-3
    partitions, FSDP2 DTensors). It is a collective: every process must call it.
+4. `unwrapped_for_generation` hands the rollout the bare model: ZeRO-3 weights gathered (unless told not to), and
+   activation checkpointing paused by flipping the layers' own flags and restoring them exactly. transformers'
+   `gradient_checkpointing_disable`/`_enable` pair (what TRL's `unwrap_model_for_generation` calls every round)
+   registers a new input-grad hook on each enable without removing the last, and re-enables with default
+   checkpoint kwargs: after N rounds the embedding runs N hooks per call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 from accelerate import Accelerator
@@ -26,8 +33,9 @@ from torch import Tensor, nn
 
 from grpo_trainer.algorithms.logprobs import LogProbs
 
-__all__ = ["check_processes", "enable_fsdp2_on_cpu", "full_parameters", "is_zero3_partitioned", "launched_world_size",
-           "make_reference_model", "parameter_digest", "prepare_backend"]
+__all__ = ["check_processes", "checkpointing_paused", "enable_fsdp2_on_cpu", "full_parameters",
+           "is_zero3_partitioned", "launched_world_size", "make_reference_model", "parameter_digest", "prepare_backend",
+           "unwrapped_for_generation"]
 
 
 def launched_world_size() -> int:
@@ -173,3 +181,41 @@ def parameter_digest(params: dict[str, Tensor]) -> str:
         digest.update(name.encode())
         digest.update(params[name].to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def checkpointing_paused(model: nn.Module) -> Iterator[None]:
+    """Activation checkpointing off inside the context, restored exactly after: the flags of the layers that had it
+    on are flipped and nothing else is touched (no hooks added or removed, the checkpoint function and its kwargs
+    kept). Generation needs it off: it builds no graph, and `generate` turns its KV cache off under checkpointing
+    in training mode."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(model: nn.Module, accelerator: Accelerator, gather_zero3: bool = True
+                             ) -> Iterator[nn.Module]:
+    """The model without its DDP / DeepSpeed / FSDP wrapper, with activation checkpointing paused and, under ZeRO-3
+    with `gather_zero3`, every parameter gathered for the context's duration (its partition hooks removed meanwhile,
+    as the optimizer's hooks must not fire during generation). A collective under ZeRO-3: every process enters."""
+    unwrapped = accelerator.unwrap_model(model)
+    with checkpointing_paused(unwrapped):
+        if not (gather_zero3 and is_zero3_partitioned(unwrapped)):
+            yield unwrapped
+            return
+        import deepspeed
+        from trl.models.utils import add_hooks, remove_hooks
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            remove_hooks(model)
+            try:
+                yield unwrapped
+            finally:
+                add_hooks(model)

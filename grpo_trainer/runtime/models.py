@@ -188,7 +188,10 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def cast_lm_head_to_fp32(model: nn.Module) -> None:
-    """Replace the (untied) LM head of `model` by a `Float32Head` holding its weight in float32. Idempotent."""
+    """Replace the LM head of `model` by a `Float32Head` holding its weight in float32. Idempotent.
+
+    A tied head shares its weight with the input embedding, so that weight becomes float32 for both (as TRL does);
+    the embedding's outputs are cast back to the dtype they had, so the layers still see their own dtype."""
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
     if type(head) is Float32Head:
@@ -198,14 +201,16 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
                          f"{type(head).__name__} (a PEFT adapter on lm_head, or a quantised head). Remove lm_head "
                          "from the adapter's target_modules / modules_to_save, or set cast_lm_head_to_fp32=False.")
     embedding = lm.get_input_embeddings()
-    if embedding is not None and embedding.weight is head.weight:
-        raise ValueError(f"cast_lm_head_to_fp32=True needs an untied LM head, but {type(lm).__name__} ties it to the "
-                         "input embedding (tie_word_embeddings=True): casting it would turn the embedding to float32 "
-                         "too. Set cast_lm_head_to_fp32=False, or use a model with tie_word_embeddings=False.")
+    tied = embedding is not None and embedding.weight is head.weight
     fp32 = Float32Head(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
     fp32.weight = nn.Parameter(head.weight.detach().float(), requires_grad=head.weight.requires_grad)
     if head.bias is not None:
         fp32.bias = nn.Parameter(head.bias.detach().float(), requires_grad=head.bias.requires_grad)
+    if tied:
+        dtype = embedding.weight.dtype
+        embedding.weight = fp32.weight  # still one parameter: the tie survives, in float32
+        if dtype != torch.float32:
+            embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
     lm.set_output_embeddings(fp32)
 
 

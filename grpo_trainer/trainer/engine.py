@@ -31,7 +31,7 @@ def apply_engine_correction(round_: Round, old_logps: Tensor, args: Any, on_poli
                             ) -> tuple[Round, dict[str, Tensor]]:
     """`round_` with its engine importance weights (and, off-policy, `old_logps` `[B, T]` kept as its old
     log-probs), and this process's `sampling/*` metric values."""
-    mode, mask = args.vllm_importance_sampling_mode, round_.completion_mask.float()
+    mode, mask = args.vllm_importance_sampling_mode, round_.loss_mask.float()  # TRL: completion x tool mask
     engine = round_.engine_logps
     ratio = engine_importance_ratio(old_logps, engine, mask, mode, args.vllm_importance_sampling_clip_min,
                                     args.vllm_importance_sampling_clip_max)

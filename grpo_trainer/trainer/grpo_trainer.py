@@ -43,7 +43,7 @@ from accelerate.utils import gather, gather_object, set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
-from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import losses, masks, surrogates
@@ -60,9 +60,9 @@ from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
-from grpo_trainer.rollout import capture, replay
+from grpo_trainer.rollout import capture, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from grpo_trainer.rollout.settings import make_generation_config
+from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
 from grpo_trainer.runtime import checkpoints, distributed, models
 from grpo_trainer.trainer.engine import apply_engine_correction
 from grpo_trainer.trainer.round import Round
@@ -77,11 +77,13 @@ _ENTROPY_STATE = "entropy_ctrl_state.json"  # the adaptive entropy controller's 
 
 
 def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
-                  peft_config: Any) -> None:
-    """Datasets and the options that depend on them, before any model is loaded."""
-    check_dataset(train_dataset, "train_dataset", processing_class)
+                  peft_config: Any, prompt_optional: bool = False) -> None:
+    """Datasets and the options that depend on them, before any model is loaded. `prompt_optional`: environments
+    write the prompts (`rollout.multiturn`)."""
+    check_dataset(train_dataset, "train_dataset", processing_class, prompt_optional=prompt_optional)
     for name, dataset in eval_datasets(eval_dataset):
-        check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class)
+        check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
+                      prompt_optional=prompt_optional)
     prepare_for_streaming(train_dataset, eval_dataset, args)
     if args.use_liger_kernel:
         args.liger_kernel_config = models.liger_kernel_config(args.liger_kernel_config)
@@ -98,7 +100,8 @@ class GRPOTrainer(Trainer):
     """Group Relative Policy Optimization (Shao et al. 2024) through `transformers.Trainer`.
 
     Same constructor as `trl.GRPOTrainer`; `reward_funcs` takes callables (TRL's contract), reward models or
-    model ids. `args.advantage_estimator` may also be given here as `advantage_estimator=`.
+    model ids. `args.advantage_estimator` may also be given here as `advantage_estimator=`. `tools`,
+    `environment_factory` and `rollout_func` make rollouts multi-turn (`rollout.multiturn`, docs/TOOLS.md).
     """
 
     _tag_names = ["grpo_trainer", "grpo"]
@@ -117,6 +120,9 @@ class GRPOTrainer(Trainer):
         optimizers: tuple = (None, None),
         peft_config: Any = None,
         quantization_config: Any = None,
+        tools: list | None = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
         advantage_estimator: str | Advantage | Any = None,
     ) -> None:
         model_id = model if isinstance(model, str) else model.config._name_or_path
@@ -126,9 +132,17 @@ class GRPOTrainer(Trainer):
             logger.warning(message)
         reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
-        check_reward_setup(reward_funcs, args, reward_processing_classes)
+        # Environments first: the rewards they own count as reward sources (rollout.multiturn.environments).
+        environments = multiturn.Environments.of(environment_factory, tools)
+        owned_rewards = environments.reward_funcs if environments else []
+        check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
         processing_class = self._load_processing_class(model, processing_class, args)
-        _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config)
+        self.rollout_backend = rollout.select(args)
+        self.rollout_backend.check_model(model, args.trust_remote_code)
+        train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
+                                                train_dataset)
+        _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
+                      prompt_optional=environments is not None)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         self._surrogate_params = surrogates.SurrogateParams(
             args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.delta,
@@ -137,11 +151,18 @@ class GRPOTrainer(Trainer):
         self._entropy = EntropyControl(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
                                        args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
         self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
-        self.rollout_backend = rollout.select(args)
-        self.rollout_backend.check_model(model, args.trust_remote_code)
 
         model = self._build_models(model, args, peft_config, quantization_config)
+        if self._multi_turn is not None:
+            self._multi_turn.attach_model(eos_token_ids(processing_class, model.generation_config),
+                                          getattr(model.config, "max_position_embeddings", None))
         self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
+        # Environment-owned rewards come after `reward_funcs`, each with weight 1 (TRL).
+        self.reward_weights = torch.tensor((args.reward_weights or [1.0] * len(self.reward_funcs))
+                                           + [1.0] * len(owned_rewards))
+        self.reward_funcs += owned_rewards
+        self.reward_names += [func.__name__ for func in owned_rewards]
+        self.reward_processing_classes += [None] * len(owned_rewards)
 
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -184,6 +205,32 @@ class GRPOTrainer(Trainer):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         return processing_class
+
+    def _set_up_multi_turn(self, processing_class: Any, args: GRPOConfig, tools: list | None,
+                           environments: multiturn.Environments | None, rollout_func: Any, train_dataset: Any) -> Any:
+        """`self._multi_turn` (None for single-turn runs) and TRL's attributes for it; the train dataset (a
+        placeholder when an environment owns the data), its prompts checked for tools."""
+        self._multi_turn = multiturn.MultiTurn(processing_class, args, tools, environments) \
+            if tools or environments or rollout_func else None
+        # TRL's attributes: every tool, the rollout_func, the latest round's environments, each one's tools and pool
+        self.tools, self.rollout_func, self.environments = [], rollout_func, None
+        if self._multi_turn is not None:
+            self.tools = self._multi_turn.tools
+            if self.tools and not self.rollout_backend.capabilities.multi_turn:
+                raise ValueError(f"generation_backend={args.generation_backend!r} cannot continue a rollout after a "
+                                 "tool's result (its capabilities say multi_turn=False); choose another backend.")
+        if environments is not None:
+            self._env_tools, self._environment_pool = environments.tools, environments.pools
+        if train_dataset is None:
+            train_dataset = multiturn.placeholder_dataset(environments, args)
+        if self._multi_turn is not None:
+            self._multi_turn.check_dataset(train_dataset, "train_dataset")
+        return train_dataset
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's name for `reward_names`: each reward source's metric name."""
+        return self.reward_names
 
     def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
                       quantization_config: Any) -> nn.Module:
@@ -307,13 +354,17 @@ class GRPOTrainer(Trainer):
 
     def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
         args, device = self.args, self.accelerator.device
-        prompts = [row["prompt"] for row in batch]
-        prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
-                                        args.chat_template_kwargs, args.pad_to_multiple_of).to(device)
-        out = self._rollout(prompt_batch, mode)
-        completions = self._completion_texts(out, prompts)
+        if self._multi_turn is None:
+            prompts = [row["prompt"] for row in batch]
+            prompt_batch = tokenize_prompts(self.processing_class, prompts, args.max_prompt_length,
+                                            args.chat_template_kwargs, args.pad_to_multiple_of).to(device)
+            out = self._rollout(prompt_batch, mode)
+            completions, episode_columns = self._completion_texts(out, prompts), {}
+        else:
+            prompts, out, completions, episode_columns = self._episode(batch, mode)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
+        columns.update(episode_columns)
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = rewards.score_completions(self.reward_funcs, self.reward_names, prompts, completions,
                                                   completion_ids, columns, args.reward_error_policy,
@@ -327,14 +378,14 @@ class GRPOTrainer(Trainer):
                            "get advantage 0; make sure at least one reward function returns a valid reward.")
         all_rewards = gather(local_rewards)  # [B_global, F]: a group may span processes
         G = self._num_generations(mode)
-        weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
+        weights = self.reward_weights
         aggregate = MULTI_OBJECTIVE_AGGREGATIONS[args.multi_objective_aggregation]
         all_advantages = aggregate(self.advantage_fn, all_rewards.cpu(), G, args.scale_rewards, weights,
                                    ADVANTAGE_EPS)  # [B_global]
         start = self.accelerator.process_index * len(prompts)
         advantages = all_advantages[start:start + len(prompts)].to(device)  # [B]
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
-            if args.mask_truncated_completions else out.completion_mask
+            if args.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
         self._record_rollout_metrics(mode, out, all_rewards, weights, G)
         extra = self._reward_logs.gather_columns(len(prompts), gather_object) if args.log_completions else {}
         self._reward_logs.columns.clear()
@@ -342,10 +393,12 @@ class GRPOTrainer(Trainer):
             self._completions.add(gather_object(prompts), gather_object(completions), all_rewards.cpu(),
                                   all_advantages, extra)
         round_ = Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-                       completion_mask=loss_mask.int(), advantages=advantages,
-                       window_tokens=self._window_tokens(loss_mask, mode), sampling_logps=out.sampling_logps,
-                       sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
-                       layer_outputs=out.layer_outputs, engine_logps=out.engine_logps,
+                       completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
+                       window_tokens=self._window_tokens(loss_mask if out.env_mask is None
+                                                         else loss_mask * out.env_mask, mode),
+                       sampling_logps=out.sampling_logps, sampling_entropy=out.sampling_entropy,
+                       sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs,
+                       engine_logps=out.engine_logps,
                        pad_to_multiple_of=args.pad_to_multiple_of).padded(self.processing_class.pad_token_id)
         return self._correct_for_engine(round_, mode)
 
@@ -368,24 +421,49 @@ class GRPOTrainer(Trainer):
         return mode != "train" or args.gradient_accumulation_steps % (
             args.steps_per_generation * args.num_iterations) == 0
 
-    def _rollout(self, prompts: rollout.PromptBatch, mode: str) -> rollout.Rollout:
-        plan = capture.plan(training=mode == "train", on_policy=self._on_policy(mode),
-                            plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
-                            and not self.is_fsdp_enabled,
-                            checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
+    def _rollout(self, prompts: rollout.PromptBatch, mode: str, max_new_tokens: int | None = None,
+                 continuation: bool = False) -> rollout.Rollout:
+        """Completions for `prompts` from the rollout backend. A multi-turn `continuation` (a turn after tool
+        results, `max_new_tokens` long) keeps only tokens (`capture`, decision 4)."""
+        plan = capture.KEEP_NOTHING if continuation else capture.plan(
+            training=mode == "train", on_policy=self._on_policy(mode),
+            plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
+            and not self.is_fsdp_enabled, checkpointing=models.is_checkpointing(models.causal_lm(self.model)))
+        max_new_tokens = max_new_tokens or self.args.max_completion_length
         if self.rollout_backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
             self.rollout_backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
             config = make_generation_config(self.args, models.causal_lm(self.model).generation_config,
-                                            self.processing_class, self.args.max_completion_length)
+                                            self.processing_class, max_new_tokens)
             out = self.rollout_backend.generate(self.model, prompts, config, plan)
             return capture.drop_unusable(out, config, self.args.temperature)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as model:
+        with distributed.unwrapped_for_generation(self.model_wrapped, self.accelerator,
+                                                  self.args.ds3_gather_for_generation) as model:
             config = make_generation_config(self.args, model.generation_config, self.processing_class,
-                                            self.args.max_completion_length)
+                                            max_new_tokens)
             with torch.no_grad():
                 out = self.rollout_backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, self.args.temperature)
+
+    def _episode(self, batch: list[dict], mode: str) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
+        """A multi-turn round (`rollout.multiturn`): the prompts as the model saw them, the rollout, the completions
+        as chat messages, and the extra reward-function keyword arguments."""
+        device = self.accelerator.device
+
+        def generate(prompts: rollout.PromptBatch, max_new_tokens: int | None, continuation: bool) -> rollout.Rollout:
+            return self._rollout(prompts.to(device), mode, max_new_tokens, continuation)
+
+        episode = self._multi_turn.run(batch, generate, self._generate if self.rollout_func else None, device)
+        self.environments = self._multi_turn.last_environments
+        if episode.tool_counts is not None:
+            counts = torch.tensor([episode.tool_counts.calls, episode.tool_counts.failures, len(batch)], device=device)
+            for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
+                self._metrics[mode][key].append(value)
+        return episode.prompts, episode.rollout, episode.completions, episode.reward_kwargs
+
+    def _generate(self, prompts: list) -> multiturn.RolloutFuncOutput:
+        """The user's `rollout_func(prompts, trainer)` on this process's prompts, its output checked (TRL's name
+        for this seam)."""
+        return multiturn.call_rollout_func(self.rollout_func, prompts, self)
 
     def _completion_texts(self, out: rollout.Rollout, prompts: list) -> list:
         texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
@@ -457,7 +535,7 @@ class GRPOTrainer(Trainer):
         args = self.args
         mode = "train" if model.training else "eval"
         logps, entropy, measured, aux_loss = self._policy_logps(model, inputs, mode)  # [B, T] each; [] or None
-        mask = inputs.completion_mask
+        mask = inputs.loss_mask
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropy.detach(), mask, 1.0 - args.top_entropy_quantile)
@@ -542,7 +620,7 @@ class GRPOTrainer(Trainer):
         its log-probs, so only the other rows run forward and backward; skipped rows keep their place in every loss
         normaliser, with log-probs equal to the old ones (a ratio of exactly 1)."""
         args = self.args
-        advantages, mask = inputs.advantages, inputs.completion_mask  # [B] or [B, T]; [B, T]
+        advantages, mask = inputs.advantages, inputs.loss_mask  # [B] or [B, T]; [B, T]
         nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
         if mode != "train" or args.beta != 0.0 or args.top_entropy_quantile < 1.0 or self._entropy.enabled \
                 or self.aux_loss_enabled or bool(nonzero.all()):
@@ -633,7 +711,7 @@ class GRPOTrainer(Trainer):
         """TRL's round metrics, from the gathered round, and the round's `log_metric` values. `num_tokens` is the
         running total of prompt and completion tokens trained on (`state.num_input_tokens_seen`)."""
         window = self._metrics[mode]
-        lengths = gather(out.completion_mask.sum(1))  # [B_global]
+        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
         if mode == "train":
             self.state.num_input_tokens_seen += int(gather(out.prompt_mask.sum().reshape(1)).sum() + lengths.sum())
         window["num_tokens"] = [self.state.num_input_tokens_seen]

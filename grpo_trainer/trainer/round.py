@@ -45,7 +45,10 @@ class Round:
     prompt_ids: Tensor = _columns(_PROMPT, token_ids=True)  # [B, S] left-padded
     prompt_mask: Tensor = _columns(_PROMPT)  # [B, S]
     completion_ids: Tensor = _columns(_COMPLETION, token_ids=True)  # [B, T] right-padded
-    completion_mask: Tensor = _columns(_COMPLETION)  # [B, T] int: tokens in the loss (after every loss mask)
+    completion_mask: Tensor = _columns(_COMPLETION)  # [B, T] int: the completion's tokens (after every loss mask)
+    # Multi-turn: 1 for tokens the policy sampled, 0 for tokens a tool or environment wrote, which stay in the
+    # context (attention) but never in the loss. None: every completion token was sampled.
+    env_mask: Tensor | None = _columns(_COMPLETION)  # [B, T] int
     advantages: Tensor = field(default=None)  # [B] or [B, T] (a [B, T] one is trimmed with the completion)
     # The `dapo`/`cispo` normaliser: active tokens per process per gradient-accumulation window, `[]`.
     window_tokens: Tensor | None = None
@@ -68,6 +71,11 @@ class Round:
     @property
     def rows(self) -> int:
         return self.completion_ids.shape[0]
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """`[B, T]` the tokens the loss scores: the completion's, less those a tool wrote."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
     def select(self, index: slice | Tensor) -> Round:
         """The rows `index` of every per-row field; the round-wide normaliser is shared."""

@@ -308,3 +308,39 @@ def test_aux_loss_from_a_dense_model_is_refused(tiny_model, tokenizer):
     ids, mask = batch(tokenizer)
     with pytest.raises(ValueError, match="returned no aux_loss"):
         completion_logprobs(tiny_model, ids, mask, T, with_aux_loss=True)
+
+
+@pytest.mark.parametrize("kind", ["gemma2_softcap", "cohere_scale", "granite_scaling", "unknown_postprocessing"])
+def test_logprobs_score_the_models_own_logits_whatever_it_does_after_the_head(tokenizer, kind, caplog):
+    """Gemma 2 soft-caps its logits (cap * tanh(z / cap)), Cohere multiplies them by logit_scale, Granite divides
+    them by logits_scaling: the log-probs (and their gradients) are those of the model's returned logits, not of
+    its head's raw output. A post-processing no config attribute names is detected once and scored from the
+    model's own logits, with a warning."""
+    from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig
+
+    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0}
+    config = {"gemma2_softcap": lambda: Gemma2Config(**common, final_logit_softcapping=0.5),
+              "cohere_scale": lambda: CohereConfig(**common, logit_scale=0.0625),
+              "granite_scaling": lambda: GraniteConfig(**common, logits_scaling=8.0),
+              "unknown_postprocessing": lambda: GraniteConfig(**common)}[kind]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "unknown_postprocessing":  # a shift of every logit by a per-token amount the head does not make
+        shift = torch.linspace(-2.0, 2.0, len(tokenizer))
+        model.register_forward_hook(lambda module, args, out: out.__class__(**{**out, "logits": out.logits + shift}))
+    ids, mask = batch(tokenizer)
+    with torch.no_grad():
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -T - 1:-1].float()
+        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
+    with caplog.at_level("WARNING", logger="grpo_trainer.algorithms.logprobs"):
+        out = completion_logprobs(model, ids, mask, T, temperature=0.7, chunk_size=5, with_entropy=True)
+    torch.testing.assert_close(out.logps, expected, atol=1e-5, rtol=0)
+    assert ("not its LM head's output" in caplog.text) == (kind == "unknown_postprocessing")
+    # the gradient is the model logits' too
+    weights = torch.randn(3, T, generator=torch.Generator().manual_seed(5))
+    chunked = _grads(model, (out.logps * weights).sum())
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -T - 1:-1].float()
+    full = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
+    _assert_same_grads(chunked, _grads(model, (full * weights).sum()))

@@ -127,10 +127,10 @@ def test_a_pending_feature_set_after_construction_is_refused_by_the_trainer(pend
         GRPOTrainer(tiny_model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
 
 
-def test_built_features_are_not_pending():
+def test_every_trl_feature_is_built():
     from grpo_trainer.config.checks import PENDING
 
-    assert "use_vllm" not in PENDING  # issue 21
+    assert PENDING == {}  # the last ones: use_vllm (issue 21), max_tool_calling_iterations (issue 22)
     assert GRPOConfig(output_dir="unused", report_to="none", use_vllm=True).use_vllm
 
 
@@ -138,3 +138,14 @@ def test_every_legacy_name_is_listed_with_its_reason():
     from grpo_trainer.config.legacy import LEGACY
 
     assert sorted(name for name, reason in OURS_ONLY.items() if reason.startswith("legacy")) == sorted(LEGACY)
+
+
+def test_dict_fields_given_as_json_strings_are_parsed_as_trl_parses_them():
+    """Command lines and YAML recipes pass dict fields as JSON strings; TRL lists the same four for parsing."""
+    config = GRPOConfig(output_dir="unused", report_to="none", generation_kwargs='{"top_k": 5}',
+                        model_init_kwargs='{"dtype": "float32"}', chat_template_kwargs='{"enable_thinking": false}',
+                        transformers_continuous_batching_config='{"max_memory_percent": 0.3}')
+    assert config.generation_kwargs == {"top_k": 5} and config.model_init_kwargs == {"dtype": "float32"}
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    assert config.transformers_continuous_batching_config == {"max_memory_percent": 0.3}
+    assert set(GRPOConfig._VALID_DICT_FIELDS) == set(trl.GRPOConfig._VALID_DICT_FIELDS)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather
+from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
 
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.algorithms.entropy import EntropyControl
@@ -48,6 +49,7 @@ def main() -> None:
               "window_entropy": trainer._entropy.last_entropy, "coef": trainer._entropy.coef,
               "logged_coef": trainer._metrics["train"]["entropy_coef"]}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    leave_cleanly()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
 from transformers import LogitsProcessor, LogitsProcessorList
 
 ROUND_ROWS = 12  # completions per generation round over all processes: 3 prompts x G
@@ -262,19 +262,8 @@ def main() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
         per_device_batch=cli.per_device_batch)
-    # About one launch in twelve, a rank aborted in C++ teardown after the interpreter finished ("terminate
-    # called without an active exception", no Python frame), even with the gloo group destroyed: the launcher
-    # then kills the other rank and reports failure although result.json is written. The ranks wait for each
-    # other, destroy the group, flush, and leave without running interpreter or C++ static teardown.
-    from accelerate import PartialState
-
-    state = PartialState()
-    state.wait_for_everyone()
-    state.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_cleanly()
 
 
 if __name__ == "__main__":
-    main()  # leaves through os._exit
+    main()  # leaves through leave_cleanly

@@ -159,3 +159,23 @@ def test_format_messages():
         "USER\nhi\n\nASSISTANT\nyo"
     assert format_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]) \
         == "USER\n[IMAGE]what?"
+
+
+def test_multi_turn_completions_are_written_with_their_tool_calls_arguments_as_json(tmp_path):
+    # Two tools with different arguments, one without any: as objects they fit no single parquet column.
+    def call(name, arguments):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+    completions = [[call("get", {}), {"role": "tool", "name": "get", "content": "42"},
+                    {"role": "assistant", "content": "42"}],
+                   [call("multiply", {"a": 3, "b": 4}), {"role": "tool", "name": "multiply", "content": "12"},
+                    {"role": "assistant", "content": "12"}]]
+    log = make_log(tmp_path, max_rows=2)
+    log.add([CHAT, CHAT], completions, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([1.0, -1.0]))
+    frame = pd.read_parquet(log.flush(1))
+    calls = [row[0]["tool_calls"][0]["function"] for row in frame["completion"]]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get", {}), ("multiply", {"a": 3, "b": 4})]
+    assert completions[1][0]["tool_calls"][0]["function"]["arguments"] == {"a": 3, "b": 4}  # the rewards' copy
+    assert format_messages(log.columns()["completion"][1]) == \
+        'ASSISTANT\n\n-> multiply({"a": 3, "b": 4})\n\nTOOL\n12\n\nASSISTANT\n12'

@@ -84,9 +84,19 @@ def test_cast_lm_head_to_fp32_keeps_the_weights_in_float32_and_the_rest_as_it_wa
     assert model.get_output_embeddings() is head
 
 
-def test_cast_lm_head_to_fp32_refuses_a_tied_head(tiny_model):
-    with pytest.raises(ValueError, match="needs an untied LM head.*tie_word_embeddings"):
-        models.cast_lm_head_to_fp32(tiny_model)
+def test_cast_lm_head_to_fp32_keeps_a_tied_head_tied_in_float32_and_the_embeddings_outputs_in_their_dtype(
+        tokenizer):
+    """As TRL does for Gemma-2-style tied heads: the one shared weight becomes float32; the embedding's outputs are
+    cast back to bf16, so the layers' inputs keep their dtype, while the logits are computed in float32."""
+    model = _llama(tokenizer, tied=True, dtype=torch.bfloat16)
+    weight = model.lm_head.weight.detach().clone()
+    models.cast_lm_head_to_fp32(model)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    assert type(head) is Float32Head and head.weight is embedding.weight and head.weight.dtype == torch.float32
+    assert torch.equal(head.weight, weight.float())
+    ids = torch.tensor([[3, 4, 5]])
+    assert embedding(ids).dtype == torch.bfloat16
+    assert model(input_ids=ids).logits.dtype == torch.float32
 
 
 def test_cast_lm_head_to_fp32_refuses_a_head_under_a_peft_wrapper(tokenizer):

@@ -149,10 +149,17 @@ def test_cast_lm_head_to_fp32_trains_a_bf16_policy_with_a_float32_head(tmp_path,
     assert trainer.model.lm_head.weight.dtype == torch.float32
 
 
-def test_cast_lm_head_to_fp32_refuses_a_tied_head(tmp_path, tiny_model, tokenizer, toy_dataset):
-    with pytest.raises(ValueError, match="untied LM head"):
-        GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, cast_lm_head_to_fp32=True),
-                    train_dataset=toy_dataset, processing_class=tokenizer)
+def test_cast_lm_head_to_fp32_trains_a_tied_head(tmp_path, tokenizer, toy_dataset):
+    """TRL's test_train_with_cast_lm_head_to_fp32[Gemma2] (tied embeddings): the shared weight trains in float32."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**_common(tokenizer), intermediate_size=32, tie_word_embeddings=True), dtype=torch.bfloat16)
+    trainer = GRPOTrainer(model, varied_reward, args=make_args(tmp_path, cast_lm_head_to_fp32=True),
+                          train_dataset=toy_dataset, processing_class=tokenizer)
+    head = trainer.model.lm_head
+    assert type(head) is Float32Head and head.weight is trainer.model.model.embed_tokens.weight
+    assert train(trainer) == []
+    assert trainer.model.lm_head.weight.dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------------------------- padding
