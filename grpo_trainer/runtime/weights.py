@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["inference_weight_metadata", "inference_weights"]
+__all__ = ["check_exportable", "inference_weight_metadata", "inference_weights"]
 
 _STRIP = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -93,7 +93,8 @@ def _merged_lora_weight(layer: nn.Module) -> Tensor:
     return merged.to(weight.dtype)
 
 
-def _refuse_quantized(model: nn.Module) -> None:
+def check_exportable(model: nn.Module) -> None:
+    """ValueError for a policy whose weights cannot be exported (decision 5)."""
     for module in model.modules():
         if type(module).__module__.startswith("bitsandbytes"):
             raise ValueError(f"the policy has bitsandbytes-quantized layers ({type(module).__name__}); pushing "
@@ -105,7 +106,7 @@ def inference_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(checkpoint name, full tensor) for every weight of `model` (the trainer's unwrapped policy, possibly a
     PeftModel, ZeRO-3 partitioned or FSDP2-sharded), one at a time. A collective: every process must exhaust it.
     Each tensor is valid until the next one is requested."""
-    _refuse_quantized(model)
+    check_exportable(model)
     from grpo_trainer.runtime.models import is_peft_model
 
     adapter = model.active_adapter if is_peft_model(model) else None

@@ -101,6 +101,9 @@ class VLLMBackend(RolloutBackend):
     # -------------------------------------------------------------------------------------------- engine
 
     def start(self, model: nn.Module, processing_class: Any) -> None:
+        from grpo_trainer.runtime.weights import check_exportable
+
+        check_exportable(model)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerWeights
 

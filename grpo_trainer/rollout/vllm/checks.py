@@ -30,7 +30,7 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def installed_version() -> str | None:
     """The installed vLLM's version, None when the `vllm` package cannot be imported (a folder named vllm without
-    an `__init__.py` on the path, such as this project's tests/vllm, is not it)."""
+    an `__init__.py` on the path, which Python would import as an empty namespace package, is not it)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         return None

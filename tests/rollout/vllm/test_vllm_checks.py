@@ -1,5 +1,6 @@
 """The vLLM backend's up-front refusals that need no vLLM: the package missing, an unverified version, a head size
-vLLM's CPU attention cannot run. (With vLLM installed, tests/vllm/ checks the rest against the real package.)"""
+vLLM's CPU attention cannot run. (With vLLM installed, tests/vllm_integration/ checks the rest against the real
+package.)"""
 
 import pytest
 

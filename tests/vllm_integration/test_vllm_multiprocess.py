@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.vllm.vllm_helpers import REPO, free_port
+from tests.vllm_integration.vllm_helpers import REPO, free_port
 
 LAUNCH_TIMEOUT_S = 480
 LOGP_ATOL = 1e-4

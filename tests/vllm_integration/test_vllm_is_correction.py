@@ -10,7 +10,7 @@ import torch
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_dataset
 from grpo_trainer.rewards.library import copy_digits_reward
-from tests.vllm.vllm_helpers import trainer_args, vllm_tiny_model
+from tests.vllm_integration.vllm_helpers import trainer_args, vllm_tiny_model
 
 METRICS = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",

@@ -12,7 +12,7 @@ import sys
 from grpo_trainer.cli.toy import copy_digits_dataset
 from tests.cli.test_recipe import RECIPE
 from tests.trainer.test_compat import TRL_SCRIPT_DRIVER
-from tests.vllm.vllm_helpers import ON_GPU, REPO, vllm_tiny_model
+from tests.vllm_integration.vllm_helpers import ON_GPU, REPO, vllm_tiny_model
 
 
 def _env():
