@@ -61,10 +61,17 @@ class VLLMBackend(RolloutBackend):
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 
             url = server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
+            failure = None
             if self.is_main:
-                self.client = ServerClient(url, args.vllm_server_timeout, args.vllm_group_port)
-                self._warn_on_logprobs_mode()
-            self.cpu = self._shared(self.client.device == "cpu" if self.client is not None else None)
+                try:
+                    self.client = ServerClient(url, args.vllm_server_timeout, args.vllm_group_port)
+                    self._warn_on_logprobs_mode()
+                except (ConnectionError, RuntimeError) as exc:  # every process raises it, none waits forever
+                    failure = exc
+            device, failure = self._shared((self.client.device if self.client is not None else None, failure))
+            if failure is not None:
+                raise failure
+            self.cpu = device == "cpu"
         else:
             self.cpu = checks.on_cpu()
             checks.check_sleep_mode(args.vllm_enable_sleep_mode, self.cpu)
@@ -93,7 +100,10 @@ class VLLMBackend(RolloutBackend):
         if isinstance(model, str):
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            try:
+                config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            except OSError:  # loading the model reports it
+                return
         else:
             config = causal_lm(model).config
         checks.check_head_dim(config, self.cpu)
@@ -160,8 +170,15 @@ class VLLMBackend(RolloutBackend):
         from accelerate.utils import gather_object
 
         all_runs = gather_object([runs])  # one list of runs per process
-        completions = self.client.generate([r for p in all_runs for r in p], settings) if self.is_main else None
-        completions = self._shared(completions)
+        completions = failure = None
+        if self.is_main:
+            try:
+                completions = self.client.generate([r for p in all_runs for r in p], settings)
+            except Exception as exc:  # noqa: BLE001  (raised on every process below, so none waits forever)
+                failure = exc
+        completions, failure = self._shared((completions, failure))
+        if failure is not None:
+            raise failure
         rows = [sum(n for _, n in process_runs) for process_runs in all_runs]
         start = sum(rows[:PartialState().process_index])
         return completions[start:start + rows[PartialState().process_index]]
