@@ -9,15 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALES
+from grpo_trainer.algorithms.engine_correction import IS_MODES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
 __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 
 # Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
-PENDING: dict[str, tuple[Any, str]] = {
-    "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
-}
+PENDING: dict[str, tuple[Any, str]] = {}  # every TRL 1.16 feature is built; the guard stays for new fields
 
 
 def _rules(args: Any) -> list[tuple[bool, str]]:
@@ -81,6 +80,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          and args.vllm_importance_sampling_clip_min >= args.vllm_importance_sampling_clip_max,
          f"vllm_importance_sampling_clip_min ({args.vllm_importance_sampling_clip_min}) must be less than "
          f"vllm_importance_sampling_clip_max ({args.vllm_importance_sampling_clip_max})."),
+        (args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction
+         and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"),
+         "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
+         f"{args.vllm_importance_sampling_mode}."),
         (args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("_truncate")
          and args.vllm_importance_sampling_clip_min is None and args.vllm_importance_sampling_clip_max is None,
          "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max; set one "
@@ -103,9 +106,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"{args.world_size} processes) must be divisible by the evaluation's num_generations "
          f"({args.num_generations_eval or G}): each prompt's completions are scored together."),
     ]
-
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _sequence_parallel(args: Any) -> bool:

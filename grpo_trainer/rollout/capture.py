@@ -4,7 +4,9 @@ Every backend returns the tokens and masks. Beyond them:
 
 1. Sampling log-probs and entropies `[B, T]` (backends whose capabilities say `sampling_logps`) are kept when they
    are the distribution the loss scores: sampling (not greedy) at the loss's temperature. They are then the old
-   log-probs, and on-policy the loss forward's own values (`algorithms.logprobs`).
+   log-probs, and on-policy the loss forward's own values (`algorithms.logprobs`). An engine's log-probs
+   (`engine_logps`) are never those values: they are kept whenever the rollout sampled (they are the sampler's
+   distribution, whatever its temperature and filters), for the importance-sampling correction.
 2. For `replay`, on-policy training may also keep every decoder layer's output `[B, L, S + T, E]` (the checkpointed
    loss forward returns them instead of running its layers) and every step's tempered softmax `[B, T, V]` (the LM
    head's backward takes it instead of recomputing the logits). Only on-policy training qualifies (the weights
@@ -80,7 +82,10 @@ def replay_buffers(capture: Capture, *, rows: int, prompt_length: int, max_new_t
 
 def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float) -> Rollout:
     """The rollout without its sampling tensors when they are not the distribution the loss scores (decision 1):
-    greedy decoding, or sampling at another temperature than the loss's."""
+    greedy decoding, or sampling at another temperature than the loss's; and without engine log-probs when greedy
+    (no sampling distribution to correct for)."""
+    if not config.do_sample:
+        rollout = replace(rollout, engine_logps=None)
     if config.do_sample and config.temperature == temperature:
         return rollout
     return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)

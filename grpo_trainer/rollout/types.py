@@ -59,6 +59,11 @@ class Rollout:
     # layer's output at every prompt and completion column (zeros for the last completion token, never fed back).
     sampling_probs: Tensor | None = None  # [B, T, V] float32
     layer_outputs: Tensor | None = None  # [B, L, S + T, E]
+    # An inference engine's own log-prob of each sampled token (vLLM's, backends whose capabilities say
+    # `engine_logps`): computed by other kernels than the trainer's, so never a stand-in for the loss's values; the
+    # importance-sampling correction compares them with the trainer's (`algorithms.engine_correction`). NaN where
+    # the engine gave none, 0 on padding.
+    engine_logps: Tensor | None = None  # [B, T] float32
     # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
     # environment wrote. None: the policy sampled every completion token.
     env_mask: Tensor | None = None  # [B, T] int

@@ -15,7 +15,9 @@ What this trainer does, and how it differs from the papers and from TRL:
    rollout backend with the `sampling_logps` capability returns each token's log-prob and entropy under the
    weights that sampled it: they are the old log-probs, and on-policy they are the current values too, so the
    loss forward skips the LM-head projection (its backward still recomputes the logits exactly). What a rollout
-   keeps for the loss is decided in `rollout.capture`.
+   keeps for the loss is decided in `rollout.capture`. An inference engine's log-probs (vLLM, `engine_logps`) are
+   never stand-ins: they enter through the importance-sampling correction only (`trainer.engine`), and the
+   engine gets the policy's weights whenever the optimizer step changed (`sync_weights`).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
 6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion
    once, before any forward pass (`round`), and log-probs never materialise float32 `[B, T, V]` logits
@@ -47,6 +49,7 @@ from trl.models.utils import prepare_deepspeed, prepare_fsdp
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import losses, masks, surrogates
 from grpo_trainer.algorithms.advantage import MULTI_OBJECTIVE_AGGREGATIONS, Advantage, get_advantage_estimator
+from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS
 from grpo_trainer.algorithms.entropy import EntropyControl, window_stats
 from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.config import GRPOConfig
@@ -69,6 +72,7 @@ from grpo_trainer.rollout import capture, multimodal, multiturn, replay
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
 from grpo_trainer.runtime import checkpoints, compat, distributed, interrupts, models, run_lock
+from grpo_trainer.trainer.engine import apply_engine_correction
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["GRPOTrainer"]
@@ -144,6 +148,7 @@ class GRPOTrainer(Trainer):
         processing_class = self._load_processing_class(model, processing_class, args)
         self.rollout_backend = rollout.select(args)
         multimodal.check_processor_setup(args, processing_class)
+        self.rollout_backend.check_model(model, args.trust_remote_code)
         train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
                                                 train_dataset)
         _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
@@ -175,6 +180,7 @@ class GRPOTrainer(Trainer):
         self._prepare_auxiliary_models()
         self._signal_stop = interrupts.SignalStop(args.signal_grace_period)
         self.add_callback(self._signal_stop)
+        self.rollout_backend.start(self.model, processing_class)  # an inference engine (vLLM) starts here
         self._buffer: list[Round] | None = None
         self._micro_step = 0
         self._nonfinite_in_a_row = self._nonfinite_since_log = 0
@@ -414,13 +420,28 @@ class GRPOTrainer(Trainer):
             logged_images = gather_object(images) if images is not None and args.log_multimodal else None
             self._completions.add(gather_object([strip_images(p) for p in prompts]), gather_object(completions),
                                   all_rewards.cpu(), all_advantages, extra, images=logged_images)
-        return Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-                     completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
-                     window_tokens=self._window_tokens(loss_mask if out.env_mask is None else loss_mask * out.env_mask,
-                                                       mode),
-                     sampling_logps=out.sampling_logps, sampling_entropy=out.sampling_entropy,
-                     sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs, images=prompt_images,
-                     pad_to_multiple_of=args.pad_to_multiple_of).padded(self._tokenizer.pad_token_id)
+        round_ = Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                       completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
+                       window_tokens=self._window_tokens(loss_mask if out.env_mask is None
+                                                         else loss_mask * out.env_mask, mode),
+                       sampling_logps=out.sampling_logps, sampling_entropy=out.sampling_entropy,
+                       sampling_probs=out.sampling_probs, layer_outputs=out.layer_outputs,
+                       images=prompt_images, engine_logps=out.engine_logps,
+                       pad_to_multiple_of=args.pad_to_multiple_of).padded(self._tokenizer.pad_token_id)
+        return self._correct_for_engine(round_, mode)
+
+    def _correct_for_engine(self, round_: Round, mode: str) -> Round:
+        """TRL's vLLM importance-sampling correction (`trainer.engine`): the trainer's log-probs of the round at
+        the sampling weights against the engine's; records the `sampling/*` metrics."""
+        if round_.engine_logps is None or not self.args.vllm_importance_sampling_correction:
+            return round_
+        with torch.no_grad():
+            old = self._no_grad_logps(self.model, round_.trimmed())
+        old = nn.functional.pad(old, (0, round_.completion_ids.shape[1] - old.shape[1]))
+        round_, values = apply_engine_correction(round_, old, self.args, self._on_policy(mode))
+        for key, value in values.items():
+            self._metrics[mode][key].append(CROSS_PROCESS[key](gather(value.reshape(1).float())))
+        return round_
 
     def _on_policy(self, mode: str) -> bool:
         """Whether every micro-step of a round runs before the next optimizer step (the sampling weights)."""
@@ -436,13 +457,20 @@ class GRPOTrainer(Trainer):
             training=mode == "train", on_policy=self._on_policy(mode),
             plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
             and not self.is_fsdp_enabled, checkpointing=compat.checkpointing_is_on(models.causal_lm(self.model)))
+        max_new_tokens = max_new_tokens or self.args.max_completion_length
+        backend = rollout.serving(self.rollout_backend, prompts)
+        if backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
+            backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
+            config = make_generation_config(self.args, models.causal_lm(self.model).generation_config,
+                                            self._tokenizer, max_new_tokens)
+            out = backend.generate(self.model, prompts, config, plan)
+            return capture.drop_unusable(out, config, self.args.temperature)
         with distributed.unwrapped_for_generation(self.model_wrapped, self.accelerator,
                                                   self.args.ds3_gather_for_generation) as model:
-            config = make_generation_config(self.args, model.generation_config, self._tokenizer,
-                                            max_new_tokens or self.args.max_completion_length,
+            config = make_generation_config(self.args, model.generation_config, self._tokenizer, max_new_tokens,
                                             suppress_tokens=self._suppressed(model))
             with torch.no_grad():
-                out = rollout.serving(self.rollout_backend, prompts).generate(model, prompts, config, plan)
+                out = backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, self.args.temperature)
 
     def _episode(self, batch: list[dict], mode: str) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
@@ -485,8 +513,8 @@ class GRPOTrainer(Trainer):
             if not self._on_policy(mode):
                 # The sampler's log-probs are the old policy's; after an optimizer step they are no stand-ins for
                 # the current ones, and replaying the rollout would be wrong.
-                old = part.sampling_logps if part.sampling_logps is not None else self._no_grad_logps(self.model,
-                                                                                                      part)
+                old = part.old_logps if part.old_logps is not None else part.sampling_logps
+                old = old if old is not None else self._no_grad_logps(self.model, part)
                 part = dataclasses.replace(part, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
                                            layer_outputs=None)
             if self.args.beta != 0.0:
@@ -554,9 +582,11 @@ class GRPOTrainer(Trainer):
                                  kl_bias_correction=args.use_bias_correction_kl, params=self._surrogate_params,
                                  importance_sampling_level=args.importance_sampling_level,
                                  off_policy_threshold=args.off_policy_mask_threshold,
-                                 sampling_logps=inputs.sampling_logps, entropy_mask=entropy_mask,
+                                 sampling_logps=inputs.engine_logps if inputs.engine_logps is not None
+                                 else inputs.sampling_logps, entropy_mask=entropy_mask,
                                  entropy=entropy if bonus else None,
-                                 entropy_coef=self._entropy.applied() if bonus else None)
+                                 entropy_coef=self._entropy.applied() if bonus else None,
+                                 engine_ratio=inputs.engine_ratio)
         window = self._metrics[mode]
         for key, value in out.metrics.items():
             window[key].append(value)

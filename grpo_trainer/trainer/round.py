@@ -65,6 +65,11 @@ class Round:
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
     # A vision-language model's image inputs for these rows (decision 3); None for text prompts.
     images: Any = _columns(_PROMPT)
+    # An inference engine's log-probs of the sampled tokens (never the trainer's values), and the importance weight
+    # correcting for its sampler (`algorithms.engine_correction`, broadcast over a completion's tokens in the
+    # sequence modes); None without an engine or without the correction.
+    engine_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
     # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 

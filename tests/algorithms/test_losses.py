@@ -451,3 +451,27 @@ def test_a_tool_token_adds_nothing_to_the_loss_or_its_gradient(loss_type, value,
     close(grad, [[sampled, 0.0, sampled]])  # the tool's token: exactly 0
     moved = t([[-1.0, -50.0, -3.0]])  # whatever its log-prob
     close(policy_loss(moved, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, params=params).loss, value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The inference engine's importance weight in the loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_engine_ratio_weights_the_surrogate_not_the_kl():
+    # On-policy (rho 1), grpo, A = [+1, -1], one row of two tokens each, engine weights [[0.5, 1.5], [2.0, 0.0]]:
+    #   row 0: -1 * [0.5, 1.5] -> mean -1.0; row 1: +1 * [2.0, 0.0] -> mean 1.0; grpo mean over rows = 0.0
+    # with beta 1 and ref = logps - 1 on every token: k3 = e^-1 + 1 - 1 = 0.367879 per token, unweighted
+    #   -> 0.0 + 0.367879
+    logps, mask = t([[-1.0, -2.0], [-0.5, -0.7]]), t([[1, 1], [1, 1]])
+    weights = t([[0.5, 1.5], [2.0, 0.0]])
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
+    close(out.loss, 0.0)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights,
+                      ref_logps=logps - 1.0, beta=1.0)
+    close(out.loss, math.exp(-1))
+    # its gradient: d/d logp of -A rho w = -A w per token (rho = 1): [[-0.5, -1.5], [2, 0]] / 2 tokens / 2 rows
+    logps = logps.clone().requires_grad_(True)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    close(grad, [[-0.125, -0.375], [0.5, 0.0]])

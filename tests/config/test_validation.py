@@ -43,6 +43,14 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"signal_grace_period": -1.0}, "signal_grace_period must be >= 0 seconds (got -1.0)"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
+    ({"vllm_mode": "remote"}, "unknown vllm_mode 'remote'; choose 'colocate' or 'server'"),
+    ({"vllm_importance_sampling_mode": "token"}, "unknown vllm_importance_sampling_mode 'token'"),
+    ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
+     "vllm_importance_sampling_clip_min (2.0) must be less than vllm_importance_sampling_clip_max (1.0)"),
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+     "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max"),
+    ({"loss_type": "vespo", "use_vllm": True}, "VESPO loss requires `vllm_importance_sampling_mode` to be either "
+                                               "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
 ])
 def test_config_rejects(overrides, message):
