@@ -3,6 +3,7 @@ comparisons. Everything is built offline from configs."""
 
 import copy
 
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -178,3 +179,20 @@ def copy_task_trainer(output_dir, tokenizer, dataset, reward_funcs=None, model=N
     return GRPOTrainer(model if model is not None else make_tiny_model(tokenizer, seed=7),
                        reward_funcs if reward_funcs is not None else copy_digits_reward,
                        args=GRPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer)
+
+
+def vlm_families(families) -> list:
+    """`families` (keys of `cli.toy_vlm.VLM_FAMILIES`) as pytest parameters; one whose processor the installed
+    transformers cannot build offline (Gemma 4's imports torchvision before transformers 5.24) is skipped with the
+    import error as the reason."""
+    from grpo_trainer.cli.toy_vlm import VLM_FAMILIES
+
+    params = []
+    for family in families:
+        try:
+            VLM_FAMILIES[family]()
+            marks = ()
+        except ImportError as error:
+            marks = pytest.mark.skip(reason=f"{family}'s processor cannot be built here: {error}")
+        params.append(pytest.param(family, marks=marks))
+    return params

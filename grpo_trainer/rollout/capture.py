@@ -11,8 +11,7 @@ Every backend returns the tokens and masks. Beyond them:
    loss forward returns them instead of running its layers) and every step's tempered softmax `[B, T, V]` (the LM
    head's backward takes it instead of recomputing the logits). Only on-policy training qualifies (the weights
    must be the sampling weights), in a single process whose model no engine wraps (DDP, DeepSpeed and FSDP hook
-   the forward), and only the layer outputs need activation checkpointing (and transformers >= 5.2,
-   `runtime.compat.LAYER_REPLAY`).
+   the forward), and only the layer outputs need activation checkpointing.
 3. Replay tensors are kept only while they fit together in `Capture.max_bytes`, layer outputs first (they are the
    smaller, and save the most). They live from the rollout to the round's last micro-step.
 4. A multi-turn rollout whose completions hold tool results (`Rollout.env_mask`) keeps no sampling tensor at all:
@@ -33,7 +32,6 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout.types import Rollout
-from grpo_trainer.runtime import compat
 
 __all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_for_tool_results", "drop_unusable", "plan",
            "replay_buffers"]
@@ -59,7 +57,7 @@ KEEP_NOTHING = Capture()  # tokens, masks and sampling log-probs only
 def plan(*, training: bool, on_policy: bool, plain_single_process: bool, checkpointing: bool) -> Capture:
     """The replay tensors worth keeping for a round (decision 2), within `REPLAY_MAX_BYTES`."""
     replayable = training and on_policy
-    return Capture(layer_outputs=replayable and plain_single_process and checkpointing and compat.LAYER_REPLAY,
+    return Capture(layer_outputs=replayable and plain_single_process and checkpointing,
                    probs=replayable, max_bytes=REPLAY_MAX_BYTES)
 
 

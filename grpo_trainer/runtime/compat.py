@@ -13,51 +13,27 @@ Decisions:
    deprecated aliases that mirror them) and models gained `activation_checkpointing_enable/_disable` and
    `is_activation_checkpointing`. On older releases `CheckpointingFields` adds the new names to `GRPOConfig`, so a
    script written for either release runs on both; `resolve_checkpointing` gives both names one value, as 5.23 does.
-2. Gradient-accumulation scaling (transformers 5.19 added `Trainer.loss_is_scaled_for_ga`): GRPO losses already
-   include it (`algorithms.losses`, decision 2). Before 5.19 `Trainer.training_step` divides `compute_loss`'s
-   result by the window's micro-batch count again whenever it has not counted label tokens itself, which is always
-   the case for GRPO's batches of rows, or a `compute_loss_func` is set; `loss_already_scaled` sets one (never
-   called) for the duration of `training_step`. And before 5.6 the Trainer gave Accelerate the accumulation steps
-   too, whose `backward` divided once more (except under DeepSpeed); `leave_accumulation_to_trainer` sets
-   Accelerate's to 1, as 5.6 does. So the loss is backpropagated as computed, bit for bit.
-3. The fast backend's model-forward tier passes the KV cache under the name the model's forward takes
-   (`cache` from transformers 5.24, `past_key_values` before), and asks the dynamic cache whether any layer is
-   linear attention (`DynamicCache.is_linear`, transformers 5.13); before it, a model with such layers kept a
-   cache class of its own, which the tier already refuses.
-4. Continuous batching: `generate_batch` takes a `ContinuousBatchingConfig` from transformers 5.4 on, and its `seed`
-   (which the backend sets for reproducible rollouts) from 5.9; older releases get an error naming 5.9 (TRL 1.16
-   accepts 5.8, where the engine cannot be seeded).
-5. Replay (`rollout.replay`) makes each checkpointed decoder layer of the loss forward return the rollout's output
-   without running. From transformers 5.2 the model's recorded outputs come from hooks and its final hidden state
-   from its own output, so nothing is lost; before 5.2 the hidden states were collected by patching each decoder
-   layer's `forward`, which a replayed layer never calls, so the loss forward would return none, and replay is
-   off (`LAYER_REPLAY`).
+2. The fast backend's model-forward tier passes the KV cache under the name the model's forward takes
+   (`cache` from transformers 5.24, `past_key_values` before).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
 import inspect
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from packaging.version import Version
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig, Trainer, TrainingArguments
+from transformers import DynamicCache, PretrainedConfig, TrainingArguments
 
-__all__ = ["BACKPORTED_FIELDS", "CONTINUOUS_BATCHING_RELEASE", "FLOOR", "LAYER_REPLAY", "CheckpointingFields",
-           "cache_argument", "checkpointing_is_on", "continuous_batching_blocker", "disable_checkpointing",
-           "enable_checkpointing", "has_linear_attention", "leave_accumulation_to_trainer", "loss_already_scaled",
-           "mirror_checkpointing",
+__all__ = ["BACKPORTED_FIELDS", "FLOOR", "CheckpointingFields", "cache_argument", "checkpointing_is_on",
+           "disable_checkpointing", "enable_checkpointing", "has_linear_attention", "mirror_checkpointing",
            "resolve_checkpointing"]
 
-FLOOR = "5.0.0"  # setup.cfg's lower bound; tests/runtime/test_transformers_compat.py checks the two agree
+FLOOR = "5.19.0"  # setup.cfg's lower bound; tests/runtime/test_transformers_compat.py checks the two agree
 
 if Version(transformers.__version__) < Version(FLOOR):  # e.g. installed with --no-deps next to another package
     raise ImportError(f"grpo_trainer needs transformers >= {FLOOR} (installed: {transformers.__version__}); "
@@ -147,76 +123,14 @@ def checkpointing_is_on(model: nn.Module) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
-# ------------------------------------------------------------------------------- 2. gradient-accumulation scaling
-
-# transformers 5.19: `Trainer.training_step` reads `loss_is_scaled_for_ga` and leaves a scaled loss alone.
-_TRAINER_READS_LOSS_IS_SCALED_FOR_GA = hasattr(Trainer, "loss_is_scaled_for_ga")
-
-
-@contextlib.contextmanager
-def loss_already_scaled(trainer: Trainer) -> Iterator[None]:
-    """Around `Trainer.training_step`: the loss `compute_loss` returns (already scaled for gradient accumulation)
-    is backpropagated and reported as is, on every release (decision 2)."""
-    if _TRAINER_READS_LOSS_IS_SCALED_FOR_GA:
-        yield
-        return
-    # Before 5.19 training_step skips its division when a `compute_loss_func` is set (it takes such a function's
-    # loss to be scaled already); GRPOTrainer's compute_loss never calls one.
-    saved = trainer.compute_loss_func
-    trainer.compute_loss_func = _scaled_by_compute_loss
-    try:
-        yield
-    finally:
-        trainer.compute_loss_func = saved
-
-
-def leave_accumulation_to_trainer(accelerator: Accelerator) -> None:
-    """After the Trainer created its Accelerator: Accelerate does no gradient-accumulation scaling of its own (what
-    transformers >= 5.6 sets up itself; decision 2). DeepSpeed reads the steps from its config and scales nothing
-    here (the Trainer passes `scale_wrt_gas=False`)."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED and accelerator.gradient_accumulation_steps != 1:
-        accelerator.gradient_accumulation_steps = 1
-
-
-def _scaled_by_compute_loss(*args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError("GRPOTrainer computes its loss in compute_loss; compute_loss_func is not used.")
-
-
-# ---------------------------------------------------------------------------------------------- 3. the cache
+# ---------------------------------------------------------------------------------------------- 2. the cache
 
 
 def cache_argument(lm: nn.Module) -> str:
-    """The keyword under which `lm.forward` takes its KV cache (decision 3)."""
+    """The keyword under which `lm.forward` takes its KV cache (decision 2)."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"  # `cache`: 5.24
 
 
 def has_linear_attention(config: PretrainedConfig) -> bool:
     """Whether the dynamic cache `generate` builds for `config` holds linear-attention (recurrent) layers."""
-    return any(getattr(DynamicCache(config=config), "is_linear", ()))  # `is_linear`: transformers 5.13
-
-
-# --------------------------------------------------------------------------------------- 4. continuous batching
-
-CONTINUOUS_BATCHING_RELEASE = "5.9"
-
-
-def continuous_batching_blocker() -> str | None:
-    """Why transformers' continuous batching cannot be used with the installed release (None: it can)."""
-    try:  # transformers 5.4: generate_batch(continuous_batching_config=...) with this configuration class
-        from transformers.generation import ContinuousBatchingConfig
-    except ImportError:
-        ContinuousBatchingConfig = None
-    if ContinuousBatchingConfig is None or "seed" not in _fields(ContinuousBatchingConfig):  # `seed`: 5.9
-        return (f"transformers' continuous batching (use_transformers_continuous_batching) needs transformers >= "
-                f"{CONTINUOUS_BATCHING_RELEASE} (installed: {transformers.__version__})")
-    return None
-
-
-def _fields(cls: type) -> set[str]:
-    return set(inspect.signature(cls).parameters)
-
-
-# ------------------------------------------------------------------------------------------------- 5. replay
-
-# transformers 5.2: outputs are recorded by hooks (`transformers.utils.output_capturing`), not by patched forwards.
-LAYER_REPLAY = importlib.util.find_spec("transformers.utils.output_capturing") is not None
+    return any(DynamicCache(config=config).is_linear)

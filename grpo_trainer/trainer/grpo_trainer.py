@@ -63,7 +63,7 @@ from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
-from grpo_trainer.runtime import compat, distributed, interrupts, models
+from grpo_trainer.runtime import distributed, interrupts, models
 from grpo_trainer.trainer.lifecycle import LifecycleMixin
 from grpo_trainer.trainer.loss import LossMixin
 from grpo_trainer.trainer.round import Round
@@ -191,7 +191,6 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        compat.leave_accumulation_to_trainer(self.accelerator)  # transformers < 5.6 gave Accelerate the steps too
         distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
 
     @staticmethod

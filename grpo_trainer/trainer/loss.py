@@ -21,7 +21,7 @@ from grpo_trainer.algorithms import losses, masks, surrogates
 from grpo_trainer.algorithms.entropy import window_stats
 from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
 from grpo_trainer.rollout import multimodal, replay
-from grpo_trainer.runtime import compat, distributed, models
+from grpo_trainer.runtime import distributed, models
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["LossMixin"]
@@ -168,8 +168,7 @@ class LossMixin:
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then a guard: a non-finite loss or gradient drops this window's gradients."""
         started = time.perf_counter()
-        with compat.loss_already_scaled(self):  # transformers < 5.19 would divide it by the window again
-            loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
         self._record_step_time(time.perf_counter() - started)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         finite = torch.isfinite(loss) and (not grads or torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))

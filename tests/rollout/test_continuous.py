@@ -13,12 +13,7 @@ from grpo_trainer.rollout import BACKENDS, select
 from grpo_trainer.rollout.continuous import ContinuousBatchingBackend, continuous_batching_settings
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from grpo_trainer.runtime import compat
 from tests.helpers import assert_same_rollout, greedy_config, grouped_prompts, model_of_kind
-
-# Older releases refuse the backend by name, which tests/runtime/test_transformers_compat.py checks.
-pytestmark = pytest.mark.skipif(compat.continuous_batching_blocker() is not None, reason="the continuous-batching "
-                                f"backend needs transformers >= {compat.CONTINUOUS_BATCHING_RELEASE}")
 
 # A small paged cache: the engine otherwise sizes it from free memory, which on a CPU machine is most of its RAM.
 # (`page_size` is transformers 5.18's name for what 5.17 and older call `block_size`.)

@@ -22,8 +22,9 @@ from grpo_trainer.rollout.multimodal import (
 )
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
+from tests.helpers import vlm_families
 
-FAMILIES = sorted(VLM_FAMILIES)
+FAMILIES = vlm_families(sorted(VLM_FAMILIES))
 
 
 def _image(colour: str, width: int = 40, height: int = 30) -> Image.Image:

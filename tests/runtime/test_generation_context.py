@@ -6,6 +6,7 @@ from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import generate as generate_module
+from grpo_trainer.runtime import compat
 from grpo_trainer.runtime.distributed import checkpointing_paused
 
 
@@ -15,11 +16,11 @@ def _flags(model) -> list[bool]:
 
 def test_checkpointing_paused_restores_the_flags_even_after_an_error(tokenizer):
     model = make_tiny_model(tokenizer)
-    model.activation_checkpointing_enable()
+    compat.enable_checkpointing(model)
     function = model.get_decoder().layers[0]._gradient_checkpointing_func
     with pytest.raises(RuntimeError, match="inside"):
         with checkpointing_paused(model):
-            assert _flags(model) == [False, False] and not model.is_activation_checkpointing
+            assert _flags(model) == [False, False] and not compat.checkpointing_is_on(model)
             raise RuntimeError("inside")
     assert _flags(model) == [True, True] and model.get_decoder().layers[0]._gradient_checkpointing_func is function
     plain = make_tiny_model(tokenizer)  # checkpointing off: nothing to pause, nothing turned on afterwards

@@ -12,8 +12,6 @@ from transformers import TrainingArguments
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
-from grpo_trainer.rollout import select
-from grpo_trainer.rollout.continuous import ContinuousBatchingBackend
 from grpo_trainer.runtime import compat
 
 BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
@@ -99,25 +97,10 @@ def _first_grad_norm(tmp_path, tokenizer, dataset, accumulation: int) -> float:
 def test_gradient_accumulation_scales_the_gradient_once(tmp_path, tokenizer, toy_dataset):
     """dapo's loss is the token mean over the whole accumulation window, whatever its split (DAPO, section 3.3), so
     one round of 8 completions gives the same gradient as one micro-batch of 8 or as 2 or 4 micro-batches
-    accumulated. A loss divided by the micro-batch count again (transformers < 5.19 without
-    `compat.loss_already_scaled`) gives 1/2 and 1/4 of it, one never scaled 2 and 4 times it."""
+    accumulated. A loss divided by the micro-batch count again (what `Trainer.training_step` does unless
+    `loss_is_scaled_for_ga` is set) gives 1/2 and 1/4 of it, one never scaled 2 and 4 times it."""
     whole = _first_grad_norm(tmp_path / "1", tokenizer, toy_dataset, accumulation=1)
     assert whole > 0
     for accumulation in (2, 4):
         split = _first_grad_norm(tmp_path / str(accumulation), tokenizer, toy_dataset, accumulation)
         assert math.isclose(split, whole, rel_tol=1e-4), (accumulation, split, whole)
-
-
-# ------------------------------------------------------------------------------------ continuous batching
-
-
-def test_continuous_batching_is_available_or_refused_naming_the_release(tmp_path, tokenizer, toy_dataset):
-    args = GRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, use_transformers_continuous_batching=True)
-    reason = compat.continuous_batching_blocker()
-    if reason is None:  # tests/rollout/test_continuous.py trains through it
-        assert isinstance(select(args), ContinuousBatchingBackend)
-        return
-    assert f"needs transformers >= {compat.CONTINUOUS_BATCHING_RELEASE}" in reason
-    with pytest.raises(ImportError, match=r"needs transformers >= 5\.9"):
-        GRPOTrainer(make_tiny_model(tokenizer), _varied_reward, args=args, train_dataset=toy_dataset,
-                    processing_class=tokenizer)
