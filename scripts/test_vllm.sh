@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the vLLM CPU environment (.venv-vllm, scripts/vllm_cpu_env.sh) and run the tests that need vLLM
-# in it, plus the vLLM-related tests that do not. `.ci/run` calls this after the main suite.
+# in it, plus the vLLM-related tests that do not. Not part of CI (.ci/run): vllm-cpu's environment and these tests
+# would take most of its time budget; run it before merging vLLM changes.
 #
 #   bash scripts/test_vllm.sh                                  # transformers as vllm-cpu pins it
 #   VLLM_ENV_TRANSFORMERS=5.24.0 bash scripts/test_vllm.sh     # another transformers over the pin

@@ -196,3 +196,21 @@ def vlm_families(families) -> list:
             marks = pytest.mark.skip(reason=f"{family}'s processor cannot be built here: {error}")
         params.append(pytest.param(family, marks=marks))
     return params
+
+
+def run_bounded(command: list[str], cwd, env: dict, log, timeout_s: float) -> int:
+    """Run `command` with its output in the file `log` until it exits, or until `timeout_s` pass: then its whole
+    process group is killed (a launcher's ranks, a server's workers) and the exit code is -9."""
+    import os
+    import signal
+    import subprocess
+
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return -9

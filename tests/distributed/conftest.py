@@ -10,9 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +25,8 @@ LAUNCH_TIMEOUT_S = 300
 sys.path.insert(0, str(HARNESS.parent))
 
 import harness  # noqa: E402 - found through the sys.path entry above
+
+from tests.helpers import run_bounded  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,7 @@ def accelerate_launch(config: str, script_args: list[str], env: dict, log: Path,
                f"accelerate_configs/cpu/{config}", "--main_process_port", str(_free_port()), str(script),
                *script_args]
     start = time.perf_counter()
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            code = -9
+    code = run_bounded(command, REPO, env, log, LAUNCH_TIMEOUT_S)
     return code, time.perf_counter() - start
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import run_bounded
 from tests.vllm_integration.vllm_helpers import REPO, free_port
 
 LAUNCH_TIMEOUT_S = 480
@@ -34,15 +33,7 @@ def test_two_processes_train_with_vllm(tmp_path, served_model, request, mode):
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
     log = tmp_path / "launch.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            code = -9
+    code = run_bounded(command, REPO, env, log, LAUNCH_TIMEOUT_S)
     assert code == 0, log.read_text()[-6000:]
     assert "Traceback" not in log.read_text()  # vLLM's engines shut down cleanly at exit
     results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
