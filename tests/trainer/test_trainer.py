@@ -210,6 +210,16 @@ def test_evaluate_reports_rewards_and_pass_at_k(tmp_path, tiny_model, tokenizer,
     assert metrics["eval_pass@1"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
 
 
+def test_eval_on_start_evaluates_before_the_first_step(tmp_path, tiny_model, tokenizer, toy_dataset):
+    args = make_args(tmp_path, loss_type="grpo", eval_strategy="steps", eval_steps=2, eval_on_start=True,
+                     per_device_eval_batch_size=4)
+    trainer = GRPOTrainer(tiny_model, varied_reward, args=args, train_dataset=toy_dataset,
+                          eval_dataset=toy_dataset.select(range(4)), processing_class=tokenizer)
+    trainer.train()
+    assert [(log["step"], "eval_loss" in log) for log in trainer.state.log_history if "eval_reward" in log] == \
+        [(0, True), (2, True)]
+
+
 def test_processes_generate_once_per_round_and_metrics_use_trl_names(tmp_path, tiny_model, tokenizer, toy_dataset):
     trainer, _ = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, beta=0.1)
     first = trainer.state.log_history[0]
