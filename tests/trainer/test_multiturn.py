@@ -195,6 +195,8 @@ def test_a_row_naming_an_unknown_environment_fails_the_round(tmp_path):
     rows = Dataset.from_dict({"environment": ["vault", "nowhere"] * 4})
     run = trainer(tmp_path, train_dataset=rows, environment_factory={"vault": Vault}, per_device_train_batch_size=8,
                   num_generations=2)
+    # TRL's attributes for a dict of environments: each one's tools, and its pool seeded by the probe instance
+    assert [tool.__name__ for tool in run._env_tools["vault"]] == ["get"] and len(run._environment_pool["vault"]) == 1
     with pytest.raises(ValueError, match="environment='nowhere', which is not among the environments"):
         run.train()
 
