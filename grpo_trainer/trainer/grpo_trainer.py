@@ -137,6 +137,9 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
         owned_rewards = environments.reward_funcs if environments else []
         check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
         processing_class = self._load_processing_class(model, processing_class, args)
+        # The text tokenizer (a processor's own): a plain attribute under TRL's name, which code written against
+        # TRL reads and assigns.
+        self._tokenizer = multimodal.text_tokenizer(processing_class)
         self.rollout_backend = rollout.select(args)
         multimodal.check_processor_setup(args, processing_class)
         self.rollout_backend.check_model(model, args.trust_remote_code)
@@ -236,11 +239,6 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
     def reward_func_names(self) -> list[str]:
         """TRL's name for `reward_names`: each reward source's metric name."""
         return self.reward_names
-
-    @property
-    def _tokenizer(self) -> Any:
-        """The text tokenizer: the processing class, or a processor's tokenizer (TRL's attribute name)."""
-        return multimodal.text_tokenizer(self.processing_class)
 
     def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
                       quantization_config: Any) -> nn.Module:

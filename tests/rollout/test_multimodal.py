@@ -186,6 +186,9 @@ def test_backends_declare_images_and_others_hand_image_rounds_to_generate():
     assert serving(fast, text_only) is fast  # token types alone are no images
     generate = GenerateBackend()
     assert serving(generate, with_pictures) is generate
+    # vLLM takes no image inputs here (TRL 1.16 sends them to vLLM): its rounds with images run on generate too.
+    vllm = object.__new__(BACKENDS["vllm"])  # no engine: deciding who serves a round reads only the class
+    assert not vllm.capabilities.images and isinstance(serving(vllm, with_pictures), GenerateBackend)
 
 
 def test_processor_setup_lets_ddp_find_the_vision_towers_unused_parameters(tmp_path):

@@ -119,6 +119,20 @@ def test_off_policy_mask_drops_a_drifted_negative_completion(tmp_path, tiny_mode
                                          abs=1e-5)
 
 
+def test_get_off_policy_mask_is_trls_static_method_with_its_keyword_names():
+    # drift = mean of (sampling - current) over the active tokens, threshold 0.5:
+    #   row 0: A = -1, tokens (0 - (-1)) and (0 - 0) -> drift (1 + 0) / 2 = 0.5 <= 0.5: kept
+    #   row 1: A = -1, one active token 0 - (-2) = 2 (the second is padding)  -> 2 > 0.5: dropped
+    #   row 2: A = +2, drift 2, but a positive advantage is always kept
+    kept = GRPOTrainer.get_off_policy_mask(
+        advantages=torch.tensor([[-1.0], [-1.0], [2.0]]),
+        per_token_logps=torch.tensor([[-1.0, 0.0], [-2.0, -9.0], [-2.0, -2.0]]),
+        sampling_per_token_logps=torch.zeros(3, 2),
+        mask=torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]),
+        off_policy_threshold=0.5)
+    assert kept.tolist() == [[1.0], [0.0], [1.0]]
+
+
 def test_high_entropy_mask_pools_every_process(tmp_path, tiny_model, tokenizer, toy_dataset):
     """`get_high_entropy_mask` pads the local entropies to a common length, gathers them and drops the padding
     before taking the quantile. Here the gather is a stand-in that appends a second process's padded entropies

@@ -146,6 +146,21 @@ def test_a_rollout_func_rollout_trains_with_its_env_mask_and_extra_fields(tmp_pa
     assert run.state.log_history[0]["completions/mean_length"] == 4 and run.state.log_history[0]["reward"] == 0.5
 
 
+def test_generate_works_on_a_trainer_assembled_attribute_by_attribute_as_trls_unit_tests_do(tmp_path):
+    # TRL's own tests build a trainer with `object.__new__` and assign `_tokenizer` (a plain attribute in TRL):
+    # a read-only property there would make that assignment an AttributeError.
+    run = trainer(tmp_path, generation_kwargs=None)
+    assert run._tokenizer is TOKENIZER
+    bare = object.__new__(GRPOTrainer)
+    bare._tokenizer, bare.processing_class = TOKENIZER, TOKENIZER
+    bare.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2, 3]],
+                                                  "logprobs": [[-0.1, -0.2]], "env_mask": [[1, 0]]}
+    assert bare._generate(["prompt"])[:3] == ([[1]], [[2, 3]], [[1, 0]])  # TRL's order: ids, ids, mask
+    bare.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]]}
+    with pytest.raises(ValueError, match="rollout_func must return keys"):
+        bare._generate(["prompt"])
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"reward_funcs": None}, "No reward source provided"),
     ({"train_dataset": None}, "`train_dataset` is required unless an `environment_factory`"),
@@ -180,6 +195,8 @@ def test_a_row_naming_an_unknown_environment_fails_the_round(tmp_path):
     rows = Dataset.from_dict({"environment": ["vault", "nowhere"] * 4})
     run = trainer(tmp_path, train_dataset=rows, environment_factory={"vault": Vault}, per_device_train_batch_size=8,
                   num_generations=2)
+    # TRL's attributes for a dict of environments: each one's tools, and its pool seeded by the probe instance
+    assert [tool.__name__ for tool in run._env_tools["vault"]] == ["get"] and len(run._environment_pool["vault"]) == 1
     with pytest.raises(ValueError, match="environment='nowhere', which is not among the environments"):
         run.train()
 

@@ -210,6 +210,39 @@ def test_evaluate_reports_rewards_and_pass_at_k(tmp_path, tiny_model, tokenizer,
     assert metrics["eval_pass@1"] == pytest.approx(metrics["eval_reward"], abs=1e-6)
 
 
+def test_each_training_step_gets_its_rounds_rows_in_dataset_order_without_shuffle(tmp_path, tiny_model, tokenizer,
+                                                                                monkeypatch):
+    # 6 prompts, num_generations=2, per_device_train_batch_size=2, steps_per_generation=2: a round is 2 prompts x 2
+    # rows; it serves steps_per_generation x num_iterations = 4 micro-steps, each handed the round's rows (TRL's
+    # contract for `training_step`), and with shuffle_dataset=False the rounds follow the dataset: 3 rounds, 12 calls.
+    from datasets import Dataset
+
+    prompts = ["12", "34", "56", "78", "90", "13"]
+    seen, original = [], GRPOTrainer.training_step
+
+    def recording(self, model, inputs, *rest):
+        seen.append(inputs)
+        return original(self, model, inputs, *rest)
+
+    monkeypatch.setattr(GRPOTrainer, "training_step", recording)
+    args = make_args(tmp_path, max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2, steps_per_generation=2,
+                     num_iterations=2, gradient_accumulation_steps=2, shuffle_dataset=False)
+    GRPOTrainer(tiny_model, varied_reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                processing_class=tokenizer).train()
+    rounds = [[{"prompt": a}] * 2 + [{"prompt": b}] * 2 for a, b in zip(prompts[::2], prompts[1::2])]
+    assert seen == [rows for rows in rounds for _ in range(4)]
+
+
+def test_eval_on_start_evaluates_before_the_first_step(tmp_path, tiny_model, tokenizer, toy_dataset):
+    args = make_args(tmp_path, loss_type="grpo", eval_strategy="steps", eval_steps=2, eval_on_start=True,
+                     per_device_eval_batch_size=4)
+    trainer = GRPOTrainer(tiny_model, varied_reward, args=args, train_dataset=toy_dataset,
+                          eval_dataset=toy_dataset.select(range(4)), processing_class=tokenizer)
+    trainer.train()
+    assert [(log["step"], "eval_loss" in log) for log in trainer.state.log_history if "eval_reward" in log] == \
+        [(0, True), (2, True)]
+
+
 def test_processes_generate_once_per_round_and_metrics_use_trl_names(tmp_path, tiny_model, tokenizer, toy_dataset):
     trainer, _ = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, beta=0.1)
     first = trainer.state.log_history[0]
