@@ -154,3 +154,16 @@ def write_remote_code_model(folder, tokenizer, task: str = "causal-lm") -> str:
     update("tokenizer_config.json", tokenizer_class="TinyRemoteTokenizer",
            auto_map={"AutoTokenizer": [None, "tokenization_tinyremote.TinyRemoteTokenizer"]})
     return folder
+
+
+def force_onednn(monkeypatch) -> None:
+    """Every float32 CPU product that `algorithms.linear` serves goes through oneDNN, however small (the test
+    models' products are below `MIN_MACS`); skips where this torch build has no oneDNN linear."""
+    import pytest
+
+    from grpo_trainer.algorithms import linear
+
+    if linear._onednn_op() is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(linear, "_preferred", True)
+    monkeypatch.setattr(linear, "MIN_MACS", 0)

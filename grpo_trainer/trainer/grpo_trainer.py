@@ -44,7 +44,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
 from grpo_trainer import rollout
-from grpo_trainer.algorithms import losses, masks, surrogates
+from grpo_trainer.algorithms import linear, losses, masks, surrogates
 from grpo_trainer.algorithms.advantage import MULTI_OBJECTIVE_AGGREGATIONS, Advantage, get_advantage_estimator
 from grpo_trainer.algorithms.entropy import EntropyControl, window_stats
 from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
@@ -586,7 +586,10 @@ class GRPOTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete "
                                  "checkpoint; pass a checkpoint path, or start without resume_from_checkpoint.")
-        with checkpoints.save_on_sigterm(self):
+        # Large float32 CPU linears through oneDNN where it beats the BLAS (`algorithms.linear`); engines that shard
+        # or hook the weights (DeepSpeed, FSDP) keep their own.
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        with checkpoints.save_on_sigterm(self), linear.fast_linears(*(self.model, self.ref_model) if plain else ()):
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
             self._completions_upload.push_now()
