@@ -1,6 +1,8 @@
 """Helpers shared by test modules: tiny models of each decoder family, grouped prompts, greedy settings, and rollout
 comparisons. Everything is built offline from configs."""
 
+import copy
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -52,6 +54,13 @@ def model_of_kind(kind: str, tokenizer, **overrides):
                                                   **overrides})}[kind]()
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def fresh_copy(model):
+    """A copy of `model` for a reference run, so the run under test starts from the same state. Dynamic RoPE keeps
+    state between calls: transformers < 5.14 left the frequencies grown by a long call in place for the next call
+    (it recorded the cached length under another attribute name), so a second run would start from other ones."""
+    return copy.deepcopy(model)
 
 
 def grouped_prompts(tokenizer, repeats: int = 2) -> PromptBatch:
@@ -154,6 +163,21 @@ def write_remote_code_model(folder, tokenizer, task: str = "causal-lm") -> str:
     update("tokenizer_config.json", tokenizer_class="TinyRemoteTokenizer",
            auto_map={"AutoTokenizer": [None, "tokenization_tinyremote.TinyRemoteTokenizer"]})
     return folder
+
+
+def copy_task_trainer(output_dir, tokenizer, dataset, reward_funcs=None, model=None, **overrides):
+    """A GRPOTrainer on the toy copy task with a tiny seeded model: 4 completions per step, G=2, short completions,
+    no checkpoints unless asked for."""
+    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from grpo_trainer.cli.toy import copy_digits_reward
+
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
+                    max_completion_length=4, learning_rate=0.01, max_steps=2, report_to="none", save_strategy="no",
+                    logging_steps=1, seed=0, disable_tqdm=True)
+    settings.update(overrides)
+    return GRPOTrainer(model if model is not None else make_tiny_model(tokenizer, seed=7),
+                       reward_funcs if reward_funcs is not None else copy_digits_reward,
+                       args=GRPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer)
 
 
 def force_onednn(monkeypatch) -> None:

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grpo_trainer"
 ALLOWED: dict[str, set[str]] = {
     "algorithms": set(),
     "data": set(),
-    "config": {"algorithms"},
+    "config": {"algorithms", "runtime"},
     "rewards": {"algorithms", "data"},
     "runtime": {"algorithms"},
     "reporting": {"algorithms"},

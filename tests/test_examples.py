@@ -21,7 +21,8 @@ def _trained_two_steps(trainer) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer"])
+@pytest.mark.parametrize("name", ["gsm8k_grpo", "reward_model_lora", "rloo", "migrate_from_trainer", "tool_use",
+                                  "vlm_colours"])
 def test_example_smoke(name, tmp_path):
     trainer = load(name).main(["--smoke", "--output_dir", str(tmp_path)])
     rows = _trained_two_steps(trainer)
@@ -54,3 +55,35 @@ def test_migration_reward_prefers_the_bare_answer():
     example = load("migrate_from_trainer")
     completions = [[{"content": "Paris."}], [{"content": "It is Paris"}], [{"content": "Lyon"}]]
     assert example.answer_matches(completions, answer=["Paris"] * 3) == [1.0, 0.5, 0.0]
+
+
+def test_tool_use_reward_reads_each_rollouts_own_vault():
+    example = load("tool_use")
+    vaults = [example.Vault(), example.Vault()]
+    for vault, code in zip(vaults, ["3", "7"]):
+        vault.code = code
+    completions = [[{"role": "assistant", "content": ""}, {"role": "tool", "content": "3"},
+                    {"role": "assistant", "content": "3"}],
+                   [{"role": "assistant", "content": "3"}]]
+    assert example.correct_code(completions, environments=vaults) == [1.0, 0.0]
+
+
+def test_tool_use_a_tiny_model_learns_to_read_the_vault(tmp_path):
+    # After the format warm-up the model reads the vault about half the time; GRPO makes it read every time, and
+    # the reward (1 for the right code, 1 in 10 for a guess) rises with it.
+    trainer = load("tool_use").main(["--toy", "--max_steps", "30", "--output_dir", str(tmp_path)])
+    rows = [h for h in trainer.state.log_history if "reward" in h]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
+    assert rows[0]["tools/call_frequency"] < 0.7 and rows[-1]["tools/call_frequency"] > 0.9
+    assert (rows[-1]["reward"] + rows[-2]["reward"]) / 2 > rows[0]["reward"] + 0.1
+
+
+def test_vlm_colour_reward_and_images():
+    example = load("vlm_colours")
+    completions = [[{"content": "Red."}], [{"content": "reddish"}], [{"content": "blue"}], [{"content": ""}]]
+    # "reddish" starts with all 3 letters of "red" but is not the word: 0.5 * 3/3; "blue" vs "red": no letter
+    assert example.colour_reward(completions, colour=["red"] * 4) == [1.0, 0.5, 0.0, 0.0]
+    dataset = example.colour_dataset(4, size=32)
+    row = dataset[0]
+    pixels = set(row["image"].getdata())
+    assert pixels == {(255, 255, 255), example.COLOURS[row["colour"]]}  # white and the square's colour only

@@ -265,12 +265,12 @@ def _head_reproduces_logits(lm: nn.Module, logits: Tensor, last_hidden: Tensor, 
     return _CHECKED[lm]
 
 
-def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                                completion_length: int, temperature: float, chunk_size: int, with_entropy: bool,
-                                router: dict) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
+                                temperature: float, chunk_size: int, with_entropy: bool, forward_kwargs: dict
+                                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The model's own logits for the completion positions `[B, T, V]`, scored chunk by chunk (checkpointed)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=completion_length + 1, use_cache=False, **router)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_length + 1,
+                use_cache=False, **forward_kwargs)
     logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]
     flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
@@ -299,6 +299,7 @@ def completion_logprobs(
     known_entropy: Tensor | None = None,
     known_probs: Tensor | None = None,
     with_aux_loss: bool = False,
+    model_inputs: dict | None = None,
 ) -> LogProbs:
     """Log-probs of the last `completion_length` tokens of each row.
 
@@ -317,14 +318,18 @@ def completion_logprobs(
             with `known_logps` only: the backward then takes the softmax from it instead of recomputing the logits.
         with_aux_loss: a Mixture-of-Experts model also returns its router's load-balancing loss (the model is asked
             for its router logits, `output_router_logits=True`).
+        model_inputs: more keyword arguments of the forward (a vision-language model's pixel values, image grids,
+            token types); a `position_ids` entry replaces the attention-mask positions (None: the model's own).
     Returns:
         `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None).
     """
     # Positions count real tokens only, as in `generate`, so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    router = {"output_router_logits": True} if with_aux_loss else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
-                output_hidden_states=True, use_cache=False, **router)
+    extra = {"position_ids": position_ids, **(model_inputs or {})}
+    if with_aux_loss:
+        extra["output_router_logits"] = True
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, output_hidden_states=True,
+                use_cache=False, **extra)
     aux_loss = getattr(out, "aux_loss", None) if with_aux_loss else None
     if with_aux_loss and aux_loss is None:
         raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
@@ -334,8 +339,7 @@ def completion_logprobs(
     transform = LogitTransform.of(getattr(lm, "config", None))
     if not _head_reproduces_logits(lm, out.logits[:, -1], out.hidden_states[-1][:, -1], head, transform):
         logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(
-            model, input_ids, attention_mask, position_ids, completion_length, temperature, chunk_size, with_entropy,
-            router)
+            model, input_ids, attention_mask, completion_length, temperature, chunk_size, with_entropy, extra)
         return LogProbs(logps_t, entropies_t, aux_loss)
     # Position t predicts token t+1: the hidden states S-1 .. S+T-2 score completion tokens S .. S+T-1.
     hidden = out.hidden_states[-1][:, -completion_length - 1 : -1]  # [B, T, H]

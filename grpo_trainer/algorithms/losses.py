@@ -213,6 +213,7 @@ def policy_loss(
     entropy_mask: Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float | None = None,
+    engine_ratio: Tensor | None = None,
 ) -> LossOutput:
     """The GRPO objective for one micro-batch.
 
@@ -232,6 +233,8 @@ def policy_loss(
         entropy_mask: `[B, T]` the high-entropy tokens (`masks.high_entropy_mask`); the surrogate trains on them only.
         entropy / entropy_coef: `[B, T]` differentiable per-token entropy and the bonus coefficient; with a
             coefficient (0 included) the loss gets - c * `entropy.entropy_bonus` and the metric `policy_loss`.
+        engine_ratio: `[B, T]` an inference engine's importance weight (`engine_correction`), applied by the
+            surrogate (`surrogates`, decision 3); the KL term is not weighted, as in TRL.
     Returns: the loss; detached metrics under TRL's names (`kl`, the surrogate's, `policy_loss`); and per-completion
     values for `SEQUENCE_METRICS`.
     """
@@ -242,7 +245,7 @@ def policy_loss(
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     token_log_ratio = log_importance_ratio(logps, old_logps, mask, "token")
     log_ratio = log_importance_ratio(logps, old_logps, mask, importance_sampling_level)
-    per_token, flags = SURROGATES[surrogate_name](log_ratio, token_log_ratio, adv, logps, mask, params)
+    per_token, flags = SURROGATES[surrogate_name](log_ratio, token_log_ratio, adv, logps, mask, params, engine_ratio)
     if off_policy_threshold is not None:
         sampling = sampling_logps if sampling_logps is not None else old_logps
         sampling = logps.detach() if sampling is None else sampling

@@ -2,13 +2,17 @@
 
 Decisions:
 
-1. Every surrogate has one signature, `fn(log_ratio, token_log_ratio, advantages, logps, mask, params)`, and takes
-   what it needs: the importance ratio at the configured level (token `[B, T]` or sequence `[B, 1]`), the token
-   log-ratios (VESPO builds its own sequence weight from them), log pi (CISPO, VESPO), the mask (VESPO's sums) and
-   the hyperparameters (`SurrogateParams`). So `SURROGATES` is a plain table and adding one touches nothing else.
+1. Every surrogate has one signature, `fn(log_ratio, token_log_ratio, advantages, logps, mask, params,
+   engine_ratio=None)`, and takes what it needs: the importance ratio at the configured level (token `[B, T]` or
+   sequence `[B, 1]`), the token log-ratios (VESPO builds its own sequence weight from them), log pi (CISPO, VESPO),
+   the mask (VESPO's sums) and the hyperparameters (`SurrogateParams`). So `SURROGATES` is a plain table and adding
+   one touches nothing else.
 2. A surrogate also returns the quantities TRL logs for it, under TRL's metric names, each a `[B, T]` or `[B, 1]`
    tensor whose masked mean is the metric: the clip fractions for the clipped surrogate, `cispo_clip_ratio`,
    `vespo/phi_seq_mean`. SAPO logs none, as in TRL.
+3. `engine_ratio` `[B, T]` is the inference engine's importance weight (`engine_correction`; None without one). As
+   in TRL, it multiplies the token loss of every surrogate but VESPO, which folds it into its sequence weight. The
+   metrics ignore it.
 
 Shapes: `B` completions, `T` completion tokens. Advantages are `[B, 1]` or `[B, T]`.
 """
@@ -48,7 +52,13 @@ class SurrogateParams(NamedTuple):
     vespo_lambda_neg: float = 2.0
 
 
-Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, SurrogateParams], tuple[Tensor, dict[str, Tensor]]]
+Surrogate = Callable[..., tuple[Tensor, dict[str, Tensor]]]  # (log_ratio, token_log_ratio, advantages, logps, mask,
+#                                                           params, engine_ratio=None) -> (loss, metric flags)
+
+
+def _engine_weighted(loss: Tensor, engine_ratio: Tensor | None) -> Tensor:
+    """The token loss times the engine's importance weight (decision 3), when there is one."""
+    return loss if engine_ratio is None else loss * engine_ratio
 
 
 def _by_sign(advantages: Tensor, positive: float, negative: float, dtype: torch.dtype, strict: bool) -> Tensor:
@@ -59,7 +69,7 @@ def _by_sign(advantages: Tensor, positive: float, negative: float, dtype: torch.
 
 
 def clipped_surrogate(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor, logps: Tensor, mask: Tensor,
-                      params: SurrogateParams) -> tuple[Tensor, dict[str, Tensor]]:
+                      params: SurrogateParams, engine_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017), per token: -min(rho~ A, clip(rho, 1-eps_l, 1+eps_h) A), where
     rho~ = min(rho, delta) with INTELLECT-2 two-sided clipping (`delta`), else rho.
 
@@ -72,28 +82,29 @@ def clipped_surrogate(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Te
     low = (unclipped < 1 - params.epsilon_low) & (advantages < 0)
     high = (unclipped > 1 + params.epsilon_high) & (advantages > 0)
     flags = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
-    return loss.expand(torch.broadcast_shapes(logps.shape, loss.shape)), flags
+    return _engine_weighted(loss.expand(torch.broadcast_shapes(logps.shape, loss.shape)), engine_ratio), flags
 
 
 def cispo_surrogate(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor, logps: Tensor, mask: Tensor,
-                    params: SurrogateParams) -> tuple[Tensor, dict[str, Tensor]]:
+                    params: SurrogateParams, engine_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(min(rho, eps_high)) A log pi. Every token keeps a gradient; only
     the importance weight is capped. As in TRL, `epsilon_high` is the absolute cap (suggested 5.0).
     Metric `cispo_clip_ratio`: where the cap binds with A > 0."""
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, max=params.epsilon_high).detach()
-    return -weight * advantages * logps, {"cispo_clip_ratio": (ratio > params.epsilon_high) & (advantages > 0)}
+    flags = {"cispo_clip_ratio": (ratio > params.epsilon_high) & (advantages > 0)}
+    return _engine_weighted(-weight * advantages * logps, engine_ratio), flags
 
 
 def sapo_surrogate(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor, logps: Tensor, mask: Tensor,
-                   params: SurrogateParams) -> tuple[Tensor, dict[str, Tensor]]:
+                   params: SurrogateParams, engine_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (arXiv:2511.20347): a soft sigmoid gate instead of a hard clip, -(4/tau) sigma(tau (rho-1)) A, with
     tau = tau_pos for A > 0 else tau_neg. Its gradient at rho = 1 equals the unclipped surrogate's."""
     ratio = torch.exp(log_ratio)
     dtype = torch.promote_types(ratio.dtype, advantages.dtype)
     tau = _by_sign(advantages, params.sapo_temperature_pos, params.sapo_temperature_neg, dtype, strict=True)
     loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
-    return loss.expand(torch.broadcast_shapes(logps.shape, loss.shape)), {}
+    return _engine_weighted(loss.expand(torch.broadcast_shapes(logps.shape, loss.shape)), engine_ratio), {}
 
 
 _LOG_MIN_WEIGHT = math.log(1e-8)  # VESPO's floor on the sequence weight w, in log space
@@ -125,11 +136,12 @@ def gamma_weights(advantages: Tensor, token_log_ratio: Tensor, mask: Tensor, imp
 
 
 def vespo_surrogate(log_ratio: Tensor, token_log_ratio: Tensor, advantages: Tensor, logps: Tensor, mask: Tensor,
-                    params: SurrogateParams) -> tuple[Tensor, dict[str, Tensor]]:
+                    params: SurrogateParams, engine_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """VESPO: -sg(phi(w)) A log pi, a soft, asymmetric sequence-level weight instead of a hard clip. The sequence
-    ratio w comes from the token log-ratios whatever `importance_sampling_level` says (as in TRL).
+    ratio w comes from the token log-ratios whatever `importance_sampling_level` says (as in TRL), times the
+    engine's importance weights when given (`gamma_weights`' `importance_ratio`), which then scale nothing else.
     Metric `vespo/phi_seq_mean`: the mean phi over sequences."""
-    phi = gamma_weights(advantages, token_log_ratio, mask, None, params.vespo_k_pos, params.vespo_lambda_pos,
+    phi = gamma_weights(advantages, token_log_ratio, mask, engine_ratio, params.vespo_k_pos, params.vespo_lambda_pos,
                         params.vespo_k_neg, params.vespo_lambda_neg)
     return -phi * advantages * logps, {"vespo/phi_seq_mean": phi}
 

@@ -3,6 +3,7 @@
     grpo-train                                   # the offline demo (same as --demo)
     grpo-train --config run.yaml --learning_rate 1e-6
     accelerate launch -m grpo_trainer.cli --config run.yaml   # on CPU: ACCELERATE_USE_CPU=true
+    grpo-train vllm-serve --model <model>        # the vLLM server of vllm_mode='server' (`cli.vllm_serve`)
 
 Decisions:
 
@@ -320,6 +321,10 @@ def prepare(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig, list, Any, An
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["vllm-serve"]:
+        from grpo_trainer.cli import vllm_serve
+
+        return vllm_serve.main(argv[1:])
     try:
         script_args, config, reward_funcs, dataset, eval_dataset = prepare(argv)
         model, tokenizer = load_model(script_args, config)

@@ -4,6 +4,10 @@ Nothing here downloads anything. The tokenizer is character-level (a `tokenizers
 characters, wrapped in `PreTrainedTokenizerFast`) with a chat template, a pad token and an EOS token, so it
 exercises the same code paths as a real instruct model's tokenizer.
 
+`make_tokenizer(tool_calling=True)` adds a tool role and call tags, with a chat template that writes a call as
+`<call>name key=value ...</call>` and a `response_template` for transformers' response parsing that reads it back:
+a format short enough for a tiny model to learn (examples/tool_use.py).
+
 The toy task ("copy the digits"): the prompt holds a few random digits, the completion should repeat them and
 stop. `copy_digits_reward` (in the reward library, so `--reward_funcs copy_digits` finds it) gives partial credit
 per correct position, so a randomly initialised model has a reward signal to climb from the first step.
@@ -20,30 +24,63 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from grpo_trainer.rewards.library import copy_digits_reward  # the task's reward, selectable by name
 
-__all__ = ["CHAT_TEMPLATE", "copy_digits_dataset", "copy_digits_reward", "make_tiny_model", "make_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "TOOL_CHAT_TEMPLATE", "TOOL_RESPONSE_TEMPLATE", "copy_digits_dataset", "copy_digits_reward",
+           "make_tiny_model", "make_tokenizer"]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+TOOL_TOKENS = ["<|tool|>", "<call>", "</call>"]
+# Tools are listed by name in a system turn; a call is `<call>name key=value ...</call>`; results are tool turns.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}<|end|>"
+    "{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<call>{{ call['function']['name'] }}"
+    "{% for key, value in call['function']['arguments'].items() %} {{ key }}={{ value }}{% endfor %}</call>"
+    "{% endfor %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# transformers' response parsing of that format: the text before any call is the content; each call's name follows
+# `<call>`, its arguments are `key=value` pairs whose values are read as JSON where they parse (numbers).
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"<call>(?P<name>\w+)", "close": "</call>", "repeats": True, "content": "xml-inline",
+            "content_args": {"tag_pattern": r"(?P<key>\w+)=(?P<value>[^\s<]+)",
+                             "value_parser": {"name": "json", "args": {"allow_non_json": True}}},
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"<\|end\|>|<eos>|$", "content": "text"},
+    },
+}
 
 
-def make_tokenizer(extra_vocab: int = 0) -> PreTrainedTokenizerFast:
+def make_tokenizer(extra_vocab: int = 0, tool_calling: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over printable ASCII, with `extra_vocab` unused filler tokens (to reach a
-    realistic vocabulary size for benchmarks)."""
+    realistic vocabulary size for benchmarks). `tool_calling`: three more special tokens (after the others, so every
+    other id is unchanged), `TOOL_CHAT_TEMPLATE` and `TOOL_RESPONSE_TEMPLATE`."""
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + [f"<extra_{i}>" for i in range(extra_vocab)])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    specials = "|".join(t.replace("|", r"\|") for t in SPECIAL_TOKENS)
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(f"{specials}|."), behavior="isolated")
+    specials = SPECIAL_TOKENS + (TOOL_TOKENS if tool_calling else [])
+    tokens = SPECIAL_TOKENS + chars + [f"<extra_{i}>" for i in range(extra_vocab)] + (TOOL_TOKENS if tool_calling
+                                                                                         else [])
+    backend = Tokenizer(models.WordLevel(vocab={tok: i for i, tok in enumerate(tokens)}, unk_token="<unk>"))
+    pattern = "|".join(t.replace("|", r"\|") for t in specials)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(f"{pattern}|."), behavior="isolated")
     backend.decoder = decoders.Fuse()  # characters join back without spaces
-    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.add_special_tokens(specials)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        chat_template=CHAT_TEMPLATE, padding_side="left", clean_up_tokenization_spaces=False,
+        chat_template=TOOL_CHAT_TEMPLATE if tool_calling else CHAT_TEMPLATE, padding_side="left",
+        clean_up_tokenization_spaces=False,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:]})
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[3:]})
+    if tool_calling:
+        tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
     return tokenizer
 
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALES
+from grpo_trainer.algorithms.engine_correction import IS_MODES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
 __all__ = ["PENDING", "advisories", "check_config", "check_pending"]
 
 # Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
-PENDING: dict[str, tuple[Any, str]] = {
-    "use_vllm": (lambda v: v, "vLLM generation (issue 21)"),
-    "max_tool_calling_iterations": (lambda v: v is not None, "multi-turn tool calling (issue 22)"),
-}
+PENDING: dict[str, tuple[Any, str]] = {}  # every TRL 1.16 feature is built; the guard stays for new fields
 
 
 def _rules(args: Any) -> list[tuple[bool, str]]:
@@ -45,6 +43,9 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.max_prompt_length is not None and args.max_prompt_length < 1,
          f"max_prompt_length must be >= 1 or None (got {args.max_prompt_length})."),
         (args.num_iterations < 1, f"num_iterations must be >= 1 (got {args.num_iterations})."),
+        (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,
+         f"max_tool_calling_iterations must be >= 0 or None (got {args.max_tool_calling_iterations}); None lets the "
+         "model call tools until it stops or its completion budget runs out."),
         (not 0 <= args.top_entropy_quantile <= 1,
          f"top_entropy_quantile must be in [0, 1] (got {args.top_entropy_quantile}); 1.0 keeps every token, 0.0 "
          "only the highest-entropy ones."),
@@ -59,6 +60,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"unknown scale_rewards {args.scale_rewards!r}; choose one of {list(SCALES)} (or True/False)."),
         (args.reward_error_policy not in ("raise", "none"),
          f"unknown reward_error_policy {args.reward_error_policy!r}; choose 'raise' or 'none'."),
+        (args.reward_timeout is not None and not args.reward_timeout > 0,
+         f"reward_timeout must be > 0 seconds or None (got {args.reward_timeout}); None sets no limit."),
+        (not args.signal_grace_period >= 0,
+         f"signal_grace_period must be >= 0 seconds (got {args.signal_grace_period})."),
         (args.sync_ref_model and args.beta == 0,
          "sync_ref_model=True needs beta > 0: with beta == 0 there is no reference model to sync."),
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
@@ -75,6 +80,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          and args.vllm_importance_sampling_clip_min >= args.vllm_importance_sampling_clip_max,
          f"vllm_importance_sampling_clip_min ({args.vllm_importance_sampling_clip_min}) must be less than "
          f"vllm_importance_sampling_clip_max ({args.vllm_importance_sampling_clip_max})."),
+        (args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction
+         and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"),
+         "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
+         f"{args.vllm_importance_sampling_mode}."),
         (args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode.endswith("_truncate")
          and args.vllm_importance_sampling_clip_min is None and args.vllm_importance_sampling_clip_max is None,
          "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max; set one "
@@ -97,9 +106,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"{args.world_size} processes) must be divisible by the evaluation's num_generations "
          f"({args.num_generations_eval or G}): each prompt's completions are scored together."),
     ]
-
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _sequence_parallel(args: Any) -> bool:

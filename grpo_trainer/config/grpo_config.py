@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 
 from grpo_trainer.config.checks import check_config
 from grpo_trainer.config.legacy import LegacyFields, resolve_legacy
+from grpo_trainer.runtime import compat
 
 __all__ = ["GRPOConfig"]
 
@@ -35,7 +36,7 @@ def _bf16_is_fast() -> bool:
 
 
 @dataclass
-class GRPOConfig(LegacyFields, TrainingArguments):
+class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     """Configuration for `GRPOTrainer`. `per_device_train_batch_size` counts *completions*, as in TRL."""
 
     # Dict fields that may arrive as JSON strings (command line, YAML): TrainingArguments parses the ones listed here.
@@ -148,6 +149,10 @@ class GRPOConfig(LegacyFields, TrainingArguments):
         "the sample, 'none' treats that reward as missing (None).")
     reward_model_batch_size: int | None = _opt(
         None, "Completions scored per reward-model forward (None = per_device_train_batch_size).")
+    reward_timeout: float | None = _opt(
+        None, "Seconds a reward function may take on one batch; past it the call is abandoned and counts as a "
+        "failure of that function (reward_error_policy). None: no limit. With a limit, synchronous functions run "
+        "in a worker thread.")
 
     # Loss
     beta: float = _opt(0.0, "KL coefficient. 0 loads no reference model.")
@@ -191,6 +196,16 @@ class GRPOConfig(LegacyFields, TrainingArguments):
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 
+    # Interruption and concurrent runs
+    signal_grace_period: float = _opt(
+        25.0, "Seconds after SIGTERM or SIGINT for the current step to end (then a checkpoint is saved and training "
+        "stops). A step still running then is abandoned: the process exits (status 128 + signal), first saving the "
+        "last finished step when the run is stuck in a rollout or reward function. Keep it below the scheduler's "
+        "kill delay (Slurm KillWait, Kubernetes terminationGracePeriodSeconds: 30 s by default).")
+    ignore_output_dir_lock: bool = _opt(
+        False, "Train even when another live run holds output_dir's lock (_grpo_trainer.lock). Both runs then write "
+        "into the same folder, and one may overwrite the other's checkpoints.")
+
     # Reference model sync (TR-DPO)
     sync_ref_model: bool = _opt(False, "Update the reference model towards the policy every few steps.")
     ref_model_mixup_alpha: float = _opt(0.6, "alpha in ref <- alpha * policy + (1 - alpha) * ref.")
@@ -213,13 +228,13 @@ class GRPOConfig(LegacyFields, TrainingArguments):
         resolve_legacy(self)  # first: a legacy name's value is then checked and converted like its replacement's
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and _bf16_is_fast()
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True  # TRL's default (its deprecated alias gradient_checkpointing=True)
+        compat.resolve_checkpointing(self, default=True)  # TRL's default (gradient_checkpointing=True there)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size is not supported: shrinking the batch would split prompt groups. "
                              "Set it to False and lower per_device_train_batch_size instead.")
         super().__post_init__()
+        compat.mirror_checkpointing(self)
         self._resolve_deprecated_names()
         self._resolve_padding()
         self._resolve_generation_batch()

@@ -14,8 +14,14 @@ Decisions:
    then rewrites that step's file with them.)
 4. `log_unique_prompts` keeps one row per distinct prompt in the W&B / Trackio table, as TRL does; the files keep
    every row.
-5. `num_completions_to_print` rows are drawn at random by a generator seeded with the step, so printing leaves the
+5. A vision-language model's rows keep their prompt images (`log_multimodal`, on by default): not in the files,
+   whose prompts show `{"type": "image"}` parts, but in `columns()["images"]` (TRL's `_logs["images"]`) and as an
+   `image` column of the W&B / Trackio table, as TRL logs them.
+6. `num_completions_to_print` rows are drawn at random by a generator seeded with the step, so printing leaves the
    run's `random` state alone. Missing rewards (None) are NaN in the parquet file and null in the JSONL file.
+6. A multi-turn completion's tool calls are logged with their arguments as JSON text (the OpenAI chat format's
+   convention): arguments of different tools have different fields, which one parquet column cannot hold as
+   objects (nor an empty argument object at all).
 """
 
 from __future__ import annotations
@@ -46,24 +52,28 @@ class CompletionLog:
         self.rows: deque[dict[str, Any]] = deque(maxlen=max_rows)
 
     def add(self, prompts: list, completions: list, rewards: Tensor, advantages: Tensor,
-            extra: dict[str, list] | None = None) -> None:
-        """Rows of one round over all processes: `B` prompts and completions (text or messages), rewards `[B, F]`
-        (NaN: None), advantages `[B]`, and the `log_extra` columns (`B` values each)."""
+            extra: dict[str, list] | None = None, images: list | None = None) -> None:
+        """Rows of one round over all processes: `B` prompts and completions (text or messages, images already
+        stripped), rewards `[B, F]` (NaN: None), advantages `[B]`, the `log_extra` columns (`B` values each), and
+        each row's prompt images (`B` lists, decision 5; None when not logged)."""
         extra = extra or {}
         for i, (score, advantage) in enumerate(zip(rewards.tolist(), advantages.tolist())):
-            self.rows.append({"prompt": prompts[i], "completion": completions[i],
+            self.rows.append({"prompt": prompts[i], "completion": _loggable(completions[i]),
                               "rewards": dict(zip(self.reward_names, score)), "advantage": advantage,
-                              "extra": {name: values[i] for name, values in extra.items()}})
+                              "extra": {name: values[i] for name, values in extra.items()},
+                              "images": None if images is None else list(images[i] or [])})
 
     def columns(self) -> dict[str, Any]:
         """The rows as TRL's trainer keeps them (`trainer._logs`): prompt, completion, rewards {name: values},
-        advantages, extra {column: values}. A column some rows lack is None there."""
+        advantages, extra {column: values}, and images (one list per row whose images were logged). A column some
+        rows lack is None there."""
         rows = list(self.rows)
         names = list(dict.fromkeys(name for row in rows for name in row["extra"]))
         return {"prompt": [row["prompt"] for row in rows], "completion": [row["completion"] for row in rows],
                 "rewards": {name: [row["rewards"][name] for row in rows] for name in self.reward_names},
                 "advantages": [row["advantage"] for row in rows],
-                "extra": {name: [row["extra"].get(name) for row in rows] for name in names}}
+                "extra": {name: [row["extra"].get(name) for row in rows] for name in names},
+                "images": [row["images"] for row in rows if row["images"] is not None]}
 
     def table(self, step: int) -> dict[str, list]:
         """The file's columns: step, prompt, completion, one per reward function, the extra columns, advantage."""
@@ -129,8 +139,16 @@ class CompletionLog:
                 continue
             if name == "wandb" and getattr(backend, "run", None) is None:
                 continue
-            rows = unique_prompt_rows(frame) if self.unique_prompts else frame
+            rows = self._with_images(frame, backend)
+            rows = unique_prompt_rows(rows) if self.unique_prompts else rows
             backend.log({"completions": backend.Table(dataframe=rows)})
+
+    def _with_images(self, frame: Any, backend: Any) -> Any:
+        """`frame` with an `image` column of `backend.Image`s (decision 5), when some row has images."""
+        if not any(row["images"] for row in self.rows):
+            return frame
+        images = [[backend.Image(image) for image in row["images"] or []] for row in self.rows]
+        return frame.assign(image=images)
 
 
 def unique_prompt_rows(frame: Any) -> Any:
@@ -140,10 +158,25 @@ def unique_prompt_rows(frame: Any) -> Any:
 
 
 def format_messages(value: Any) -> str:
-    """A prompt or completion as text: a conversation as `ROLE` headers over each message's content."""
+    """A prompt or completion as text: a conversation as `ROLE` headers over each message's content and calls."""
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-        return "\n\n".join(f"{str(m.get('role', '')).upper()}\n{_content(m.get('content', ''))}" for m in value)
+        return "\n\n".join(f"{str(m.get('role', '')).upper()}\n{_content(m.get('content', ''))}{_calls(m)}"
+                           for m in value)
     return str(value)
+
+
+def _calls(message: dict) -> str:
+    return "".join(f"\n-> {c['function']['name']}({c['function']['arguments']})"
+                   for c in message.get("tool_calls") or [])
+
+
+def _loggable(completion: Any) -> Any:
+    """The completion with each tool call's arguments as JSON text (decision 6)."""
+    if not isinstance(completion, list) or not any(isinstance(m, dict) and m.get("tool_calls") for m in completion):
+        return completion
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"], default=str)}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in completion]
 
 
 def _content(content: Any) -> str:

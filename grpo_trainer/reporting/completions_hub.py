@@ -55,6 +55,12 @@ class _Scheduler(CommitScheduler):
     """A CommitScheduler whose failed pushes warn (and are tried again at the next tick) instead of failing
     silently in a background future."""
 
+    def __init__(self, **kwargs: Any) -> None:
+        # huggingface_hub < 2 (what transformers < 5.19 installs) starts the scheduler's thread, whose first push
+        # reads this flag, before setting it: set it first.
+        self._CommitScheduler__stopped = False
+        super().__init__(**kwargs)
+
     def _push_to_hub(self) -> Any:
         try:
             return super()._push_to_hub()

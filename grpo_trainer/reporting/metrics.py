@@ -25,8 +25,8 @@ from torch import Tensor
 
 from grpo_trainer.algorithms.advantage import as_reward_vector, group_std, nanstd
 
-__all__ = ["completion_length_metrics", "pass_at_k", "reward_metrics", "window_means", "window_totals",
-           "zero_std_fraction"]
+__all__ = ["completion_length_metrics", "pass_at_k", "reward_metrics", "tool_metrics", "window_means",
+           "window_totals", "zero_std_fraction"]
 
 
 def completion_length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, Tensor]:
@@ -78,6 +78,13 @@ def reward_metrics(rewards: Tensor, weights: Tensor, reward_names: Sequence[str]
     if with_pass_at_k:
         out.update(pass_at_k(total.cpu(), num_generations))
     return out
+
+
+def tool_metrics(calls: Tensor, failures: Tensor, rollouts: Tensor) -> dict[str, Tensor]:
+    """TRL's tool metrics of a round, from counts summed over processes: tool calls per rollout, and the fraction
+    of calls that failed (0 without calls)."""
+    return {"tools/call_frequency": calls / rollouts,
+            "tools/failure_frequency": failures / calls if calls > 0 else torch.zeros_like(calls, dtype=torch.float)}
 
 
 def window_totals(window: dict[str, list]) -> tuple[list[str], Tensor]:

@@ -18,11 +18,14 @@ def as_processing_classes(reward_processing_classes: Any, count: int) -> list:
     return [reward_processing_classes]
 
 
-def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing_classes: Any) -> None:
-    """Reward functions, their weights and processing classes must line up."""
-    if len(reward_funcs) == 0:
-        raise ValueError("No reward source provided. Pass `reward_funcs`: one or more reward functions, reward models "
-                         "or reward model ids/paths.")
+def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing_classes: Any,
+                       environment_rewards: int = 0) -> None:
+    """Reward functions, their weights and processing classes must line up; `environment_rewards` counts the
+    rewards environments own (`get_reward`), which need no reward function and take no weight."""
+    if len(reward_funcs) + environment_rewards == 0:
+        raise ValueError("No reward source provided. Pass `reward_funcs` (one or more reward functions, reward models "
+                         "or reward model ids/paths), or an `environment_factory` whose environment defines a "
+                         "`get_reward` method.")
     for i, func in enumerate(reward_funcs):
         if not (callable(func) or isinstance(func, str)):
             raise ValueError(f"reward_funcs[{i}] is a {type(func).__name__}; each reward must be a callable, a "

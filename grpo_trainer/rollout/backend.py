@@ -11,10 +11,19 @@ Decisions:
    that cannot reproduce a model or setting falls back to it and logs why.
 4. Capabilities say what a backend keeps when it serves a model itself; a fall-back keeps what the backend it
    fell back to keeps, and the `Rollout` fields it cannot fill stay None (consumers read the fields).
+5. Prompts with images go to a backend whose capabilities say `images`; any other backend's rounds with images
+   run on `generate` instead (`serving`), logged once. (The continuous-batching engine is refused with a
+   processor before any model loads, as in TRL.)
+6. A backend that runs its own inference engine (vLLM) holds its own copy of the weights (`own_weights`): the
+   trainer starts it once its models are built (`start`), pushes the policy's weights into it before each rollout
+   (`sync_weights`, which skips a version it already has), and calls `generate` without gathering the model. Its
+   log-probs are the engine's (`engine_logps`), not the trainer's. `check_model` refuses a model the engine cannot
+   run before anything is loaded.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +35,10 @@ from transformers import GenerationConfig
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
-__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "Capabilities", "RolloutBackend", "register_backend", "select"]
+__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "VLLM", "Capabilities", "RolloutBackend", "register_backend", "select",
+           "serving"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,8 @@ class Capabilities:
     stop_strings: bool = False  # honours `GenerationConfig.stop_strings`
     multi_turn: bool = True  # continues from any token-id prefix, so a tool loop can drive it
     images: bool = False  # takes image inputs with the prompts
+    engine_logps: bool = False  # each sampled token's log-prob under an inference engine's own kernels
+    own_weights: bool = False  # an inference engine with its own copy of the weights (decision 6)
 
 
 class RolloutBackend(ABC):
@@ -58,6 +72,19 @@ class RolloutBackend(ABC):
     def from_args(cls, args: Any) -> RolloutBackend:
         """The backend a GRPOConfig configures (a backend with settings of its own reads them here)."""
         return cls()
+
+    def check_model(self, model: str | nn.Module, trust_remote_code: bool = False) -> None:
+        """Refuse a model (an id or path, before it is loaded; or a module) this backend cannot run."""
+        return None
+
+    def start(self, model: nn.Module, processing_class: Any) -> None:
+        """Called once when the trainer's models are built: a backend with an engine starts it here."""
+        return None
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        """Make the engine's weights those of `model` (the unwrapped policy) at `version` (the optimizer step);
+        only backends with `own_weights` hold weights. A collective: every process calls it."""
+        return None
 
 
 BACKENDS: dict[str, type[RolloutBackend]] = {}
@@ -79,11 +106,30 @@ def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[Rollout
 CONTINUOUS_BATCHING = "transformers_continuous_batching"  # `rollout.continuous`
 
 
+VLLM = "vllm"  # `rollout.vllm.backend`
+
+
 def select(args: Any) -> RolloutBackend:
-    """The backend a GRPOConfig asks for: `use_transformers_continuous_batching` overrides `generation_backend`."""
+    """The backend a GRPOConfig asks for: `use_vllm`, then `use_transformers_continuous_batching`, override
+    `generation_backend`."""
     continuous = getattr(args, "use_transformers_continuous_batching", False) \
         or getattr(args, "use_transformers_paged", False)  # the deprecated name, set after construction
-    name = CONTINUOUS_BATCHING if continuous else args.generation_backend
+    name = VLLM if getattr(args, "use_vllm", False) else CONTINUOUS_BATCHING if continuous else args.generation_backend
     if name not in BACKENDS:
         raise ValueError(f"unknown generation_backend {name!r}; choose one of {sorted(BACKENDS)}.")
     return BACKENDS[name].from_args(args)
+
+
+_REFERENCE = "generate"  # `rollout.generate`: takes every model's image inputs
+_told_about_images: set[str] = set()
+
+
+def serving(backend: RolloutBackend, prompts: PromptBatch) -> RolloutBackend:
+    """The backend that samples `prompts`: `backend`, unless they hold images it cannot take (decision 5)."""
+    if prompts.images is None or not prompts.images.has_images or backend.capabilities.images:
+        return backend
+    if backend.name not in _told_about_images:
+        _told_about_images.add(backend.name)
+        logger.info("generation_backend=%r does not take image inputs; rounds with images run on model.generate.",
+                    backend.name)
+    return BACKENDS[_REFERENCE]()

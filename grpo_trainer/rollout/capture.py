@@ -4,14 +4,21 @@ Every backend returns the tokens and masks. Beyond them:
 
 1. Sampling log-probs and entropies `[B, T]` (backends whose capabilities say `sampling_logps`) are kept when they
    are the distribution the loss scores: sampling (not greedy) at the loss's temperature. They are then the old
-   log-probs, and on-policy the loss forward's own values (`algorithms.logprobs`).
+   log-probs, and on-policy the loss forward's own values (`algorithms.logprobs`). An engine's log-probs
+   (`engine_logps`) are never those values: they are kept whenever the rollout sampled (they are the sampler's
+   distribution, whatever its temperature and filters), for the importance-sampling correction.
 2. For `replay`, on-policy training may also keep every decoder layer's output `[B, L, S + T, E]` (the checkpointed
    loss forward returns them instead of running its layers) and every step's tempered softmax `[B, T, V]` (the LM
    head's backward takes it instead of recomputing the logits). Only on-policy training qualifies (the weights
    must be the sampling weights), in a single process whose model no engine wraps (DDP, DeepSpeed and FSDP hook
-   the forward), and only the layer outputs need activation checkpointing.
+   the forward), and only the layer outputs need activation checkpointing (and transformers >= 5.2,
+   `runtime.compat.LAYER_REPLAY`).
 3. Replay tensors are kept only while they fit together in `Capture.max_bytes`, layer outputs first (they are the
    smaller, and save the most). They live from the rollout to the round's last micro-step.
+4. A multi-turn rollout whose completions hold tool results (`Rollout.env_mask`) keeps no sampling tensor at all:
+   tool tokens were never sampled, so no sampler value exists for them, and the loss must not read one there
+   (on-policy stand-ins, old log-probs, replay). The loss computes what it needs with a forward instead. The turns
+   after a tool result are rolled out keeping nothing (`KEEP_NOTHING`): only their tokens are used.
 
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens (the maximum), `L` layers, `E` hidden size, `V` vocab.
 """
@@ -26,8 +33,10 @@ from torch import Tensor
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout.types import Rollout
+from grpo_trainer.runtime import compat
 
-__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_unusable", "plan", "replay_buffers"]
+__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_for_tool_results", "drop_unusable", "plan",
+           "replay_buffers"]
 
 # A round of 8 x 1280-token rows of a 24-layer, 896-wide model in float32 keeps 0.9 GB of layer outputs (the tensors
 # activation checkpointing keeps during the loss forward anyway); 8 x 256 tokens x a 32k vocabulary of softmax is
@@ -50,8 +59,8 @@ KEEP_NOTHING = Capture()  # tokens, masks and sampling log-probs only
 def plan(*, training: bool, on_policy: bool, plain_single_process: bool, checkpointing: bool) -> Capture:
     """The replay tensors worth keeping for a round (decision 2), within `REPLAY_MAX_BYTES`."""
     replayable = training and on_policy
-    return Capture(layer_outputs=replayable and plain_single_process and checkpointing, probs=replayable,
-                   max_bytes=REPLAY_MAX_BYTES)
+    return Capture(layer_outputs=replayable and plain_single_process and checkpointing and compat.LAYER_REPLAY,
+                   probs=replayable, max_bytes=REPLAY_MAX_BYTES)
 
 
 def replay_buffers(capture: Capture, *, rows: int, prompt_length: int, max_new_tokens: int, layers: int,
@@ -73,7 +82,17 @@ def replay_buffers(capture: Capture, *, rows: int, prompt_length: int, max_new_t
 
 def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float) -> Rollout:
     """The rollout without its sampling tensors when they are not the distribution the loss scores (decision 1):
-    greedy decoding, or sampling at another temperature than the loss's."""
+    greedy decoding, or sampling at another temperature than the loss's; and without engine log-probs when greedy
+    (no sampling distribution to correct for)."""
+    if not config.do_sample:
+        rollout = replace(rollout, engine_logps=None)
     if config.do_sample and config.temperature == temperature:
         return rollout
     return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)
+
+
+def drop_for_tool_results(rollout: Rollout) -> Rollout:
+    """The rollout without any sampling tensor when tools wrote part of its completions (decision 4)."""
+    if rollout.env_mask is None:
+        return rollout
+    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None, layer_outputs=None)

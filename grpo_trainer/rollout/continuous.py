@@ -31,6 +31,7 @@ from transformers import GenerationConfig
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.runtime import compat
 from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_settings"]
@@ -53,7 +54,10 @@ class ContinuousBatchingBackend(RolloutBackend):
     capabilities = Capabilities(logits_processors=False)
 
     def __init__(self, settings: dict[str, Any] | None = None) -> None:
-        from transformers.generation import ContinuousBatchingConfig  # transformers >= 5.8
+        reason = compat.continuous_batching_blocker()
+        if reason is not None:  # as TRL, an ImportError; raised when the trainer is built, before any rollout
+            raise ImportError(f"{reason}. Upgrade transformers, or set use_transformers_continuous_batching=False.")
+        from transformers.generation import ContinuousBatchingConfig
 
         self.settings = continuous_batching_settings(settings)
         ContinuousBatchingConfig(**self.settings)  # unknown keys fail here, before any model is loaded

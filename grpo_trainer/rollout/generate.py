@@ -23,9 +23,12 @@ _STOCK_GENERATE = GenerationMixin.generate  # transformers' own, as imported
 
 
 def generate_rollout(model: nn.Module, prompts: PromptBatch, config: GenerationConfig) -> Rollout:
-    """`model.generate` on the prompt rows; tokens after each row's first EOS become padding."""
+    """`model.generate` on the prompt rows (with their image inputs, if any); tokens after each row's first EOS
+    become padding."""
+    images = {} if prompts.images is None else prompts.images.model_inputs()
     with torch.no_grad():
-        output = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, generation_config=config)
+        output = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, generation_config=config,
+                                **images)
     completion_ids = output[:, prompts.ids.shape[1]:]
     eos = config.eos_token_id
     mask, truncated = completion_mask(completion_ids, eos if isinstance(eos, (list, tuple)) else [eos])
@@ -57,7 +60,8 @@ def generate_override(model: nn.Module) -> str | None:
 
 @register_backend("generate")
 class GenerateBackend(RolloutBackend):
-    """`model.generate`: every architecture, every generation setting; no sampling log-probs."""
+    """`model.generate`: every architecture (vision-language models with their images included), every generation
+    setting; no sampling log-probs."""
 
     capabilities = Capabilities(stop_strings=True, images=True)
 

@@ -31,8 +31,9 @@ def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) ->
 
 
 def make_generation_config(args: Any, model_config: GenerationConfig | None, tokenizer: Any,
-                           max_new: int) -> GenerationConfig:
-    """Sampling settings from a GRPOConfig; `generation_kwargs` override the named fields."""
+                           max_new: int, suppress_tokens: list[int] | None = None) -> GenerationConfig:
+    """Sampling settings from a GRPOConfig; `generation_kwargs` override the named fields. `suppress_tokens`:
+    ids never sampled (a vision-language model's image placeholders)."""
     settings = {
         "do_sample": True, "max_new_tokens": max_new, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
@@ -40,6 +41,8 @@ def make_generation_config(args: Any, model_config: GenerationConfig | None, tok
         "cache_implementation": args.cache_implementation, "disable_compile": True,
         "bos_token_id": getattr(model_config, "bos_token_id", None),
     }
+    if suppress_tokens:
+        settings["suppress_tokens"] = suppress_tokens
     return GenerationConfig(**{**settings, **(args.generation_kwargs or {})})
 
 

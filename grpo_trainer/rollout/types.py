@@ -8,9 +8,13 @@ layers, `E` hidden size, `V` vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from grpo_trainer.rollout.multimodal import ImageInputs
 
 __all__ = ["PromptBatch", "Rollout", "completion_mask"]
 
@@ -21,9 +25,13 @@ class PromptBatch:
 
     ids: Tensor  # [B, S] left-padded, so every completion starts at the same column
     mask: Tensor  # [B, S] 1 for real tokens
+    # A vision-language model's inputs beside the ids (pixel values, image grids, token types), when a processor
+    # tokenised the prompts (`rollout.multimodal`); None for a tokenizer's prompts.
+    images: ImageInputs | None = None
 
     def to(self, device: torch.device | str) -> PromptBatch:
-        return PromptBatch(self.ids.to(device), self.mask.to(device))
+        images = None if self.images is None else self.images.to(device)
+        return PromptBatch(self.ids.to(device), self.mask.to(device), images)
 
     def distinct_rows(self) -> tuple[Tensor, Tensor]:
         """Indices of the first row of each run of identical consecutive rows `[P]` (a prompt's G copies), and
@@ -51,6 +59,19 @@ class Rollout:
     # layer's output at every prompt and completion column (zeros for the last completion token, never fed back).
     sampling_probs: Tensor | None = None  # [B, T, V] float32
     layer_outputs: Tensor | None = None  # [B, L, S + T, E]
+    # An inference engine's own log-prob of each sampled token (vLLM's, backends whose capabilities say
+    # `engine_logps`): computed by other kernels than the trainer's, so never a stand-in for the loss's values; the
+    # importance-sampling correction compares them with the trainer's (`algorithms.engine_correction`). NaN where
+    # the engine gave none, 0 on padding.
+    engine_logps: Tensor | None = None  # [B, T] float32
+    # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
+    # environment wrote. None: the policy sampled every completion token.
+    env_mask: Tensor | None = None  # [B, T] int
+
+    @property
+    def sampled_mask(self) -> Tensor:
+        """`[B, T]` 1 for the completion tokens the policy sampled (what lengths and token counts count)."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:

@@ -18,24 +18,29 @@ Decisions:
    `gradient_checkpointing_disable`/`_enable` pair (what TRL's `unwrap_model_for_generation` calls every round)
    registers a new input-grad hook on each enable without removing the last, and re-enables with default
    checkpoint kwargs: after N rounds the embedding runs N hooks per call.
+5. `decided_by_main` runs a decision about shared files (which checkpoint to resume from, whether output_dir is
+   free) on the main process and hands its outcome, result or exception, to all: every process acts alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 from torch import Tensor, nn
 
 from grpo_trainer.algorithms.logprobs import LogProbs
 
-__all__ = ["check_processes", "checkpointing_paused", "enable_fsdp2_on_cpu", "full_parameters",
+__all__ = ["check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu", "full_parameters",
            "is_zero3_partitioned", "launched_world_size", "make_reference_model", "parameter_digest", "prepare_backend",
            "unwrapped_for_generation"]
+
+T = TypeVar("T")
 
 
 def launched_world_size() -> int:
@@ -125,7 +130,7 @@ def is_fsdp_module(model: nn.Module) -> bool:
 
 def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
                              temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                             with_aux_loss: bool = False) -> LogProbs:
+                             with_aux_loss: bool = False, model_inputs: dict | None = None) -> LogProbs:
     """`logprobs.completion_logprobs` for FSDP2-sharded models: the LM head runs inside the model's forward.
 
     accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings). Projecting hidden
@@ -139,9 +144,11 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
     from grpo_trainer.algorithms.logprobs import token_logprobs
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as in generate, ignoring left padding
-    router = {"output_router_logits": True} if with_aux_loss else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=completion_length + 1, use_cache=False, **router)
+    extra = {"position_ids": position_ids, **(model_inputs or {})}  # a VLM's image inputs, as in the plain path
+    if with_aux_loss:
+        extra["output_router_logits"] = True
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_length + 1,
+                use_cache=False, **extra)
     logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]  # [B, T]
     flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # [B*T, V], [B*T]
@@ -219,3 +226,21 @@ def unwrapped_for_generation(model: nn.Module, accelerator: Accelerator, gather_
                 yield unwrapped
             finally:
                 add_hooks(model)
+
+
+def decided_by_main(accelerator: Accelerator, decide: Callable[[], T]) -> T:
+    """`decide()` run on the main process only, its result (or the exception it raised) handed to every process:
+    a check of shared files runs once, and all processes raise together instead of the others waiting forever at
+    the next collective."""
+    outcome: list = [(None, None)]
+    if accelerator.is_main_process:
+        try:
+            outcome = [(decide(), None)]
+        except Exception as exc:  # noqa: BLE001 - re-raised on every process below
+            outcome = [(None, exc)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome)
+    value, error = outcome[0]
+    if error is not None:
+        raise error
+    return value

@@ -13,6 +13,10 @@ Decisions:
    weight. A tied head would drag the input embedding to float32 with it, so it is refused, as TRL documents.
 5. A Mixture-of-Experts model's router auxiliary loss weight is resolved once (`router_aux_loss_coef`): the
    config's own coefficient unless the user sets one, and an error when set on a model without a router.
+6. A vision-language model (a config with a `vision_config`) loads as `AutoModelForImageTextToText` with its
+   processor (`AutoProcessor`), as TRL loads them; under PEFT its adapter goes on the language model only, unless
+   the adapter config says where itself (`exclude_modules`, or a regex `target_modules`): the vision tower and
+   projector stay frozen, and the reference is the policy with the adapter disabled, as for text.
 """
 
 from __future__ import annotations
@@ -20,21 +24,31 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import cached_file
 
 from grpo_trainer.algorithms.logprobs import Float32Head
 
 __all__ = ["cast_lm_head_to_fp32", "causal_lm", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
-           "is_checkpointing", "is_peft_model", "liger_kernel_config", "load_policy", "load_reward_model",
-           "load_tokenizer", "make_reference_model", "reference_context", "router_aux_loss_coef", "wrap_peft"]
+           "is_peft_model", "is_vision_language", "liger_kernel_config", "load_policy",
+           "load_processing_class", "load_reward_model", "load_tokenizer", "make_reference_model", "reference_context",
+           "router_aux_loss_coef", "wrap_peft"]
 
 
 def init_kwargs(model_init_kwargs: dict | None, trust_remote_code: bool = False) -> dict:
@@ -71,6 +85,21 @@ def load_tokenizer(model_id: str, trust_remote_code: bool, revision: str | None 
     return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
 
 
+def is_vision_language(config: Any) -> bool:
+    """Whether a model config is a vision-language model's (decision 6)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processing_class(model_id: str, trust_remote_code: bool, revision: str | None = None,
+                          **kwargs: Any) -> Any:
+    """The processor saved with a vision-language model, else the tokenizer saved with `model_id`."""
+    config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+    if is_vision_language(config):
+        return AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code,
+                                             **kwargs)
+    return load_tokenizer(model_id, trust_remote_code, revision, **kwargs)
+
+
 def load_policy(model: str | nn.Module, model_init_kwargs: dict | None, quantization_config: Any = None,
                 trust_remote_code: bool = False) -> nn.Module:
     """A causal LM from a Hub id or a local path; a model that is already loaded is returned as it is."""
@@ -90,7 +119,10 @@ def load_policy(model: str | nn.Module, model_init_kwargs: dict | None, quantiza
             raise ValueError("quantization_config (QLoRA / 4-bit) needs a CUDA GPU, and none is available; drop "
                              "quantization_config to train in full precision with LoRA.")
         kwargs["quantization_config"] = quantization_config
-    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"),
+                                        trust_remote_code=kwargs["trust_remote_code"])
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    return auto.from_pretrained(model, **kwargs)
 
 
 def load_reward_model(model_id: str, model_init_kwargs: dict | None,
@@ -117,12 +149,6 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def is_checkpointing(lm: nn.Module) -> bool:
-    """Whether activation (gradient) checkpointing is on, under either of transformers' names for it."""
-    flag = getattr(type(lm), "is_activation_checkpointing", None)
-    return bool(lm.is_activation_checkpointing if flag is not None else getattr(lm, "is_gradient_checkpointing", False))
-
-
 def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:
     """Wrap `model` with a fresh adapter; only the adapter trains."""
     from peft import get_peft_model
@@ -141,7 +167,24 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    return get_peft_model(model, peft_config)
+    return get_peft_model(model, _language_model_only(model, peft_config))
+
+
+def _language_model_only(model: nn.Module, peft_config: Any) -> Any:
+    """For a vision-language model, `peft_config` restricted to its language model (decision 6): a copy whose
+    `exclude_modules` matches every module outside it. Unchanged for text models, non-LoRA-style configs, and
+    configs that already say where adapters go (`exclude_modules`, a regex `target_modules`)."""
+    lm = causal_lm(model)
+    if not is_vision_language(lm.config) or not hasattr(peft_config, "exclude_modules") \
+            or peft_config.exclude_modules or isinstance(getattr(peft_config, "target_modules", None), str):
+        return peft_config
+    decoder = lm.get_decoder()
+    prefix = next((name for name, module in model.named_modules() if module is decoder), None)
+    if prefix is None:
+        return peft_config
+    config = copy.deepcopy(peft_config)
+    config.exclude_modules = rf"^(?!{re.escape(prefix)}\.).*"  # every module name outside the language model
+    return config
 
 
 def _refuse_prompt_learning(peft_config: Any) -> None:

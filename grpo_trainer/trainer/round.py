@@ -9,7 +9,10 @@ Decisions:
    groups no longer need to stay together), and each micro-batch is trimmed to its own longest prompt and
    completion once, before any forward pass: a micro-batch of short completions does not pay for the round's
    longest one.
-3. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
+3. A field may also hold an object with its own row and column selection (`select_rows`, `select_columns`,
+   `pad_columns`): a vision-language model's image inputs (`rollout.multimodal.ImageInputs`), whose image tensors
+   do not have one entry per row, and whose token fields span the prompt columns.
+4. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
    prompt and completion widths are padded once to multiples of it (`padded`), and every trim keeps multiples:
    it rounds the kept prompt and completion widths up, never past the round's own.
 
@@ -45,7 +48,10 @@ class Round:
     prompt_ids: Tensor = _columns(_PROMPT, token_ids=True)  # [B, S] left-padded
     prompt_mask: Tensor = _columns(_PROMPT)  # [B, S]
     completion_ids: Tensor = _columns(_COMPLETION, token_ids=True)  # [B, T] right-padded
-    completion_mask: Tensor = _columns(_COMPLETION)  # [B, T] int: tokens in the loss (after every loss mask)
+    completion_mask: Tensor = _columns(_COMPLETION)  # [B, T] int: the completion's tokens (after every loss mask)
+    # Multi-turn: 1 for tokens the policy sampled, 0 for tokens a tool or environment wrote, which stay in the
+    # context (attention) but never in the loss. None: every completion token was sampled.
+    env_mask: Tensor | None = _columns(_COMPLETION)  # [B, T] int
     advantages: Tensor = field(default=None)  # [B] or [B, T] (a [B, T] one is trimmed with the completion)
     # The `dapo`/`cispo` normaliser: active tokens per process per gradient-accumulation window, `[]`.
     window_tokens: Tensor | None = None
@@ -57,12 +63,24 @@ class Round:
     sampling_entropy: Tensor | None = _columns(_COMPLETION)  # [B, T]
     sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
-    # Keep S and T multiples of this (decision 3); None: trims keep exactly the columns some row uses.
+    # A vision-language model's image inputs for these rows (decision 3); None for text prompts.
+    images: Any = _columns(_PROMPT)
+    # An inference engine's log-probs of the sampled tokens (never the trainer's values), and the importance weight
+    # correcting for its sampler (`algorithms.engine_correction`, broadcast over a completion's tokens in the
+    # sequence modes); None without an engine or without the correction.
+    engine_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
     @property
     def rows(self) -> int:
         return self.completion_ids.shape[0]
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """`[B, T]` the tokens the loss scores: the completion's, less those a tool wrote."""
+        return self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask
 
     def select(self, index: slice | Tensor) -> Round:
         """The rows `index` of every per-row field; the round-wide normaliser is shared."""
@@ -83,33 +101,37 @@ class Round:
         return [self.select(order[i * size:(i + 1) * size]) for i in range(parts)]
 
     def kept_columns(self) -> tuple[int, int]:
-        """The first prompt column and the completion length that `trimmed` keeps (decision 3 included)."""
+        """The first prompt column and the completion length that `trimmed` keeps (decision 4 included)."""
         S, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
         first = int(self.prompt_mask.any(0).int().argmax())
         last = max(int(self.completion_mask.sum(1).max()), 1)
         multiple = self.pad_to_multiple_of
         return S - min(_round_up(S - first, multiple), S), min(_round_up(last, multiple), T)
 
-    def _column_fields(self) -> list[tuple[dataclasses.Field, Tensor, str]]:
-        """(field, tensor, axis) of every field that has columns, token-level advantages included."""
+    def _column_fields(self) -> list[tuple[dataclasses.Field, Any, str]]:
+        """(field, value, axis) of every field that has columns, token-level advantages included: tensors, and
+        objects that select their own columns (decision 3)."""
         found = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             axis = f.metadata.get("columns")
             if f.name == "advantages" and isinstance(value, Tensor) and value.dim() == 2:
                 axis = _COMPLETION  # token-level advantages
-            if axis is not None and isinstance(value, Tensor):
+            if axis is not None and (isinstance(value, Tensor) or hasattr(value, "select_columns")):
                 found.append((f, value, axis))
         return found
 
     def trimmed(self) -> Round:
         """This round without the columns that are padding in every row: left of the longest prompt, right of the
-        longest completion (at least one completion column is kept; widths rounded up as decision 3 says)."""
+        longest completion (at least one completion column is kept; widths rounded up as decision 4 says)."""
         first, last = self.kept_columns()
         width = self.prompt_ids.shape[1]
         keep = {_PROMPT: slice(first, None), _COMPLETION: slice(0, last), _SEQUENCE: slice(first, width + last)}
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f, value, axis in self._column_fields():
+            if not isinstance(value, Tensor):
+                values[f.name] = value.select_columns(keep[axis])
+                continue
             values[f.name] = value[(slice(None),) * f.metadata.get("dim", 1) + (keep[axis],)]
         return Round(**values)
 
@@ -124,6 +146,9 @@ class Round:
         sides = {_PROMPT: (left, 0), _COMPLETION: (0, right), _SEQUENCE: (left, right)}
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f, value, axis in self._column_fields():
+            if not isinstance(value, Tensor):
+                values[f.name] = value.pad_columns(sides[axis])
+                continue
             dim = f.metadata.get("dim", 1)
             # F.pad counts its (left, right) pairs from the last dimension backwards
             widths = (0, 0) * (value.dim() - dim - 1) + sides[axis]

@@ -418,3 +418,60 @@ def test_off_policy_mask_drops_the_surrogate_not_the_kl():
     close(with_kl.loss, (math.exp(-1) + math.exp(0.1)) / 2)
     # on-policy the drift is 0: nothing is dropped (A = -1 on-policy: -(-1) per token -> 1)
     close(policy_loss(logps, advantages, mask, LossNorm(), loss_type="grpo", off_policy_threshold=0.5).loss, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-turn: a hole in the mask (a tool's tokens between two sampled turns)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("loss_type", "value", "sampled"), [
+    # One row, logps [-1, -2, -3], mask [1, 0, 1] (token 1 a tool's), A = 2, on-policy (rho = 1 in value).
+    # clip: per token -A * rho = -2, gradient -A = -2 per sampled token before aggregation.
+    #   grpo/bnpo: token mean over the 2 sampled tokens = -2, gradient -2/2 = -1; dapo: sum -4 over the window's
+    #   2 tokens = -2, gradient -1; dr_grpo: sum -4 over B * max_completion_length = 4 -> -1, gradient -2/4 = -0.5;
+    #   luspo: the sequence's sum -4, gradient -2.
+    ("grpo", -2.0, -1.0), ("bnpo", -2.0, -1.0), ("dapo", -2.0, -1.0), ("dr_grpo", -1.0, -0.5), ("luspo", -4.0, -2.0),
+    # cispo: -sg(min(rho, 5)) * A * logp = -2 * logp -> [2, ., 6]; sum 8 over 2 tokens = 4, gradient -2/2 = -1.
+    ("cispo", 4.0, -1.0),
+    # vespo: log w = sum of the token log-ratios = 0, phi(1) = e^(lambda + 0 - lambda) = 1: -A * logp as cispo.
+    ("vespo", 4.0, -1.0),
+    # sapo: -(4 / tau) sigmoid(0) A = -(4 / 1) * 0.5 * 2 = -4 per token, sequence mean -4; gradient
+    #   -(4 / tau) * tau * sigmoid'(0) * A / 2 = -4 * 0.25 * 2 / 2 = -1.
+    ("sapo", -4.0, -1.0),
+])
+def test_a_tool_token_adds_nothing_to_the_loss_or_its_gradient(loss_type, value, sampled):
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dapo", "dr_grpo", "luspo", "cispo", "vespo", "sapo"}  # all here
+    logps = t([[-1.0, -2.0, -3.0]]).requires_grad_(True)
+    norm = LossNorm(accumulation_steps=1, window_tokens=2.0, max_completion_length=4)
+    params = SurrogateParams(epsilon_high=5.0)
+    out = policy_loss(logps, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, params=params)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    close(out.loss, value)
+    close(grad, [[sampled, 0.0, sampled]])  # the tool's token: exactly 0
+    moved = t([[-1.0, -50.0, -3.0]])  # whatever its log-prob
+    close(policy_loss(moved, t([2.0]), t([[1, 0, 1]]), norm, loss_type=loss_type, params=params).loss, value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The inference engine's importance weight in the loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_engine_ratio_weights_the_surrogate_not_the_kl():
+    # On-policy (rho 1), grpo, A = [+1, -1], one row of two tokens each, engine weights [[0.5, 1.5], [2.0, 0.0]]:
+    #   row 0: -1 * [0.5, 1.5] -> mean -1.0; row 1: +1 * [2.0, 0.0] -> mean 1.0; grpo mean over rows = 0.0
+    # with beta 1 and ref = logps - 1 on every token: k3 = e^-1 + 1 - 1 = 0.367879 per token, unweighted
+    #   -> 0.0 + 0.367879
+    logps, mask = t([[-1.0, -2.0], [-0.5, -0.7]]), t([[1, 1], [1, 1]])
+    weights = t([[0.5, 1.5], [2.0, 0.0]])
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
+    close(out.loss, 0.0)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights,
+                      ref_logps=logps - 1.0, beta=1.0)
+    close(out.loss, math.exp(-1))
+    # its gradient: d/d logp of -A rho w = -A w per token (rho = 1): [[-0.5, -1.5], [2, 0]] / 2 tokens / 2 rows
+    logps = logps.clone().requires_grad_(True)
+    out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    close(grad, [[-0.125, -0.375], [0.5, 0.0]])

@@ -205,3 +205,33 @@ def test_vespo_uses_token_ratios_whatever_the_level():
     a, _ = vespo_surrogate(token_log_ratio, token_log_ratio, *args)
     b, _ = vespo_surrogate(t([[5.0]]), token_log_ratio, *args)
     assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The inference engine's importance weight (engine_ratio)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_engine_ratio_scales_the_token_loss_of_every_surrogate_but_vespo():
+    # On-policy tokens (log rho 0), A = +1, logps -1, epsilon_high 5 (CISPO's cap): clip -min(1, 1) = -1, cispo
+    # -min(1, 5) * 1 * -1 = 1,
+    # sapo -(4 / 1) sigmoid(0) = -2; times engine weights [0.5, 2.0] -> [-0.5, -2], [0.5, 2], [-1, -4]
+    zero, adv, logps, mask = t([[0.0, 0.0]]), t([[1.0]]), t([[-1.0, -1.0]]), t([[1, 1]])
+    weights = t([[0.5, 2.0]])
+    for fn, expected in ((clipped_surrogate, [-0.5, -2.0]), (cispo_surrogate, [0.5, 2.0]),
+                         (sapo_surrogate, [-1.0, -4.0])):
+        params = SurrogateParams(epsilon_high=5.0)
+        loss, flags = fn(zero, zero, adv, logps, mask, params, weights)
+        close(loss[0], expected)
+        _, same_flags = fn(zero, zero, adv, logps, mask, params)
+        assert flags.keys() == same_flags.keys() and all(torch.equal(flags[k], same_flags[k]) for k in flags)
+
+
+def test_engine_ratio_enters_vespo_through_its_sequence_weight():
+    # On-policy log w = 0, engine weights [2, 1]: log w = ln 2, w = 2, A = +1: phi = exp(3 + 2 ln 2 - 6) = 4 e^-3
+    # = 0.199148; loss = -phi A logp = 0.199148 * [1, 1] (logps -1): the weight is not also multiplied in.
+    zero = t([[0.0, 0.0]])
+    loss, flags = vespo_surrogate(zero, zero, t([[1.0]]), t([[-1.0, -1.0]]), t([[1, 1]]), SurrogateParams(),
+                                  t([[2.0, 1.0]]))
+    close(loss[0], [4 * math.exp(-3), 4 * math.exp(-3)])
+    close(flags["vespo/phi_seq_mean"], [[4 * math.exp(-3)]])

@@ -1,8 +1,11 @@
 """Every bad input of docs/ERRORS.md raises one clear error, naming the field and the fix, before any model is
 loaded or any token generated."""
 
+import contextlib
+
 import pytest
 from datasets import Dataset
+from transformers import TrainingArguments
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_reward
@@ -36,8 +39,19 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"importance_sampling_level": "seq"}, "unknown importance_sampling_level 'seq'"),
     ({"scale_rewards": "prompt"}, "unknown scale_rewards 'prompt'"),
     ({"reward_error_policy": "skip"}, "unknown reward_error_policy 'skip'"),
+    ({"reward_timeout": 0.0}, "reward_timeout must be > 0 seconds or None (got 0.0)"),
+    ({"signal_grace_period": -1.0}, "signal_grace_period must be >= 0 seconds (got -1.0)"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
+    ({"vllm_mode": "remote"}, "unknown vllm_mode 'remote'; choose 'colocate' or 'server'"),
+    ({"vllm_importance_sampling_mode": "token"}, "unknown vllm_importance_sampling_mode 'token'"),
+    ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
+     "vllm_importance_sampling_clip_min (2.0) must be less than vllm_importance_sampling_clip_max (1.0)"),
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+     "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max"),
+    ({"loss_type": "vespo", "use_vllm": True}, "VESPO loss requires `vllm_importance_sampling_mode` to be either "
+                                               "'token_truncate' or 'token_mask'. Got: sequence_mask."),
+    ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:
@@ -99,6 +113,8 @@ def test_reward_weights_length(tmp_path, tokenizer):
     (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
     (Dataset.from_dict({"prompt": [3]}), "must hold strings or lists of {'role', 'content'} messages"),
     (Dataset.from_dict({"prompt": [[{"text": "hi"}]]}), "must hold strings or lists of {'role', 'content'}"),
+    (Dataset.from_dict({"prompt": ["copy 1:", "copy 2:", None, "copy 4:"]}), "train_dataset row 2 has no prompt"),
+    (Dataset.from_dict({"prompt": ["copy 1:"]}), "train_dataset has 1 prompts but one generation round needs 2"),
 ])
 def test_dataset_is_checked_before_loading(args, tokenizer, dataset, message):
     with pytest.raises(ValueError) as error:
@@ -133,10 +149,15 @@ def test_unknown_estimator_object_is_rejected(args, tokenizer):
 
 
 def test_checkpointing_defaults_on_like_trl_and_either_name_turns_it_off():
-    assert GRPOConfig(**BASE).gradient_checkpointing is True
-    assert GRPOConfig(**BASE, activation_checkpointing=False).gradient_checkpointing is False
-    with pytest.warns(FutureWarning):  # transformers' deprecated alias still works, as TRL scripts use it
-        assert GRPOConfig(**BASE, gradient_checkpointing=False).activation_checkpointing is False
+    config = GRPOConfig(**BASE)
+    assert config.gradient_checkpointing is True and config.activation_checkpointing is True
+    config = GRPOConfig(**BASE, activation_checkpointing=False)
+    assert config.gradient_checkpointing is False and config.activation_checkpointing is False
+    # TRL scripts use gradient_checkpointing, which transformers >= 5.23 deprecates (older releases have only it)
+    deprecated = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    with pytest.warns(FutureWarning) if deprecated else contextlib.nullcontext():
+        config = GRPOConfig(**BASE, gradient_checkpointing=False)
+    assert config.activation_checkpointing is False and config.gradient_checkpointing is False
 
 
 @pytest.mark.parametrize("overrides", [

@@ -64,11 +64,12 @@ def launch_env(extra: dict) -> dict:
     return env
 
 
-def accelerate_launch(config: str, script_args: list[str], env: dict, log: Path) -> tuple[int, float]:
-    """Run `accelerate launch` to completion or timeout (then kill every process it started); returns the exit
-    code and the wall time. Output goes to `log`."""
+def accelerate_launch(config: str, script_args: list[str], env: dict, log: Path,
+                      script: Path = HARNESS) -> tuple[int, float]:
+    """Run `accelerate launch` of `script` to completion or timeout (then kill every process it started); returns
+    the exit code and the wall time. Output goes to `log`."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               f"accelerate_configs/cpu/{config}", "--main_process_port", str(_free_port()), str(HARNESS),
+               f"accelerate_configs/cpu/{config}", "--main_process_port", str(_free_port()), str(script),
                *script_args]
     start = time.perf_counter()
     with open(log, "w") as out:

@@ -60,7 +60,8 @@ def test_trls_logs_layout_and_columns_some_rounds_lack(tmp_path):
     add_round(log)
     log.rows[-1]["extra"] = {}  # a round in which no reward function logged the column
     logs = log.columns()
-    assert set(logs) == {"prompt", "completion", "rewards", "advantages", "extra"}
+    assert set(logs) == {"prompt", "completion", "rewards", "advantages", "extra", "images"}
+    assert logs["images"] == []  # text rounds log no images
     assert logs["extra"] == {"source": ["x", "y", "z", "w", "x", "y", "z", None]}
     assert logs["rewards"]["correct"] == [1.0, 0.0, 1.0, 0.0] * 2
 
@@ -125,6 +126,9 @@ class FakeBackend(types.ModuleType):
     def Table(self, dataframe):  # noqa: N802 - the libraries' name
         return dataframe
 
+    def Image(self, image):  # noqa: N802 - the libraries' name
+        return ("image", image)
+
     def log(self, payload):
         self.logged.append(payload)
 
@@ -159,3 +163,39 @@ def test_format_messages():
         "USER\nhi\n\nASSISTANT\nyo"
     assert format_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]) \
         == "USER\n[IMAGE]what?"
+
+
+def test_multi_turn_completions_are_written_with_their_tool_calls_arguments_as_json(tmp_path):
+    # Two tools with different arguments, one without any: as objects they fit no single parquet column.
+    def call(name, arguments):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+    completions = [[call("get", {}), {"role": "tool", "name": "get", "content": "42"},
+                    {"role": "assistant", "content": "42"}],
+                   [call("multiply", {"a": 3, "b": 4}), {"role": "tool", "name": "multiply", "content": "12"},
+                    {"role": "assistant", "content": "12"}]]
+    log = make_log(tmp_path, max_rows=2)
+    log.add([CHAT, CHAT], completions, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([1.0, -1.0]))
+    frame = pd.read_parquet(log.flush(1))
+    calls = [row[0]["tool_calls"][0]["function"] for row in frame["completion"]]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get", {}), ("multiply", {"a": 3, "b": 4})]
+    assert completions[1][0]["tool_calls"][0]["function"]["arguments"] == {"a": 3, "b": 4}  # the rewards' copy
+    assert format_messages(log.columns()["completion"][1]) == \
+        'ASSISTANT\n\n-> multiply({"a": 3, "b": 4})\n\nTOOL\n12\n\nASSISTANT\n12'
+
+
+def test_prompt_images_go_to_the_backend_tables_not_the_files(tmp_path, monkeypatch):
+    trackio = FakeBackend("trackio")
+    monkeypatch.setitem(sys.modules, "trackio", trackio)
+    log = make_log(tmp_path, report_to=["trackio"])
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    log.add([prompt] * 4, ["a", "b", "c", "d"], torch.zeros(4, 2), torch.zeros(4),
+            images=[["red"], ["red"], ["blue", "green"], []])  # stand-ins for the PIL images
+    assert log.columns()["images"] == [["red"], ["red"], ["blue", "green"], []]
+    frame = pd.read_parquet(log.flush(1))
+    assert "image" not in frame.columns
+    assert json.loads((tmp_path / "completions" / "completions_00001.jsonl").open().readline())["prompt"] == prompt
+    (payload,) = trackio.logged
+    assert payload["completions"]["image"].tolist() == [[("image", "red")], [("image", "red")],
+                                                        [("image", "blue"), ("image", "green")], []]

@@ -2,21 +2,25 @@
 
 import asyncio
 import math
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from grpo_trainer.rewards.scoring import RewardError, RewardModel, reward_name, score_completions
+from tests.helpers import copy_task_trainer
 
 PROMPTS = ["p0", "p1", "p2"]
 COMPLETIONS = ["a", "bb", "ccc"]
 COMPLETION_IDS = [[1], [2, 2], [3, 3, 3]]
 
 
-def score(funcs, policy="raise", columns=None, **extra):
+def score(funcs, policy="raise", columns=None, timeout=None, **extra):
     return score_completions(funcs, [reward_name(f) for f in funcs], PROMPTS, COMPLETIONS, COMPLETION_IDS,
-                             columns or {}, policy, **extra)
+                             columns or {}, policy, timeout, **extra)
 
 
 def length(completions, **kwargs):
@@ -142,7 +146,7 @@ def test_infinite_reward_found_while_locating_another_failure():
             raise RuntimeError("batch failed")
         return [math.inf if completions[0] == "ccc" else 1.0]
 
-    with pytest.raises(RewardError, match=r"'fragile' failed on sample 2 \(ValueError: returned NaN or inf\)"):
+    with pytest.raises(RewardError, match=r"'fragile' failed on sample 2 \(ValueError: returned inf\)"):
         score([fragile])
     out = score([fragile], policy="none")
     assert out[:2, 0].tolist() == [1.0, 1.0] and math.isnan(out[2, 0].item())
@@ -196,3 +200,123 @@ def test_reward_model_scores_in_micro_batches(tokenizer):
     # through score_completions like any reward function
     out = score_completions([reward], ["rm"], prompts, completions, [[0]] * 3, {})
     assert out[:, 0].tolist() == pytest.approx(one_by_one, abs=1e-5)
+
+
+# --------------------------------------------------------------------------------- value types, timeouts
+
+
+@pytest.mark.parametrize("values, expected", [
+    (np.array([0.5, 1.0, 2.0], dtype=np.float32), [0.5, 1.0, 2.0]),
+    ([np.float32(0.5), np.float64(1.0), np.int64(2)], [0.5, 1.0, 2.0]),
+    (np.array([0.5, None, 2.0], dtype=object), [0.5, None, 2.0]),
+    ([torch.tensor(0.5), torch.tensor([1.0]), np.array(2.0)], [0.5, 1.0, 2.0]),  # 0-d and one-element
+    (torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64), [0.5, 1.0, 2.0]),
+    ((0.5, True, 2), [0.5, 1.0, 2.0]),
+    ([np.float16(0.5), np.bool_(True), None], [0.5, 1.0, None]),
+    (np.array([True, False, True]), [1.0, 0.0, 1.0]),
+    (torch.tensor([False, True, True]), [0.0, 1.0, 1.0]),
+], ids=["ndarray", "numpy scalars", "object array with None", "0-d tensors", "float64 tensor", "tuple with bool",
+        "float16, bool_ and None", "bool array", "bool tensor"])
+def test_every_numeric_type_a_function_may_return_is_accepted(values, expected):
+    out = score([lambda completions, **kwargs: values])
+    assert [None if math.isnan(v) else v for v in out[:, 0].tolist()] == expected
+
+
+@pytest.mark.parametrize("result, described", [
+    (np.float64(1.0), "returned a float64; it must return one number"),
+    (1.0, "returned a float; it must return one number"),
+    ({"a": 1.0}, "returned a dict; it must return one number"),
+    (np.ones((3, 1)), "returned a ndarray of shape (3, 1) for 3 completions"),
+    (torch.ones(1, 3), "returned a Tensor of shape (1, 3) for 3 completions"),
+])
+def test_a_result_of_the_wrong_type_names_the_function_and_the_type_not_a_sample(result, described):
+    calls = []
+
+    def scalar(completions, **kwargs):
+        calls.append(len(completions))
+        return result
+
+    with pytest.raises(RewardError) as error:
+        score([scalar])
+    assert str(error.value).startswith(f"reward function 'scalar' {described}")
+    assert "sample" not in str(error.value) and calls == [3]  # not re-run per sample
+    with pytest.warns(UserWarning, match="Its rewards for these 3 completions are missing"):
+        assert torch.isnan(score([scalar], policy="none")).all()
+
+
+def test_a_value_that_is_not_a_number_names_the_sample_and_its_type():
+    def stringly(completions, **kwargs):
+        return [1.0, "0.5", 2.0]
+
+    with pytest.raises(RewardError, match=r"'stringly' failed on sample 1 \(returned a str, not a number: '0.5'\)"):
+        score([stringly])
+    out = score([stringly], policy="none")
+    assert out[0, 0].item() == 1.0 and math.isnan(out[1, 0].item()) and out[2, 0].item() == 2.0
+
+
+@pytest.fixture
+def release():
+    """An event that stuck reward functions wait on; set at the end so their abandoned threads finish."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_a_stuck_function_times_out_by_name_under_either_policy(release):
+    def stuck(completions, **kwargs):
+        release.wait(60)
+        return [1.0] * len(completions)
+
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward function 'stuck' did not return within reward_timeout \(0.2 s\) on "
+                                          r"3 completions\. Fix the function, or set reward_error_policy='none'"):
+        score([length, stuck], timeout=0.2)
+    with pytest.warns(UserWarning, match="'stuck' did not return within reward_timeout"):
+        out = score([length, stuck], policy="none", timeout=0.2)
+    assert time.monotonic() - start < 10  # twice 0.2 s, and no per-sample re-runs of 0.2 s each
+    assert out[:, 0].tolist() == [1.0, 2.0, 3.0] and torch.isnan(out[:, 1]).all()
+
+
+def test_async_functions_time_out_alone_even_one_that_blocks_its_event_loop(release):
+    async def awaits_forever(completions, **kwargs):
+        await asyncio.sleep(60)
+
+    async def blocks_the_loop(completions, **kwargs):
+        release.wait(60)  # synchronous: no await lets the loop run anything else
+        return [0.0] * len(completions)
+
+    async def quick(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    with pytest.raises(RewardError, match="'awaits_forever' did not return within reward_timeout"):
+        score([quick, awaits_forever], timeout=0.3)
+    with pytest.raises(RewardError, match="'blocks_the_loop' did not return within reward_timeout"):
+        score([blocks_the_loop], timeout=0.3)
+    with pytest.warns(UserWarning):
+        out = score([quick, awaits_forever, length], policy="none", timeout=0.3)
+    assert out[:, 0].tolist() == [0.5] * 3 and torch.isnan(out[:, 1]).all() and out[:, 2].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_timeout_leaves_functions_that_finish_in_time_alone():
+    async def quick(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5] * len(completions)
+
+    assert score([length, quick], timeout=30).tolist() == [[1.0, 0.5], [2.0, 0.5], [3.0, 0.5]]
+
+
+def test_reward_timeout_in_training(tmp_path, tokenizer, toy_dataset, release):
+    def stuck_at_step_1(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            release.wait(60)
+        return [float(len(c)) for c in completions]
+
+    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, [stuck_at_step_1], reward_timeout=0.5)
+    with pytest.raises(RewardError, match="'stuck_at_step_1' did not return within reward_timeout \\(0.5 s\\)"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, [stuck_at_step_1, length], reward_timeout=0.5,
+                                reward_error_policy="none", max_steps=3)
+    with pytest.warns(UserWarning, match="'stuck_at_step_1' did not return within reward_timeout"):
+        trainer.train()
+    assert trainer.state.global_step == 3

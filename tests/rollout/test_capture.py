@@ -1,5 +1,7 @@
 """What a rollout keeps for the loss (`rollout.capture`): by the trainer's settings, within the memory budget."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -9,6 +11,7 @@ from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import capture
 from grpo_trainer.rollout.types import Rollout
+from grpo_trainer.runtime import compat
 
 
 def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
@@ -17,7 +20,7 @@ def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
     args = GRPOConfig(**{**settings, **overrides})
     trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
                           train_dataset=toy_dataset, processing_class=tokenizer)
-    trainer.model.activation_checkpointing_enable()  # what Trainer.train does first
+    compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
     trainer.model.train()
     return trainer
 
@@ -32,7 +35,7 @@ def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
 def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset, overrides, keeps):
     trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides)
     if overrides.get("gradient_checkpointing") is False:
-        trainer.model.activation_checkpointing_disable()
+        compat.disable_checkpointing(trainer.model)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
     assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps
     evaluation = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "eval")
@@ -82,6 +85,19 @@ def test_replay_buffers_fill_the_budget_layer_outputs_first():
     outputs, probs = capture.replay_buffers(only_probs, **shapes)
     assert outputs is None and probs.shape == (2, 5, 10)
     assert capture.replay_buffers(capture.Capture(), **shapes) == (None, None)  # nothing asked for
+
+
+def test_a_rollout_with_tool_tokens_keeps_no_sampler_tensor():
+    # Tool tokens were never sampled: no value of the sampler may stand in for them (capture, decision 4).
+    ones = torch.ones(2, 3)
+    out = Rollout(ones.long(), ones.long(), ones.long(), ones.long(), torch.zeros(2, dtype=torch.bool),
+                  sampling_logps=ones, sampling_entropy=ones, sampling_probs=ones[..., None],
+                  layer_outputs=ones[:, None, :, None])
+    assert capture.drop_for_tool_results(out) is out  # every token sampled: all of it stays
+    with_tools = capture.drop_for_tool_results(dataclasses.replace(out, env_mask=torch.tensor([[1, 0, 1], [1, 1, 1]])))
+    assert (with_tools.sampling_logps, with_tools.sampling_entropy, with_tools.sampling_probs,
+            with_tools.layer_outputs) == (None, None, None, None)
+    assert torch.equal(with_tools.env_mask, torch.tensor([[1, 0, 1], [1, 1, 1]]))
 
 
 def test_sampling_values_are_dropped_where_they_are_not_the_losss_distribution():

@@ -1,8 +1,11 @@
 """transformers' continuous-batching backend: selected by `use_transformers_continuous_batching` (and its
 deprecated name) over `generation_backend`, `generate`'s greedy tokens, and a real training run through it."""
 
+import inspect
+
 import pytest
 import torch
+from transformers import generation
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.rewards.library import copy_digits_reward
@@ -10,10 +13,18 @@ from grpo_trainer.rollout import BACKENDS, select
 from grpo_trainer.rollout.continuous import ContinuousBatchingBackend, continuous_batching_settings
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
+from grpo_trainer.runtime import compat
 from tests.helpers import assert_same_rollout, greedy_config, grouped_prompts, model_of_kind
 
+# Older releases refuse the backend by name, which tests/runtime/test_transformers_compat.py checks.
+pytestmark = pytest.mark.skipif(compat.continuous_batching_blocker() is not None, reason="the continuous-batching "
+                                f"backend needs transformers >= {compat.CONTINUOUS_BATCHING_RELEASE}")
+
 # A small paged cache: the engine otherwise sizes it from free memory, which on a CPU machine is most of its RAM.
-SMALL = {"num_blocks": 16, "page_size": 32, "max_batch_tokens": 256}
+# (`page_size` is transformers 5.18's name for what 5.17 and older call `block_size`.)
+_FIELDS = inspect.signature(generation.ContinuousBatchingConfig).parameters \
+    if hasattr(generation, "ContinuousBatchingConfig") else {}
+SMALL = {"num_blocks": 16, "page_size" if "page_size" in _FIELDS else "block_size": 32, "max_batch_tokens": 256}
 
 
 def _args(tmp_path, **overrides):

@@ -13,6 +13,7 @@ from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import replay
+from grpo_trainer.runtime import compat
 from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
 
 
@@ -43,7 +44,7 @@ def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokeniz
                                                  init_lora_weights=False))
         model.enable_input_require_grads()
     lm = model.get_base_model() if kind == "lora" else model
-    lm.activation_checkpointing_enable()
+    compat.enable_checkpointing(lm)
     model.train()
     checkpoints = [layer._gradient_checkpointing_func for layer in lm.get_decoder().layers]
     prompts = grouped_prompts(tokenizer)
@@ -85,7 +86,7 @@ def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
     args = GRPOConfig(**{**settings, **overrides})
     trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
                           train_dataset=toy_dataset, processing_class=tokenizer)
-    trainer.model.activation_checkpointing_enable()  # what Trainer.train does first
+    compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
     trainer.model.train()
     return trainer
 

@@ -8,12 +8,14 @@ others build their own trainer. Everything is offline: the Hub is replaced at th
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import warnings
 
 import pytest
 import torch
+import transformers.trainer
 from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -293,6 +295,10 @@ def fake_hub(monkeypatch):
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    # transformers < 5.10 calls huggingface_hub's module-level functions, methods of an HfApi made at import
+    for name, fake in (("create_repo", create_repo), ("upload_folder", upload_folder)):
+        if hasattr(transformers.trainer, name):
+            monkeypatch.setattr(transformers.trainer, name, functools.partial(fake, None))
     return uploads
 
 

@@ -27,6 +27,7 @@ class Compared:
 
     def __init__(self, backend):
         self.backend, self.pairs = backend, []
+        self.capabilities = backend.capabilities
 
     def generate(self, model, prompts, config, capture):
         out = self.backend.generate(model, prompts, config, capture)

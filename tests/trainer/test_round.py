@@ -98,3 +98,15 @@ def test_trims_keep_widths_that_are_multiples():
     assert round_.select(torch.tensor([0])).kept_columns() == (2, 2)
     round_.pad_to_multiple_of = 8  # wider than the round: the round's own widths, never more
     assert round_.kept_columns() == (0, 4)
+
+
+def test_env_mask_follows_its_rows_and_completion_columns_and_takes_tool_tokens_out_of_the_loss():
+    round_ = _round()
+    round_.env_mask = torch.tensor([[1, 0, 1, 1], [1, 0, 0, 1], [0, 1, 1, 1]])  # 0: a tool wrote the token
+    # loss mask = completion_mask * env_mask: row 1 keeps its first token only, row 2 none
+    assert round_.loss_mask.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    trimmed = round_.trimmed()  # trimming follows the completion (attention), not the loss mask
+    assert torch.equal(trimmed.env_mask, round_.env_mask[:, :2])
+    assert torch.equal(round_.select(torch.tensor([2, 0])).env_mask, round_.env_mask[[2, 0]])
+    round_.env_mask = None
+    assert round_.loss_mask is round_.completion_mask  # single-turn: nothing to combine

@@ -41,6 +41,7 @@ from grpo_trainer.rollout.fast.guard import resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.runtime import compat
 from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ForwardBackend", "forward_blocker", "forward_rollout"]
@@ -77,7 +78,7 @@ def forward_blocker(lm: nn.Module) -> str | None:
         return "transformers' generation internals differ from the ones this module calls"
     if not supports_cache():
         return f"{type(lm).__name__} keeps a cache of its own"
-    if any(DynamicCache(config=config).is_linear):
+    if compat.has_linear_attention(config):
         return "recurrent or linear-attention layers"
     return None
 
@@ -110,7 +111,8 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_n
     mask = prompts.mask
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's position ids
     accepted = inspect.signature(lm.forward).parameters
-    kwargs = {"cache": DynamicCache(config=lm.config), "use_cache": True}
+    cache = compat.cache_argument(lm)
+    kwargs = {cache: DynamicCache(config=lm.config), "use_cache": True}
     # generate drops an all-ones mask (no padding anywhere) before its first forward; so do we.
     if "attention_mask" in accepted and not bool((mask == 1).all()):
         kwargs["attention_mask"] = mask[first]
@@ -128,7 +130,7 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_n
         hook.remove()
     plain_logits = len(head_output) == 1 and torch.equal(head_output[0][:, -1].float(), out.logits[:, -1].float())
     kwargs = lm._update_model_kwargs_for_generation(out, kwargs)
-    kwargs["cache"].batch_select_indices(group)  # each row takes its prompt's keys and values
+    kwargs[cache].batch_select_indices(group)  # each row takes its prompt's keys and values
     for name in ("attention_mask", "position_ids"):
         if kwargs.get(name) is not None:
             kwargs[name] = kwargs[name][group]

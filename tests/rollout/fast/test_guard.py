@@ -8,7 +8,7 @@ from transformers.models.llama import modeling_llama
 
 from grpo_trainer.rollout.fast import guard
 from grpo_trainer.rollout.generate import generate_rollout
-from tests.helpers import assert_same_rollout, fast_rollout, greedy_config, grouped_prompts, model_of_kind
+from tests.helpers import assert_same_rollout, fast_rollout, fresh_copy, greedy_config, grouped_prompts, model_of_kind
 
 # Weights larger than the default init make the tiny model's tokens depend on positions, so a wrong rotary
 # table changes greedy tokens rather than only the last digits of the logits.
@@ -19,8 +19,8 @@ LONG_ROPE = {"short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [
 def assert_equals_generate(model, tokenizer, **settings):
     prompts = grouped_prompts(tokenizer)
     config = greedy_config(tokenizer, **settings)
-    with torch.no_grad():
-        reference = generate_rollout(model, prompts, config)
+    with torch.no_grad():  # on a copy: dynamic RoPE keeps state between calls (see tests.helpers.fresh_copy)
+        reference = generate_rollout(fresh_copy(model), prompts, config)
     assert_same_rollout(fast_rollout(model, prompts, config), reference)
     return reference
 

@@ -1,0 +1,184 @@
+"""The vLLM rollout backend (`use_vllm=True`), in TRL 1.16's two modes.
+
+Decisions:
+
+1. Everything that can be refused is refused when the backend is built, before the trainer loads any model: vLLM
+   missing or of an unverified version, sleep mode where the platform has none, `generation_kwargs` that are not
+   vLLM sampling parameters, a server that does not answer within `vllm_server_timeout`; and by `check_model`, a
+   head size vLLM's CPU attention cannot run.
+2. `colocate`: each process runs its own engine (`colocate.ColocateEngine`) on its own rows. `server`: every
+   process's rows are gathered, the main process sends them to the server, and each process takes its own
+   completions back, as in TRL.
+3. Weights are pushed before a rollout whenever the optimizer step changed since the last push (`sync_weights`
+   with the step as version), so gradient accumulation and the micro-steps of one round push nothing. An engine
+   that slept with its weights discarded (sleep mode) gets them again whatever the version.
+4. Capabilities: the engine's own log-probs (`engine_logps`, vLLM's processed log-probs: the distribution it sampled
+   from, after temperature and filtering) and its own weights; no replay tensors, no stop strings (vLLM would
+   need its own detokenised text), no images. Logits processors: only those vLLM's sampling parameters express.
+5. Engine settings follow TRL: `max_num_seqs` = per_device_train_batch_size x vllm_tensor_parallel_size x
+   steps_per_generation; on CPU the KV cache holds that many sequences of the longest expected prompt plus
+   `max_completion_length` (and at least one `vllm_max_model_length` sequence).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+from transformers import GenerationConfig
+
+from grpo_trainer.rollout.backend import VLLM, Capabilities, RolloutBackend, register_backend
+from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
+from grpo_trainer.rollout.types import PromptBatch, Rollout
+from grpo_trainer.rollout.vllm import checks, sampling
+from grpo_trainer.runtime.models import causal_lm
+
+__all__ = ["VLLMBackend"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_PROMPT_TOKENS = 512  # the KV cache's allowance per sequence when max_prompt_length is None (CPU)
+
+
+@register_backend(VLLM)
+class VLLMBackend(RolloutBackend):
+    """Rollouts from vLLM, colocated or on a server (decision 2)."""
+
+    capabilities = Capabilities(logits_processors=False, multi_turn=True, engine_logps=True, own_weights=True)
+
+    def __init__(self, args: Any) -> None:
+        from accelerate import PartialState
+
+        self.args = args
+        self.version = checks.check_installed()
+        self.mode = args.vllm_mode
+        sampling.check_generation_kwargs(args.generation_kwargs)
+        self.is_main = PartialState().is_main_process
+        self.client = self.engine = self.weights = None
+        self.loaded: int | None = None
+        if self.mode == "server":
+            from grpo_trainer.rollout.vllm.server import ServerClient, server_url
+
+            url = server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
+            failure = None
+            if self.is_main:
+                try:
+                    self.client = ServerClient(url, args.vllm_server_timeout, args.vllm_group_port)
+                    self._warn_on_logprobs_mode()
+                except (ConnectionError, RuntimeError) as exc:  # every process raises it, none waits forever
+                    failure = exc
+            device, failure = self._shared((self.client.device if self.client is not None else None, failure))
+            if failure is not None:
+                raise failure
+            self.cpu = device == "cpu"
+        else:
+            self.cpu = checks.on_cpu()
+            checks.check_sleep_mode(args.vllm_enable_sleep_mode, self.cpu)
+
+    @classmethod
+    def from_args(cls, args: Any) -> VLLMBackend:
+        return cls(args)
+
+    @staticmethod
+    def _shared(value: Any) -> Any:
+        """The main process's `value` on every process."""
+        from accelerate.utils import broadcast_object_list
+
+        box = [value]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def _warn_on_logprobs_mode(self) -> None:
+        mode = self.client.logprobs_mode
+        if self.args.vllm_importance_sampling_correction and mode not in (None, "processed_logprobs"):
+            logger.warning(f"The vLLM server runs with `--logprobs-mode {mode}`, which biases the importance sampling "
+                           "correction. Restart it with `--logprobs-mode processed_logprobs`, or set "
+                           "`vllm_importance_sampling_correction=False`.")
+
+    def check_model(self, model: str | nn.Module, trust_remote_code: bool = False) -> None:
+        if isinstance(model, str):
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            except OSError:  # loading the model reports it
+                return
+        else:
+            config = causal_lm(model).config
+        checks.check_head_dim(config, self.cpu)
+
+    # -------------------------------------------------------------------------------------------- engine
+
+    def start(self, model: nn.Module, processing_class: Any) -> None:
+        from grpo_trainer.runtime.weights import check_exportable
+
+        check_exportable(model)
+        if self.mode == "server":
+            from grpo_trainer.rollout.vllm.server import ServerWeights
+
+            self.weights = ServerWeights(self.client, self._shared(self.client.transfer if self.client else None))
+            return
+        from accelerate import PartialState
+
+        from grpo_trainer.rollout.vllm.colocate import ColocateEngine, EngineSettings, kv_cache_bytes
+
+        args, lm = self.args, causal_lm(model)
+        max_num_seqs = args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
+        longest = (args.max_prompt_length or _DEFAULT_PROMPT_TOKENS) + args.max_completion_length
+        model_length = args.vllm_max_model_length or getattr(lm.config.get_text_config(), "max_position_embeddings",
+                                                             longest)
+        dtype = next(p.dtype for p in lm.parameters() if p.is_floating_point())
+        settings = EngineSettings(
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
+            max_num_seqs=max_num_seqs, enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+            trust_remote_code=args.trust_remote_code,
+            seed=PartialState().process_index // args.vllm_tensor_parallel_size, cpu=self.cpu,
+            kv_cache_bytes=kv_cache_bytes(lm.config, dtype, max(model_length, max_num_seqs * longest)))
+        self.engine = ColocateEngine(model, processing_class, settings)
+
+    def sync_weights(self, model: nn.Module, version: int) -> None:
+        asleep = self.engine is not None and self.engine.weights_asleep
+        if version == self.loaded and not asleep:
+            return
+        from grpo_trainer.runtime.weights import inference_weights
+
+        if self.engine is not None:
+            self.engine.load_weights(inference_weights(model))
+        else:
+            self.weights.push(model)
+        self.loaded = version
+
+    def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
+                 capture: Capture = KEEP_NOTHING) -> Rollout:
+        if self.engine is None and self.weights is None:
+            raise RuntimeError("the vLLM backend was not started: call start(model, tokenizer) and sync_weights() "
+                               "first (the trainer does both).")
+        settings = sampling.sampling_settings(config, prompts.ids.shape[1], self.args.generation_kwargs,
+                                              self.args.vllm_structured_outputs_regex)
+        runs = sampling.prompt_runs(prompts, greedy=settings["temperature"] == 0)
+        if self.engine is not None:
+            completions = self.engine.generate(runs, settings)
+        else:
+            completions = self._generate_on_server(runs, settings)
+        return sampling.to_rollout(prompts, completions, config)
+
+    def _generate_on_server(self, runs: list[tuple[list[int], int]], settings: dict) -> list[sampling.Completion]:
+        """Every process's runs answered by the main process; this process's completions (decision 2)."""
+        from accelerate import PartialState
+        from accelerate.utils import gather_object
+
+        all_runs = gather_object([runs])  # one list of runs per process
+        completions = failure = None
+        if self.is_main:
+            try:
+                completions = self.client.generate([r for p in all_runs for r in p], settings)
+            except Exception as exc:  # noqa: BLE001  (raised on every process below, so none waits forever)
+                failure = exc
+        completions, failure = self._shared((completions, failure))
+        if failure is not None:
+            raise failure
+        rows = [sum(n for _, n in process_runs) for process_runs in all_runs]
+        start = sum(rows[:PartialState().process_index])
+        return completions[start:start + rows[PartialState().process_index]]

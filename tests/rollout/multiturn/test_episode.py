@@ -1,0 +1,150 @@
+"""A multi-turn round end to end over a scripted backend: prompts rendered with each rollout's tools, environments
+reset and handed to the rewards, a rollout_func's first turn continued by the tool loop, sampler tensors dropped."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_trainer.cli.toy import make_tokenizer
+from grpo_trainer.rollout.multiturn import Environments, MultiTurn, call_rollout_func
+from grpo_trainer.rollout.types import Rollout, completion_mask
+from tests.tool_helpers import get, multiply
+
+TOKENIZER = make_tokenizer(tool_calling=True)
+END = TOKENIZER.convert_tokens_to_ids("<|end|>")
+
+
+def ids(text):
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"]
+
+
+def args(**overrides):
+    return SimpleNamespace(**{"chat_template_kwargs": None, "max_prompt_length": None, "max_completion_length": 64,
+                              "max_tool_calling_iterations": None, "pad_to_multiple_of": None, **overrides})
+
+
+class Script:
+    """A stand-in backend answering each turn's rows with scripted texts; the first turn carries sampler values."""
+
+    def __init__(self, *turns):
+        self.turns, self.prompts = list(turns), []
+
+    def __call__(self, prompts, max_new_tokens, continuation):
+        self.prompts.append(TOKENIZER.batch_decode(prompts.ids, skip_special_tokens=False))
+        rows = [ids(text) for text in self.turns.pop(0)]
+        width = max(map(len, rows))
+        completion = torch.tensor([row + [TOKENIZER.pad_token_id] * (width - len(row)) for row in rows])
+        mask, truncated = completion_mask(completion, [END])
+        values = None if continuation else torch.zeros(completion.shape)
+        return Rollout(prompts.ids, prompts.mask, completion, mask, truncated, sampling_logps=values,
+                       sampling_entropy=values)
+
+
+class Door:
+    def reset(self, code, **row):
+        self.code, self.opened = code, False
+        return f" Code {code}."
+
+    def open(self, code: int) -> str:
+        """Try a code.
+
+        Args:
+            code: The code to try.
+        """
+        self.opened = code == self.code
+        return "open" if self.opened else "locked"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+def make(tools=None, environments=None, **overrides):
+    multi_turn = MultiTurn(TOKENIZER, args(**overrides), tools, environments)
+    multi_turn.attach_model([TOKENIZER.eos_token_id, END], None)  # the toy model's EOS ids: <eos> and <|end|>
+    return multi_turn
+
+
+def rows(*codes):
+    return [{"prompt": [{"role": "user", "content": "Open."}], "code": code} for code in codes]
+
+
+def test_prompts_describe_the_tools_and_calls_are_counted():
+    multi_turn = make([get, multiply], max_completion_length=400)
+    script = Script(["no<|end|>", "<call>nope</call><call>get</call><|end|>"], ["42<|end|>"])
+    episode = multi_turn.run(rows(1, 2), script, None, "cpu")
+    assert script.prompts[0][0].endswith("<|system|>tools: get multiply<|end|><|user|>Open.<|end|><|assistant|>")
+    assert (episode.tool_counts.calls, episode.tool_counts.failures) == (2, 1)  # `nope` is no tool
+    assert [m["role"] for m in episode.completions[1]] == ["assistant", "tool", "tool", "assistant"]
+
+
+def test_a_round_whose_calls_got_results_drops_every_sampler_tensor():
+    multi_turn = make([get])
+    episode = multi_turn.run(rows(1, 2), Script(["no<|end|>", "<call>get</call><|end|>"], ["42<|end|>"]), None,
+                             "cpu")
+    out = episode.rollout
+    assert out.env_mask is not None and out.sampling_logps is None and out.sampling_entropy is None
+    assert episode.completions[1] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get", "arguments": {}}}]},
+        {"role": "tool", "name": "get", "content": "42"}, {"role": "assistant", "content": "42"}]
+    assert episode.completions[0] == [{"role": "assistant", "content": "no"}]
+
+
+def test_a_round_where_no_tool_answered_is_the_first_turn_as_sampled():
+    multi_turn = make([get])
+    episode = multi_turn.run(rows(1, 2), Script(["no<|end|>", "nor<|end|>"]), None, "cpu")
+    assert episode.rollout.env_mask is None and episode.rollout.sampling_logps is not None
+    assert (episode.tool_counts.calls, episode.tool_counts.failures) == (0, 0)
+
+
+def test_environments_are_reset_with_their_rows_called_and_handed_to_the_rewards():
+    environments = Environments(Door, [])
+    multi_turn = make(environments=environments)
+    script = Script(["<call>open code=7</call><|end|>", "<call>open code=5</call><|end|>"], ["in<|end|>"] * 2)
+    episode = multi_turn.run(rows(7, 8), script, None, "cpu")
+    assert episode.prompts[0] == [{"role": "user", "content": "Open. Code 7."}]
+    assert "<|user|>Open. Code 7.<|end|>" in script.prompts[0][0] and "tools: open" in script.prompts[0][0]
+    doors = episode.reward_kwargs["environments"]
+    assert [d.opened for d in doors] == [True, False] and multi_turn.last_environments == doors
+    assert environments.reward_funcs[0](environments=doors) == [1.0, 0.0]
+    assert [m["content"] for m in episode.completions[0] if m["role"] == "tool"] == ["open"]
+
+
+def test_a_rollout_funcs_turn_is_continued_by_the_tool_loop_and_its_fields_reach_the_rewards():
+    prompt = ids("<|user|>Open.<|end|><|assistant|>")
+
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [prompt, prompt], "completion_ids": [ids("<call>get</call><|end|>"), ids("x<|end|>")],
+                "logprobs": [[0.0] * 6, [0.0] * 2], "judge": ["a", "b"]}
+
+    multi_turn = make([get])
+    script = Script(["42<|end|>"])
+    episode = multi_turn.run(rows(1, 2), script, lambda p: call_rollout_func(rollout_func, p, None), "cpu")
+    assert len(script.prompts) == 1  # the backend only ran the turn after the tool result
+    assert episode.reward_kwargs == {"judge": ["a", "b"]}
+    assert TOKENIZER.decode(episode.rollout.completion_ids[0]) == "<call>get</call><|end|><|tool|>42<|end|>" \
+                                                                  "<|assistant|>42<|end|>"
+
+
+def test_a_rollout_funcs_env_mask_without_tools_is_the_rounds_env_mask():
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [[5, 6], [7]], "completion_ids": [[8, 9, END], [10]], "logprobs": [[0.0] * 3, [0.0]],
+                "env_mask": [[1, 0, 1], [1]]}
+
+    multi_turn = make()
+    prompts = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    episode = multi_turn.run([{"prompt": p} for p in prompts], Script(), lambda p: call_rollout_func(
+        rollout_func, p, None), "cpu")
+    out = episode.rollout
+    pad = TOKENIZER.pad_token_id
+    assert out.prompt_ids.tolist() == [[5, 6], [pad, 7]] and out.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert out.completion_ids.tolist() == [[8, 9, END], [10, pad, pad]]
+    assert out.env_mask.tolist() == [[1, 0, 1], [1, 0, 0]] and out.is_truncated.tolist() == [False, True]
+    assert episode.tool_counts is None and episode.completions[0][0]["role"] == "assistant"
+
+
+def test_text_prompts_are_refused_with_tools():
+    multi_turn = make([get])
+    with pytest.raises(ValueError, match="text prompts"):
+        multi_turn.check_dataset([{"prompt": "plain text"}], "train_dataset")

@@ -1,0 +1,191 @@
+"""GRPO on vision-language models, one tiny model per family (built offline, `cli.toy_vlm`): training moves every
+trainable parameter, vision tower included (so the images reach the loss forward), with TRL's options around
+images: several images per prompt, the reference model, off-policy micro-batches, pad_to_multiple_of, LoRA,
+rewards that read the images, and `log_multimodal`."""
+
+import logging
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from PIL import Image
+from transformers import TrainerCallback
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
+from grpo_trainer.rollout import backend
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
+# LLaVA's vision features are the encoder's hidden states, never its post-layernorm (the pooler's): by design those
+# weights get no gradient (TRL's test exempts them too, and requires them to stay as they were).
+UNUSED_BY_DESIGN = {"llava": ("post_layernorm",), "llava_next": ("post_layernorm",)}
+
+
+def image_dataset(rows: int = 6, images_per_row: list[int] | None = None) -> Dataset:
+    """Conversational prompts with one image each (`image` column), or `images_per_row[i]` images each (`images`
+    column, zen-multi-image's layout, rows without images included)."""
+    def picture(i: int, j: int = 0) -> Image.Image:
+        return Image.new("RGB", (28 + 6 * ((i + j) % 4), 40 - 4 * j), COLOURS[(i + j) % len(COLOURS)])
+
+    prompts = [[{"role": "user", "content": f"Which colour is picture {i}?"}] for i in range(rows)]
+    if images_per_row is None:
+        return Dataset.from_dict({"prompt": prompts, "image": [picture(i) for i in range(rows)]})
+    images = [[picture(i, j) for j in range(images_per_row[i % len(images_per_row)])] for i in range(rows)]
+    return Dataset.from_dict({"prompt": prompts, "images": images})
+
+
+def varied_reward(completions, **kwargs):
+    """Differs between almost any two sampled texts, so every group has a non-zero advantage."""
+    return [float(sum(map(ord, completion[0]["content"])) % 97) for completion in completions]
+
+
+def config(tmp_path, **overrides) -> GRPOConfig:
+    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 2,
+                "max_completion_length": 6, "learning_rate": 0.1, "max_steps": 1, "report_to": "none",
+                "save_strategy": "no", "disable_tqdm": True}
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def train(family: str, tmp_path, dataset: Dataset | None = None, reward=varied_reward, peft_config=None,
+          **overrides) -> tuple[GRPOTrainer, dict[str, torch.Tensor]]:
+    model, processor = make_tiny_vlm(family)
+    trainer = GRPOTrainer(model, reward_funcs=reward, args=config(tmp_path, **overrides),
+                          train_dataset=dataset or image_dataset(), processing_class=processor,
+                          peft_config=peft_config)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    return trainer, before
+
+
+def changed(trainer: GRPOTrainer, before: dict[str, torch.Tensor]) -> dict[str, bool]:
+    return {n: not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", sorted(VLM_FAMILIES))
+def test_training_moves_every_parameter_vision_tower_included(family, tmp_path):
+    trainer, before = train(family, tmp_path)
+    moved = changed(trainer, before)
+    unused = [n for n in moved if any(part in n for part in UNUSED_BY_DESIGN.get(family, ()))]
+    assert not any(moved[n] for n in unused), unused
+    stuck = [n for n, m in moved.items() if not m and n not in unused]
+    assert not stuck, stuck
+    assert any(moved[n] for n in moved if "vision" in n or "visual" in n)  # the images reached the loss forward
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3", "llava_next"])
+def test_several_images_per_prompt_and_prompts_without_any(family, tmp_path):
+    dataset = image_dataset(rows=6, images_per_row=[1, 2, 0])
+    trainer, before = train(family, tmp_path, dataset, per_device_train_batch_size=6, num_generations=2)
+    assert all(m for n, m in changed(trainer, before).items()
+               if not any(part in n for part in UNUSED_BY_DESIGN.get(family, ())))
+
+
+def test_reference_model_and_off_policy_micro_batches_carry_the_images(tmp_path):
+    # beta > 0: reference forwards in chunks of 2 rows; steps_per_generation=2: the round is shuffled and split,
+    # and the old log-probs are computed per micro-batch, each with its own rows' images.
+    trainer, before = train("qwen2_5_vl", tmp_path, beta=0.1, per_device_train_batch_size=2,
+                            steps_per_generation=2, max_steps=2, logging_steps=1)
+    assert all(changed(trainer, before).values())
+    assert all("kl" in row for row in trainer.state.log_history if "reward" in row)
+
+
+def test_pad_to_multiple_of_pads_the_token_types(tmp_path):
+    trainer, before = train("gemma3", tmp_path, pad_to_multiple_of=7)
+    assert all(changed(trainer, before).values())
+
+
+def test_lora_trains_the_language_model_only_with_the_adapter_free_reference(tmp_path):
+    # Gemma 3's SigLIP tower has q_proj / v_proj too: the adapter must stay out of it.
+    trainer, before = train("gemma3", tmp_path, peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]),
+                            beta=0.1)
+    lora = [n for n in before if "lora_" in n]
+    assert lora and all(".language_model." in n for n in lora)
+    moved = changed(trainer, before)
+    assert all(moved[n] for n in lora if "lora_B" in n) and not any(moved[n] for n in before if "lora_" not in n)
+    assert trainer.ref_model is None and "kl" in trainer.state.log_history[0]
+
+
+def test_rewards_see_the_images_and_the_log_keeps_them(tmp_path):
+    seen = {}
+
+    def reward(prompts, completions, image, **kwargs):
+        seen["image"], seen["prompt"] = image, prompts[0]
+        return varied_reward(completions)
+
+    trainer, _ = train("qwen2_vl", tmp_path, reward=reward, log_completions=True, logging_steps=1)
+    assert all(isinstance(i, Image.Image) for i in seen["image"])
+    parts = seen["prompt"][0]["content"]
+    assert parts[0]["type"] == "image" and isinstance(parts[0]["image"], Image.Image)  # TRL's prompt layout
+    logs = trainer._logs
+    assert len(logs["images"]) == len(logs["prompt"]) == 4 and isinstance(logs["images"][0][0], Image.Image)
+    assert logs["prompt"][0][0]["content"][0] == {"type": "image"}  # the table holds no image objects
+    assert os.path.exists(tmp_path / "completions" / "completions_00001.parquet")
+
+
+def test_log_multimodal_false_keeps_no_images(tmp_path):
+    trainer, _ = train("gemma3", tmp_path, log_completions=True, log_multimodal=False, logging_steps=1)
+    assert len(trainer._logs["images"]) == 0 and len(trainer._logs["prompt"]) == 4
+
+
+def test_a_model_path_loads_the_model_and_its_processor(tmp_path):
+    model, processor = make_tiny_vlm("gemma3")
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    trainer = GRPOTrainer(str(tmp_path / "model"), reward_funcs=varied_reward,
+                          args=config(tmp_path / "run"), train_dataset=image_dataset())
+    assert type(trainer.processing_class).__name__ == "Gemma3Processor"
+    assert type(trainer.model).__name__ == "Gemma3ForConditionalGeneration"
+    trainer.train()
+
+
+def test_the_fast_backend_hands_image_rounds_to_generate(tmp_path, caplog):
+    backend._told_about_images.discard("fast")  # said once per process
+    with caplog.at_level(logging.INFO, logger="grpo_trainer.rollout.backend"):
+        trainer, _ = train("llava", tmp_path, generation_backend="fast", max_steps=2)
+    assert sum("does not take image inputs" in r.message for r in caplog.records) == 1  # two rounds, said once
+    assert trainer.state.global_step == 2
+
+
+def test_continuous_batching_is_refused_with_a_processor(tmp_path):
+    model, processor = make_tiny_vlm("llava")
+    with pytest.raises(ValueError, match="does not support multimodal models"):
+        GRPOTrainer(model, reward_funcs=varied_reward, train_dataset=image_dataset(), processing_class=processor,
+                    args=config(tmp_path, use_transformers_continuous_batching=True))
+
+
+def test_evaluate_with_images(tmp_path):
+    model, processor = make_tiny_vlm("qwen2_5_vl")
+    trainer = GRPOTrainer(model, reward_funcs=varied_reward, processing_class=processor,
+                          args=config(tmp_path, per_device_eval_batch_size=4, num_generations_eval=2),
+                          train_dataset=image_dataset(), eval_dataset=image_dataset(rows=2))
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and "eval_reward" in metrics
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def test_resume_in_the_middle_of_a_round_with_images(tmp_path):
+    """A checkpoint taken between the micro-batches of a round keeps their image inputs: the resumed run ends
+    where an uninterrupted one does."""
+    def run(output_dir, stop_at, resume=None):
+        model, processor = make_tiny_vlm("qwen2_vl")
+        trainer = GRPOTrainer(model, reward_funcs=varied_reward, processing_class=processor,
+                              train_dataset=image_dataset(), callbacks=[StopAt(stop_at)],
+                              args=config(output_dir, per_device_train_batch_size=2, steps_per_generation=2,
+                                          max_steps=2, learning_rate=0.01, save_strategy="steps", save_steps=1))
+        trainer.train(resume_from_checkpoint=resume)
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    straight = run(tmp_path / "straight", 2)
+    run(tmp_path / "split", 1)
+    resumed = run(tmp_path / "split", 2, resume=str(tmp_path / "split" / "checkpoint-1"))
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) <= 1e-6

