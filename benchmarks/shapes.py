@@ -35,6 +35,10 @@ QWEN_SHAPES: dict[str, dict] = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
                          rms_norm_eps=1e-6, max_position_embeddings=32768),
 }
+# A memory proxy for one-step runs at long completions: Qwen2.5-0.5B's widths, heads and vocabulary (so the LM head,
+# the logits and every `[B, T, V]` buffer have their real size) with 2 of its 24 layers, whose activations the
+# 24-layer model would hold 12 times over. Its seconds say nothing about the real model's.
+QWEN_SHAPES["qwen2.5-0.5b-2layers"] = {**QWEN_SHAPES["qwen2.5-0.5b"], "num_hidden_layers": 2}
 QWEN_TOKENIZER_LENGTH = 151665  # len(Qwen2.5's tokenizer): 151,643 BPE ranks + 22 special tokens
 
 _PEER_CACHE_GLOB = "hub/models--trl-internal-testing--tiny-Qwen2ForCausalLM-2.5/snapshots/*"
