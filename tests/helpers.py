@@ -214,3 +214,14 @@ def run_bounded(command: list[str], cwd, env: dict, log, timeout_s: float) -> in
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             return -9
+
+
+def force_onednn(monkeypatch) -> None:
+    """Every float32 CPU product that `algorithms.linear` serves goes through oneDNN, however small (the test
+    models' products are below `MIN_MACS`); skips where this torch build has no oneDNN linear."""
+    from grpo_trainer.algorithms import linear
+
+    if linear._onednn_op() is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(linear, "_preferred", True)
+    monkeypatch.setattr(linear, "MIN_MACS", 0)

@@ -4,7 +4,8 @@ A naive `log_softmax(model(x).logits)` holds float32 `[B, S+T, V]` logits, which
 dominates the step's memory. Here the model runs with `logits_to_keep=1` and returns its final hidden states;
 only the `T` completion positions are projected through the LM head, `chunk_size` rows at a time, each chunk
 upcast to float32 on its own. With gradients on, each chunk is recomputed in the backward pass, so no `[B, T, V]`
-tensor is ever kept: peak extra memory is one chunk's logits.
+tensor is ever kept: peak extra memory is one chunk's logits, which `LOGITS_CHUNK_BYTES` also bounds (at a 152k
+vocabulary 1024 rows of float32 logits are 622 MB).
 
 For a plain `nn.Linear` head (the usual case) one autograd function (`_HeadLogProbs`) does all chunks: the
 forward keeps only each row's log-sum-exp, and the backward rebuilds a chunk's logits and writes the gradient of
@@ -36,9 +37,20 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpo_trainer.algorithms import linear as fast_linear
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Float32Head", "LogProbs", "completion_logprobs", "token_logprobs"]
+__all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "LogProbs", "chunk_rows", "completion_logprobs", "token_logprobs"]
+
+# The most float32 logits one chunk may hold: fewer rows per chunk where the vocabulary is large.
+LOGITS_CHUNK_BYTES = 2**27
+
+
+def chunk_rows(chunk_size: int, vocab_size: int) -> int:
+    """Rows per LM-head chunk: `chunk_size`, or fewer where `[rows, V]` float32 logits would pass
+    `LOGITS_CHUNK_BYTES` (e.g. 220 rows at V = 151,936 instead of 1024), never fewer than 1."""
+    return max(1, min(chunk_size, LOGITS_CHUNK_BYTES // (4 * vocab_size)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ def _head_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature:
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
+    logits = fast_linear.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
@@ -158,13 +170,13 @@ class _HeadLogProbs(torch.autograd.Function):
             else:
                 dense, dense_scale = probs.to(weight.dtype), scale
             if want_hidden and dense_scale is None:
-                grad_hidden[rows] = scale * weight[token] - dense @ weight
+                grad_hidden[rows] = scale * weight[token] - fast_linear.matmul(dense, weight)
             elif want_hidden:
-                grad_hidden[rows] = scale * (weight[token] - dense @ weight)
+                grad_hidden[rows] = scale * (weight[token] - fast_linear.matmul(dense, weight))
             if want_weight or want_bias:
                 scaled = scale * h  # [n, E]
             if want_weight:
-                grad_weight.addmm_(dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
+                fast_linear.addmm_(grad_weight, dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
                 grad_weight.index_add_(0, token, scaled)
             if want_bias:
                 row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]
@@ -296,7 +308,8 @@ def completion_logprobs(
         input_ids: `[B, S+T]` prompt (left-padded) followed by the completion (right-padded), T = completion_length.
         attention_mask: `[B, S+T]`.
         temperature: the sampling temperature; logits are divided by it, as they were when sampling.
-        chunk_size: completion positions (rows of the flattened `[B*T, H]` hidden states) projected at once.
+        chunk_size: completion positions (rows of the flattened `[B*T, H]` hidden states) projected at once, at
+            most: fewer where their float32 logits would pass `LOGITS_CHUNK_BYTES` (`chunk_rows`).
         with_entropy: also return the per-token entropy of the (tempered) distribution.
         known_logps / known_entropy: `[B, T]` values already computed under these same weights (the rollout's
             sampling log-probs, on-policy). With a plain head the forward then skips the LM-head projection and
@@ -322,6 +335,7 @@ def completion_logprobs(
         raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
                          "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
     head, lm = _output_head(model), _causal_lm(model)
+    chunk_size = chunk_rows(chunk_size, out.logits.shape[-1])
     transform = LogitTransform.of(getattr(lm, "config", None))
     if not _head_reproduces_logits(lm, out.logits[:, -1], out.hidden_states[-1][:, -1], head, transform):
         logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(

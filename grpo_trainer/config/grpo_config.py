@@ -191,7 +191,8 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     entropy_coef_delta: float = _opt(0.005, "Adaptive entropy control: the coefficient's step per optimizer step.")
     entropy_target: float = _opt(
         0.2, "Adaptive entropy control: target mean per-token entropy in nats, over the loss's tokens.")
-    logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once.")
+    logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
+                                         "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 

@@ -92,6 +92,11 @@ class Round:
                 if per_row else value
         return Round(**values)
 
+    def without_replay(self) -> Round:
+        """This round without its replay tensors (the `[B, T, V]` softmax and the layer outputs): what a buffered
+        micro-batch keeps once its last loss has run, so they do not outlive their backward pass."""
+        return dataclasses.replace(self, sampling_probs=None, layer_outputs=None)
+
     def split(self, parts: int) -> list[Round]:
         """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy)."""
         if parts == 1:

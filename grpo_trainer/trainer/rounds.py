@@ -50,7 +50,11 @@ class RoundsMixin:
             with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
                 round_ = self._generate_and_score(generation_batch, "train")
             self._buffer = [self._micro_batch(part, "train") for part in round_.split(args.steps_per_generation)]
-        inputs = self._buffer[self._micro_step % args.steps_per_generation]
+        iteration, index = divmod(self._micro_step % (args.steps_per_generation * args.num_iterations),
+                                  args.steps_per_generation)
+        inputs = self._buffer[index]
+        if iteration == args.num_iterations - 1:  # its last loss: replay tensors go with it, not with the buffer
+            self._buffer[index] = inputs.without_replay()
         self._micro_step += 1
         return inputs
 

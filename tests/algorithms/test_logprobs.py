@@ -7,8 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from grpo_trainer.algorithms import linear as fast_linear
+from grpo_trainer.algorithms import logprobs as logprobs_module
 from grpo_trainer.algorithms.logprobs import Float32Head, completion_logprobs, token_logprobs
 from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
+from tests.helpers import force_onednn
 
 T = 6  # completion tokens
 ATOL = 1e-5
@@ -84,6 +87,32 @@ def test_matches_naive_values_entropy_and_gradients(tiny_model, tokenizer, chunk
         torch.testing.assert_close(grads[name], param.grad, atol=ATOL, rtol=0, msg=name)
 
 
+def test_chunk_rows_by_hand():
+    # 2**27 bytes / (4 bytes x 151,936) = 220.8 rows of Qwen2.5's vocabulary; 2**27 / (4 x 32,000) = 1048.6 > 1024
+    assert logprobs_module.chunk_rows(1024, 151936) == 220
+    assert logprobs_module.chunk_rows(1024, 32000) == 1024
+    assert logprobs_module.chunk_rows(7, 10) == 7
+    assert logprobs_module.chunk_rows(1024, 2**26) == 1  # a row over the budget still makes a chunk
+
+
+def test_chunks_are_capped_by_bytes_with_the_same_values_and_gradients(tiny_model, tokenizer, monkeypatch):
+    """A budget of two rows' float32 logits makes 2-row chunks whatever chunk_size says; nothing else changes."""
+    ids, mask = batch(tokenizer)
+    weights = torch.randn(3, T, generator=torch.Generator().manual_seed(5))
+    expected_out = completion_logprobs(tiny_model, ids, mask, T, chunk_size=1024, with_entropy=True)
+    expected = _grads(tiny_model, (expected_out.logps * weights).sum())
+    V = tiny_model.config.vocab_size
+    monkeypatch.setattr(logprobs_module, "LOGITS_CHUNK_BYTES", 2 * 4 * V)
+    sizes = []
+    apply = logprobs_module._HeadLogProbs.apply
+    monkeypatch.setattr(logprobs_module._HeadLogProbs, "apply", lambda *a: sizes.append(a[5]) or apply(*a))
+    out = completion_logprobs(tiny_model, ids, mask, T, chunk_size=1024, with_entropy=True)
+    assert sizes == [2]
+    torch.testing.assert_close(out.logps, expected_out.logps, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.entropy, expected_out.entropy, atol=ATOL, rtol=0)
+    _assert_same_grads(_grads(tiny_model, (out.logps * weights).sum()), expected)
+
+
 def _grads(model, loss):
     model.zero_grad()
     loss.backward()
@@ -136,6 +165,41 @@ def test_known_values_keep_the_entropy_gradient(tiny_model, tokenizer, with_prob
     fast = _grads(tiny_model, (logps * w_logp).sum() + (entropy * w_entropy).sum())
     logps, entropy = naive(tiny_model, ids, mask, temperature)
     _assert_same_grads(fast, _grads(tiny_model, (logps * w_logp).sum() + (entropy * w_entropy).sum()))
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_head_products_through_onednn_give_the_same_values_and_gradients(tiny_model, tokenizer, monkeypatch,
+                                                                         with_probs):
+    """Where oneDNN is the faster library (`algorithms.linear`) the head's logits, the backward's `g @ W` and the
+    weight gradient (in blocks of vocabulary rows) go through it; values and gradients are those of PyTorch's
+    own products, with log p and H both differentiated, recomputed or replayed."""
+    ids, mask = batch(tokenizer)
+    generator = torch.Generator().manual_seed(4)
+    w_logp, w_entropy = torch.randn(3, T, generator=generator), torch.randn(3, T, generator=generator)
+    known = {}
+    if with_probs:
+        with torch.no_grad():
+            logps, entropy = naive(tiny_model, ids, mask, 0.8)
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+            known = {"known_logps": logps, "known_entropy": entropy,
+                     "known_probs": torch.softmax(logits[:, -T - 1 : -1].float() / 0.8, -1)}
+
+    def run():
+        out = completion_logprobs(tiny_model, ids, mask, T, temperature=0.8, chunk_size=5, with_entropy=True, **known)
+        return out, _grads(tiny_model, (out.logps * w_logp).sum() + (out.entropy * w_entropy).sum())
+
+    expected, expected_grads = run()
+    force_onednn(monkeypatch)
+    monkeypatch.setattr(fast_linear, "ADDMM_BLOCK_ROWS", 7)
+    calls = []
+    op = fast_linear._onednn_linear
+    monkeypatch.setattr(fast_linear, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
+    out, grads = run()
+    assert calls
+    torch.testing.assert_close(out.logps, expected.logps, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.entropy, expected.entropy, atol=ATOL, rtol=0)
+    _assert_same_grads(grads, expected_grads)
 
 
 def test_entropy_gradient_through_a_wrapped_head(tokenizer):

@@ -87,6 +87,20 @@ def test_replay_buffers_fill_the_budget_layer_outputs_first():
     assert capture.replay_buffers(capture.Capture(), **shapes) == (None, None)  # nothing asked for
 
 
+@pytest.mark.parametrize("new_tokens, keeps_probs", [(64, True), (256, False), (1024, False)])
+def test_no_full_vocabulary_softmax_is_kept_past_the_budget_at_qwen_shapes(new_tokens, keeps_probs):
+    """Qwen2.5-0.5B (24 layers, width 896, V = 151,936), 8 rows, a 64-token prompt, the default 1 GiB budget
+    (2**30 = 1,073,741,824 bytes). Layer outputs: 8 * 24 * (64 + T) * 896 * 4 bytes = 88,080,384 at T = 64,
+    220,200,960 at 256, 748,683,264 at 1024: always kept. Softmax: 8 * T * 151,936 * 4 bytes = 311,164,928 at 64
+    (sum 399,245,312: fits), 1,244,659,712 at 256 and 4,978,638,848 at 1024: not kept (the loss recomputes the
+    logits in 128 MiB chunks instead). On the meta device: nothing is allocated."""
+    shapes = {"rows": 8, "prompt_length": 64, "max_new_tokens": new_tokens, "layers": 24, "hidden_size": 896,
+              "vocab_size": 151936, "dtype": torch.float32, "device": torch.device("meta")}
+    outputs, probs = capture.replay_buffers(capture.Capture(layer_outputs=True, probs=True), **shapes)
+    assert outputs.shape == (8, 24, 64 + new_tokens, 896)
+    assert (probs is not None) == keeps_probs
+
+
 def test_a_rollout_with_tool_tokens_keeps_no_sampler_tensor():
     # Tool tokens were never sampled: no value of the sampler may stand in for them (capture, decision 4).
     ones = torch.ones(2, 3)

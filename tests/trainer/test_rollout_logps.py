@@ -9,6 +9,7 @@ import torch
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
+from grpo_trainer.runtime import compat
 
 
 def _trainer(tmp_path, tokenizer, dataset, seed=2, **overrides):
@@ -121,3 +122,21 @@ def test_zero_advantage_rows_are_not_skipped_with_a_kl_term_or_an_entropy_bonus(
                                             with_kwargs=True)
     trainer.compute_loss(trainer.model, inputs)
     assert rows_seen == [8]
+
+
+def test_a_micro_batch_drops_its_replay_tensors_after_its_last_loss(tmp_path, tokenizer, toy_dataset):
+    """On-policy with 2 micro-batches per round, each used twice (4 accumulation steps): every micro-step gets its
+    softmax and layer outputs; the buffer lets them go at a micro-batch's second (last) use, so a `[B, T, V]`
+    softmax never outlives its backward pass (nor sits in the buffer through the optimizer step)."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, per_device_train_batch_size=4, num_generations=2,
+                       gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=2)
+    assert trainer._on_policy("train")
+    compat.enable_checkpointing(trainer.model, {"use_reentrant": False})  # as train() does: layer outputs kept
+    trainer.model.train()
+    batch = [toy_dataset[i // 2] for i in range(8)]
+    kept = []
+    for _ in range(4):
+        served = trainer._prepare_inputs(batch)
+        assert served.sampling_probs is not None and served.layer_outputs is not None
+        kept.append([part.sampling_probs is not None and part.layer_outputs is not None for part in trainer._buffer])
+    assert kept == [[True, True], [True, True], [False, True], [False, False]]

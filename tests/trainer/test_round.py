@@ -110,3 +110,11 @@ def test_env_mask_follows_its_rows_and_completion_columns_and_takes_tool_tokens_
     assert torch.equal(round_.select(torch.tensor([2, 0])).env_mask, round_.env_mask[[2, 0]])
     round_.env_mask = None
     assert round_.loss_mask is round_.completion_mask  # single-turn: nothing to combine
+
+
+def test_without_replay_drops_only_the_replay_tensors():
+    round_ = _round()
+    lean = round_.without_replay()
+    assert lean.sampling_probs is None and lean.layer_outputs is None
+    assert round_.sampling_probs is not None  # the original is unchanged
+    assert lean.old_logps is round_.old_logps and lean.completion_ids is round_.completion_ids
