@@ -95,18 +95,25 @@ def _text(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict:
             **overrides}
 
 
-def _qwen2_vl(version: str) -> tuple[Any, ProcessorMixin]:
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLProcessor
+def _qwen_processor(processor_class: type, patch: int) -> tuple[Any, ProcessorMixin, list[int]]:
+    """The Qwen-VL families' tokenizer and image-only processor, and the ids of their vision start, end, image and
+    video tokens. `patch`-pixel patches merged 2 x 2: a (2 x patch)-pixel square image is one image token; images
+    up to 4 x patch pixels a side."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer = _tokenizer(tokens)
-    start, end, image, video = _ids(tokenizer, *tokens)
-    # 14-pixel patches merged 2 x 2: a 28 x 28 image is one image token; images up to 56 x 56 pixels.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
-                                               temporal_patch_size=2)
-    processor = _image_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
-                                              chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=(2 * patch) ** 2, max_pixels=(4 * patch) ** 2,
+                                               patch_size=patch, merge_size=2, temporal_patch_size=2)
+    processor = _image_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
+                                             chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    return tokenizer, processor, _ids(tokenizer, *tokens)
+
+
+def _qwen2_vl(version: str) -> tuple[Any, ProcessorMixin]:
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLProcessor
+
+    tokenizer, processor, (start, end, image, video) = _qwen_processor(Qwen2VLProcessor, patch=14)
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
     vision = {"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "patch_size": 14,
               "spatial_merge_size": 2, "temporal_patch_size": 2}
@@ -124,16 +131,8 @@ def _qwen2_vl(version: str) -> tuple[Any, ProcessorMixin]:
 
 def _qwen3_5(moe: bool) -> tuple[Any, ProcessorMixin]:
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tokenizer = _tokenizer(tokens)
-    start, end, image, video = _ids(tokenizer, *tokens)
-    # 16-pixel patches merged 2 x 2: a 32 x 32 image is one image token; images up to 64 x 64 pixels.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2,
-                                               temporal_patch_size=2)
-    processor = _image_only(Qwen3VLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
-                                              chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    tokenizer, processor, (start, end, image, video) = _qwen_processor(Qwen3VLProcessor, patch=16)
     # One gated-delta-net (linear attention) layer and one full-attention layer, as the real model alternates them.
     text = _text(tokenizer, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=2,
                  linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
