@@ -28,8 +28,10 @@ typed `LogProbs`, whatever was asked for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +43,8 @@ from grpo_trainer.algorithms import linear as fast_linear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "LogProbs", "chunk_rows", "completion_logprobs", "token_logprobs"]
+__all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "LogProbs", "chunk_rows", "chunked_scores", "completion_logprobs",
+           "token_logprobs"]
 
 # The most float32 logits one chunk may hold: fewer rows per chunk where the vocabulary is large.
 LOGITS_CHUNK_BYTES = 2**27
@@ -87,6 +90,24 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
 
 def _head_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     return token_logprobs(head(hidden), tokens, temperature)
+
+
+def chunked_scores(score: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]], rows: Tensor, tokens: Tensor,
+                   temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """`score(rows, tokens, temperature)` (`token_logprobs` on logits, or a head's scorer on hidden states) over
+    chunks of `chunk_size` rows `[N, *]`, `[N]`; each chunk recomputed in the backward pass when differentiable, so
+    only one chunk's float32 logits are alive at a time. Log-probs and entropies `[N]` (both differentiable: the
+    entropy bonus trains through them)."""
+    logps, entropies = [], []
+    for start in range(0, tokens.numel(), chunk_size):
+        args = (rows[start:start + chunk_size], tokens[start:start + chunk_size], temperature)
+        if torch.is_grad_enabled() and rows.requires_grad:
+            chosen, entropy = checkpoint(score, *args, use_reentrant=False)
+        else:
+            chosen, entropy = score(*args)
+        logps.append(chosen)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -273,17 +294,9 @@ def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_m
                 use_cache=False, **forward_kwargs)
     logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]
-    flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
-    logps, entropies = [], []
-    for start in range(0, flat_tokens.numel(), chunk_size):
-        args = (flat_logits[start:start + chunk_size], flat_tokens[start:start + chunk_size], temperature)
-        if torch.is_grad_enabled() and flat_logits.requires_grad:
-            chosen, entropy = checkpoint(token_logprobs, *args, use_reentrant=False)
-        else:
-            chosen, entropy = token_logprobs(*args)
-        logps.append(chosen)
-        entropies.append(entropy)
-    return (torch.cat(logps).view(tokens.shape), torch.cat(entropies).view(tokens.shape) if with_entropy else None,
+    logps, entropies = chunked_scores(token_logprobs, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1),
+                                      temperature, chunk_size)
+    return (logps.view(tokens.shape), entropies.view(tokens.shape) if with_entropy else None,
             getattr(out, "aux_loss", None))
 
 
@@ -361,17 +374,9 @@ def completion_logprobs(
             logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens,
                                                        temperature, chunk_size, with_entropy, known)
         return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
-    logps, entropies = [], []
-    for start in range(0, flat_tokens.numel(), chunk_size):
-        args = (head, flat_hidden[start : start + chunk_size], flat_tokens[start : start + chunk_size], temperature)
-        if torch.is_grad_enabled() and flat_hidden.requires_grad:
-            chosen, entropy = checkpoint(_head_logprobs, *args, use_reentrant=False)
-        else:
-            chosen, entropy = _head_logprobs(*args)
-        logps.append(chosen)
-        entropies.append(entropy)
-    logps_t = torch.cat(logps).view(shape)
-    return LogProbs(logps_t, torch.cat(entropies).view(shape) if with_entropy else None, aux_loss)
+    logps_t, entropies_t = chunked_scores(functools.partial(_head_logprobs, head), flat_hidden, flat_tokens,
+                                          temperature, chunk_size)
+    return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

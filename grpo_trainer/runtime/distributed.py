@@ -139,9 +139,7 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
     logits `[B, T, V]` in the model's dtype, and each chunk is upcast to float32 under activation
     checkpointing, which keeps one float32 chunk alive instead of `[B, T, V]`.
     """
-    from torch.utils.checkpoint import checkpoint
-
-    from grpo_trainer.algorithms.logprobs import token_logprobs
+    from grpo_trainer.algorithms.logprobs import chunked_scores, token_logprobs
 
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as in generate, ignoring left padding
     extra = {"position_ids": position_ids, **(model_inputs or {})}  # a VLM's image inputs, as in the plain path
@@ -151,18 +149,10 @@ def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask
                 use_cache=False, **extra)
     logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]  # [B, T]
-    flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)  # [B*T, V], [B*T]
-    logps, entropies = [], []
-    for start in range(0, flat_tokens.numel(), chunk_size):
-        args = (flat_logits[start:start + chunk_size], flat_tokens[start:start + chunk_size], temperature)
-        if torch.is_grad_enabled() and flat_logits.requires_grad:
-            chosen, entropy = checkpoint(token_logprobs, *args, use_reentrant=False)
-        else:
-            chosen, entropy = token_logprobs(*args)
-        logps.append(chosen)
-        entropies.append(entropy)  # differentiable: the entropy bonus trains through it
-    return LogProbs(torch.cat(logps).view(tokens.shape), torch.cat(entropies).view(tokens.shape) if with_entropy
-                    else None, out.aux_loss if with_aux_loss else None)
+    logps, entropies = chunked_scores(token_logprobs, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1),
+                                      temperature, chunk_size)  # [B*T] each
+    return LogProbs(logps.view(tokens.shape), entropies.view(tokens.shape) if with_entropy else None,
+                    out.aux_loss if with_aux_loss else None)
 
 
 def full_parameters(model: nn.Module) -> dict[str, Tensor]:

@@ -23,11 +23,11 @@ from grpo_trainer.algorithms.advantage import (
     group_std,
     register_advantage,
 )
+from tests.algorithms.numeric import ATOL, close
 
 REWARDS = [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 S_GROUP0 = math.sqrt(1 / 3)  # 0.577350
 S_BATCH = math.sqrt(15 / 56)  # 0.517549
-ATOL = 1e-6
 
 # Centred values: r - group mean = [0-.5, 1-.5, ...], [1-.25, 0-.25, ...].
 CENTRED = [-0.5, 0.5, -0.5, 0.5, 0.75, -0.25, -0.25, -0.25]
@@ -47,8 +47,6 @@ TABLE = {
 CLASSES = {"grpo": GRPOAdvantage, "rloo": RLOOAdvantage}
 
 
-def close(actual: torch.Tensor, expected) -> None:
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=ATOL, rtol=0)
 
 
 @pytest.fixture

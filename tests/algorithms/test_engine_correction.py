@@ -22,16 +22,14 @@ from grpo_trainer.algorithms.engine_correction import (
     engine_log_ratio,
     engine_mismatch_metrics,
 )
+from tests.algorithms.numeric import F64, close
 
-F64 = torch.float64
 NAN = math.nan
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.7, -1.2]], dtype=F64)
 ENGINE = torch.tensor([[-1.5, -1.0, NAN], [-0.3, -0.2, -3.0]], dtype=F64)
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
 
 
-def close(actual, expected):
-    torch.testing.assert_close(actual.to(F64), torch.tensor(expected, dtype=F64), atol=1e-6, rtol=0)
 
 
 def test_log_ratio_per_token_and_per_sequence():

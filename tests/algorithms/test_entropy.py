@@ -9,12 +9,7 @@ import torch
 
 from grpo_trainer.algorithms.entropy import EntropyControl, entropy_bonus, window_stats
 from grpo_trainer.algorithms.losses import LOSS_TYPES, LossNorm, policy_loss
-
-F64 = torch.float64
-
-
-def t(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=F64)
+from tests.algorithms.numeric import F64, t
 
 
 def test_entropy_bonus_and_window_stats_by_hand():

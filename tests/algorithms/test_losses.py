@@ -20,19 +20,7 @@ from grpo_trainer.algorithms.losses import (
     nanmin,
     policy_loss,
 )
-
-ATOL = 1e-6
-F64 = torch.float64
-
-
-def t(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def close(actual: torch.Tensor, expected) -> None:
-    expected = expected if isinstance(expected, torch.Tensor) else t(expected)
-    torch.testing.assert_close(actual.detach().to(F64), expected.to(F64), atol=ATOL, rtol=0)
-
+from tests.algorithms.numeric import F64, close, t
 
 # ---------------------------------------------------------------------------------------------------------------
 # Metrics

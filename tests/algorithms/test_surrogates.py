@@ -18,18 +18,7 @@ from grpo_trainer.algorithms.surrogates import (
     sapo_surrogate,
     vespo_surrogate,
 )
-
-ATOL = 1e-6
-F64 = torch.float64
-
-
-def t(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=F64)
-
-
-def close(actual: torch.Tensor, expected) -> None:
-    expected = expected if isinstance(expected, torch.Tensor) else t(expected)
-    torch.testing.assert_close(actual.detach().to(F64), expected.to(F64), atol=ATOL, rtol=0)
+from tests.algorithms.numeric import F64, close, t
 
 
 def surrogate_at(fn, ratios, advantages, logps=None, **params):
