@@ -51,7 +51,7 @@ MODEL_SIZES: dict[str, tuple[int, int, int, int]] = {
     "large": (32000, 512, 2, 8),  # ~21M parameters (16M of them the tied 32k embedding)
 }
 PHASES = ("generation", "reference_forward", "policy_forward", "backward", "optimizer", "rewards")
-# "<impl>_blas": the same run with PyTorch's own float32 CPU matmuls (GRPO_TRAINER_ONEDNN=0, `algorithms.linear`).
+# "<impl>_blas": the same run with PyTorch's own float32 CPU matmuls (GRPO_TRAINER_ONEDNN=0, `modeling.kernels`).
 IMPLS = ("ours", "trl", "floor", "ours_blas", "floor_blas")
 
 
@@ -166,8 +166,8 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 
     from grpo_trainer import GRPOConfig
-    from grpo_trainer.algorithms.logprobs import completion_logprobs
     from grpo_trainer.cli.toy import copy_digits_dataset
+    from grpo_trainer.modeling.logprobs import completion_logprobs
     from grpo_trainer.rollout.capture import KEEP_NOTHING
     from grpo_trainer.rollout.fast.backend import FastBackend
     from grpo_trainer.rollout.prompts import tokenize_prompts
@@ -175,7 +175,7 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    from grpo_trainer.algorithms.linear import fast_linears
+    from grpo_trainer.modeling.kernels import fast_linears
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if case.peft == "lora":

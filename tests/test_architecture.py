@@ -15,13 +15,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grpo_trainer"
 ALLOWED: dict[str, set[str]] = {
     "algorithms": set(),
     "data": set(),
-    "config": {"algorithms", "runtime"},
+    "modeling": {"algorithms"},
+    "config": {"algorithms", "runtime", "modeling"},
     "rewards": {"algorithms", "data"},
-    "runtime": {"algorithms"},
+    "runtime": {"algorithms", "modeling"},
     "reporting": {"algorithms"},
-    "rollout": {"algorithms", "data", "runtime"},
-    "trainer": {"algorithms", "config", "data", "reporting", "rewards", "rollout", "runtime"},
-    "cli": {"algorithms", "config", "data", "reporting", "rewards", "rollout", "runtime", "trainer"},
+    "rollout": {"algorithms", "data", "modeling", "runtime"},
+    "trainer": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime"},
+    "cli": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime", "trainer"},
 }
 # Top-level modules: the public API (`__init__`) and the seeds' public path for estimators (`advantage`).
 TOP_LEVEL = {"__init__.py": None, "advantage.py": {"algorithms"}}

@@ -40,8 +40,8 @@ from transformers import ProcessorMixin
 
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import count_images, with_images
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.types import PromptBatch
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ImageInputs", "check_processor_setup", "forward_inputs", "image_token_ids", "is_processor",
            "protected_columns", "split_fields", "text_tokenizer", "tokenize_with_processor", "truncate_keeping"]

@@ -21,7 +21,7 @@ What this trainer does, and how it differs from the papers and from TRL:
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
 6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion
    once, before any forward pass (`round`), and log-probs never materialise float32 `[B, T, V]` logits
-   (`algorithms.logprobs`).
+   (`modeling.logprobs`).
 
 The class is assembled by concern: this module holds the constructor, set-up and data loading; `trainer.rounds`
 the generation round (rollout, scoring, micro-batches), `trainer.loss` the loss and the guarded step,
@@ -56,6 +56,7 @@ from grpo_trainer.data.checks import (
     prepare_for_streaming,
 )
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
+from grpo_trainer.modeling import unwrap
 from grpo_trainer.reporting import completions_hub
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.reward_logs import RewardLogs
@@ -87,7 +88,7 @@ def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset
     prepare_for_streaming(train_dataset, eval_dataset, args)
     if args.use_liger_kernel:
         args.liger_kernel_config = models.liger_kernel_config(args.liger_kernel_config)
-    if args.sync_ref_model and (peft_config is not None or models.is_peft_model(model)):
+    if args.sync_ref_model and (peft_config is not None or unwrap.is_peft_model(model)):
         raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                          "model, which never changes. Set sync_ref_model=False.")
 
@@ -255,7 +256,7 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         if args.cast_lm_head_to_fp32:
             models.cast_lm_head_to_fp32(model)
-        self.ref_model = distributed.make_reference_model(model, args.beta, args.model_init_kwargs,
+        self.ref_model = models.make_reference_model(model, args.beta, args.model_init_kwargs,
                                                           args.trust_remote_code)
         if args.cast_lm_head_to_fp32 and self.ref_model is not None:
             models.cast_lm_head_to_fp32(self.ref_model)  # a copy of the policy already has it; a reloaded one not

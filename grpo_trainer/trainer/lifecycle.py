@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from grpo_trainer.algorithms import linear
+from grpo_trainer.modeling import kernels
 from grpo_trainer.reporting import hub, metrics
 from grpo_trainer.runtime import checkpoints, distributed, run_lock
 
@@ -91,11 +91,11 @@ class LifecycleMixin:
                 self.accelerator, lambda: checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir))
             # A save from the watchdog thread is safe only alone: collectives would wait on the stuck processes.
             save_last_step = self._save_last_step if self.accelerator.num_processes == 1 else None
-            # Large float32 CPU linears through oneDNN where it beats the BLAS (`algorithms.linear`); engines that
+            # Large float32 CPU linears through oneDNN where it beats the BLAS (`modeling.kernels`); engines that
             # shard or hook the weights (DeepSpeed, FSDP) keep their own.
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
             with self._signal_stop.handling(save_last_step), \
-                    linear.fast_linears(*(self.model, self.ref_model) if plain else ()):
+                    kernels.fast_linears(*(self.model, self.ref_model) if plain else ()):
                 output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
             self._completions_upload.push_now()

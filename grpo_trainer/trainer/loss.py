@@ -19,9 +19,9 @@ from torch import Tensor, nn
 
 from grpo_trainer.algorithms import losses, masks, surrogates
 from grpo_trainer.algorithms.entropy import window_stats
-from grpo_trainer.algorithms.logprobs import LogProbs, completion_logprobs
-from grpo_trainer.rollout import multimodal, replay
-from grpo_trainer.runtime import distributed, models
+from grpo_trainer.modeling import replay, unwrap
+from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs
+from grpo_trainer.rollout import multimodal
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["LossMixin"]
@@ -42,14 +42,10 @@ class LossMixin:
         width = inputs.completion_ids.shape[1]
         with_aux_loss = policy and self.aux_loss_enabled
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
-        if self.is_fsdp_enabled and distributed.is_fsdp_module(model):
-            return distributed.fsdp_completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                                        self.args.logprob_chunk_size, with_entropy, with_aux_loss,
-                                                        model_inputs=images)
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = contextlib.nullcontext()
         if policy and inputs.layer_outputs is not None and model.training:
-            replayed = replay.replayed_layers(models.causal_lm(model).get_decoder().layers, inputs.layer_outputs)
+            replayed = replay.replayed_layers(unwrap.causal_lm(model).get_decoder().layers, inputs.layer_outputs)
         with replayed:
             return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
                                        self.args.logprob_chunk_size, with_entropy, *known,

@@ -20,6 +20,7 @@ from grpo_trainer.algorithms.advantage import MULTI_OBJECTIVE_AGGREGATIONS
 from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import attach_images, row_images, strip_images
+from grpo_trainer.modeling import unwrap
 from grpo_trainer.reporting import metrics
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rollout import capture, multimodal, multiturn
@@ -141,12 +142,12 @@ class RoundsMixin:
         plan = capture.KEEP_NOTHING if continuation else capture.plan(
             training=mode == "train", on_policy=self._on_policy(mode),
             plain_single_process=self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
-            and not self.is_fsdp_enabled, checkpointing=compat.checkpointing_is_on(models.causal_lm(self.model)))
+            and not self.is_fsdp_enabled, checkpointing=compat.checkpointing_is_on(unwrap.causal_lm(self.model)))
         max_new_tokens = max_new_tokens or self.args.max_completion_length
         backend = rollout.serving(self.rollout_backend, prompts)
         if backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
             backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
-            config = make_generation_config(self.args, models.causal_lm(self.model).generation_config,
+            config = make_generation_config(self.args, unwrap.causal_lm(self.model).generation_config,
                                             self._tokenizer, max_new_tokens)
             out = backend.generate(self.model, prompts, config, plan)
             return capture.drop_unusable(out, config, self.args.temperature)

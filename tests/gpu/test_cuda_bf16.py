@@ -16,8 +16,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the GPU tests need one (they run in bfloat16 on cuda:0)", allow_module_level=True)
 
-from grpo_trainer.algorithms.logprobs import completion_logprobs  # noqa: E402
 from grpo_trainer.algorithms.losses import LossNorm, policy_loss  # noqa: E402
+from grpo_trainer.modeling.logprobs import completion_logprobs  # noqa: E402
 from grpo_trainer.rollout.fast import guard  # noqa: E402
 from grpo_trainer.rollout.generate import generate_rollout  # noqa: E402
 from tests.helpers import (  # noqa: E402

@@ -7,9 +7,9 @@ import torch
 from PIL import Image
 from transformers import GenerationConfig
 
-from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 from grpo_trainer.data.images import with_images
+from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rollout.backend import BACKENDS, serving
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.generate import GenerateBackend

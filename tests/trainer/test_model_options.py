@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.algorithms.logprobs import Float32Head
 from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.modeling.logprobs import Float32Head
 from tests.helpers import write_remote_code_model
 
 

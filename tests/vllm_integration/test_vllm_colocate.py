@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpo_trainer import GRPOTrainer
-from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.cli.toy import copy_digits_dataset
+from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts

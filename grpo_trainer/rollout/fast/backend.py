@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout import capture as capture_
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
@@ -38,7 +39,6 @@ from grpo_trainer.rollout.fast.guard import decoder_blocker, resolved, settings_
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["FastBackend"]
 

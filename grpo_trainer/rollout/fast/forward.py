@@ -13,7 +13,7 @@ Decisions:
    selectable and tested on its own, and its capabilities differ from the decoder's (no layer outputs: the
    model's forward does not hand out every layer's output at every step).
 2. Sampling log-probs (and the softmax for `replay`) are kept only where the model's logits are its LM head's
-   output, which is how the loss computes them (`algorithms.logprobs`); a model that scales or soft-caps its
+   output, which is how the loss computes them (`modeling.logprobs`); a model that scales or soft-caps its
    logits (Gemma-2, Cohere) gets None, and the trainer computes its old log-probs itself. Checked at each
    prefill, by a hook on the head for that one call.
 3. Not served (the caller falls back to `generate`): encoder-decoder and multimodal models, and models whose cache
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, GenerationConfig
 
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout import capture as capture_
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
@@ -42,7 +43,6 @@ from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
 from grpo_trainer.runtime import compat
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ForwardBackend", "forward_blocker", "forward_rollout"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
-from grpo_trainer.algorithms.logprobs import completion_logprobs
+from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rollout import BACKENDS, Capture
 from grpo_trainer.rollout.fast import forward, guard
 from grpo_trainer.rollout.generate import generate_rollout

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.modeling import replay
+from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rewards.library import copy_digits_reward
-from grpo_trainer.rollout import replay
 from grpo_trainer.runtime import compat
 from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
 
