@@ -65,7 +65,8 @@ def test_quantized_layers_are_refused_by_name(tiny_model):
         __module__ = "bitsandbytes.nn.modules"
 
     tiny_model.model.layers[0].mlp.up_proj = Linear4bit(4, 4)
-    with pytest.raises(ValueError, match=r"bitsandbytes-quantized layers \(model\.layers\.0\.mlp\.up_proj: Linear4bit\).*use_vllm"):
+    refused = r"bitsandbytes-quantized layers \(model\.layers\.0\.mlp\.up_proj: Linear4bit\).*use_vllm"
+    with pytest.raises(ValueError, match=refused):
         next(inference_weights(tiny_model))
 
 
