@@ -73,7 +73,7 @@ BACKPORTED_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(CheckpointingFields) if f.name not in TrainingArguments.__dataclass_fields__)
 
 
-def resolve_checkpointing(args: Any, default: bool) -> None:
+def resolve_checkpointing(args: TrainingArguments, default: bool) -> None:
     """Before `TrainingArguments.__post_init__`: `default` where neither name is set, and on releases before 5.23
     both names given one value, the new name winning as in 5.23 (decision 1)."""
     if _ARGS_HAVE_ACTIVATION_NAMES:  # transformers resolves its deprecated alias itself
@@ -93,7 +93,7 @@ def resolve_checkpointing(args: Any, default: bool) -> None:
                          f"{transformers.__version__}); upgrade transformers or remove them.")
 
 
-def mirror_checkpointing(args: Any) -> None:
+def mirror_checkpointing(args: TrainingArguments) -> None:
     """After `TrainingArguments.__post_init__` (which parsed `gradient_checkpointing_kwargs` from JSON on releases
     before 5.23): the new names hold the same values."""
     if not _ARGS_HAVE_ACTIVATION_NAMES:

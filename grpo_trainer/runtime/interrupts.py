@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 __all__ = ["SignalStop"]
 
@@ -65,13 +65,16 @@ class SignalStop(TrainerCallback):
 
     # ----------------------------------------------------------------------------------- Trainer events
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self._step_untouched = True
 
-    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self._step_untouched = False  # a micro-step's gradients are accumulated
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> Any:
         self._step_untouched = True
         if self.signum is not None:
             with self._lock:
