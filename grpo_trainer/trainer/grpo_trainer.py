@@ -53,7 +53,6 @@ from grpo_trainer.modeling import kernels
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
-from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import check_reward_setup
 from grpo_trainer.rewards.sources import ADVANTAGE_EPS
@@ -166,7 +165,6 @@ class GRPOTrainer(Trainer):
         self.metrics = MetricsWindow()
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
-        self.reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
         scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
                                   args.beta)
         self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
@@ -180,7 +178,7 @@ class GRPOTrainer(Trainer):
                                    args.mask_truncated_completions, args.log_completions, args.log_multimodal),
             schedule=schedule, processing_class=processing_class, backend=backend, rewards=self.reward_sources,
             estimator=self.advantage_fn, accelerator=self.accelerator, metrics_window=self.metrics,
-            completions=self.completions, reward_logs=self.reward_logs,
+            completions=self.completions,
             score=self.scorer.no_grad_logps, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
             else None)

@@ -10,6 +10,9 @@ Decisions:
    process keeps its own rows. Every collective runs on the calling thread.
 3. A round sampled by an inference engine with the importance-sampling correction on gets the trainer's log-probs
    at the sampling weights in one no-grad forward (`trainer.engine`).
+4. A round is built in two halves: `sample` (prompts, rollout, this process's rewards: no collective, so it may run
+   on a producer thread, `trainer.producer`) and `finish` (gathers, advantages, metrics, the completions table,
+   the `Round`: on the main thread). `build` is one after the other.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
@@ -39,14 +42,16 @@ from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import capture, multimodal, multiturn
+from grpo_trainer.rollout.multiturn.loop import ToolCounts
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make_generation_config
+from grpo_trainer.rollout.types import ImageInputs
 from grpo_trainer.runtime import compat
 from grpo_trainer.trainer.engine import apply_engine_correction
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.schedule import Schedule
 
-__all__ = ["PolicyView", "RoundBuilder", "RoundSettings"]
+__all__ = ["PolicyView", "RoundBuilder", "RoundSettings", "Sampled"]
 
 logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")  # the trainer's one logger (as TRL's is)
 
@@ -72,21 +77,36 @@ class PolicyView:
     plain_single_process: bool  # one process, no engine hooking the forward (replay's condition)
 
 
+@dataclass
+class Sampled:
+    """A round's local half (`RoundBuilder.sample`): what the collective half needs."""
+
+    prompts: list  # [B] as the model saw them (images attached, a tool round's resets appended)
+    completions: list  # [B] texts, or chat messages
+    rollout: rollout.Rollout
+    prompt_images: ImageInputs | None  # the processor's image inputs of the prompts
+    images: list | None  # [B] the rows' images, for the completions table
+    local_rewards: Tensor  # [B, F] this process's rewards, NaN where a source returned None
+    reward_logs: RewardLogs  # what the round's reward functions logged
+    tool_counts: ToolCounts | None
+    rows: int  # dataset rows of the round on this process
+    version: int  # the optimizer step of the weights that sampled it
+
+
 class RoundBuilder:
     """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward)."""
 
     def __init__(self, *, settings: RoundSettings, schedule: Schedule, processing_class: Any,
                  backend: rollout.RolloutBackend, rewards: RewardSources, estimator: Callable,
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
-                 reward_logs: RewardLogs, score: Callable[[nn.Module, Round], Tensor],
+                 score: Callable[[nn.Module, Round], Tensor],
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None) -> None:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
-        self.accelerator, self.metrics, self.completions, self.reward_logs = (accelerator, metrics_window,
-                                                                              completions, reward_logs)
+        self.accelerator, self.metrics, self.completions = accelerator, metrics_window, completions
         self.score, self.engine_correction = score, engine_correction
         self.multi_turn, self.first_turn = multi_turn, first_turn
 
@@ -97,6 +117,10 @@ class RoundBuilder:
 
     def build(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Round:
         """This process's share of one round from its dataset rows `batch` (each prompt G times in a row)."""
+        return self.finish(self.sample(batch, mode, policy, state), mode, policy, state)
+
+    def sample(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Sampled:
+        """The round's local half (decision 4): rollout and this process's rewards, no collective."""
         device = self.accelerator.device
         if self.multi_turn is None:
             prompts = [row["prompt"] for row in batch]
@@ -108,52 +132,61 @@ class RoundBuilder:
                                             prompt_settings.chat_template_kwargs,
                                             prompt_settings.pad_to_multiple_of).to(device)
             out = self.rollout(prompt_batch, mode, policy)
-            completions, episode_columns = self._completion_texts(out, prompts), {}
+            completions, episode_columns, tool_counts = self._completion_texts(out, prompts), {}, None
             prompt_images = prompt_batch.images
         else:
-            prompts, out, completions, episode_columns = self._episode(batch, mode, policy)
+            episode = self.multi_turn.run(batch, self._turns(mode, policy), self.first_turn, device)
+            prompts, out, completions = episode.prompts, episode.rollout, episode.completions
+            episode_columns, tool_counts = episode.reward_kwargs, episode.tool_counts
             images = prompt_images = None  # multi-turn rounds are text-only (`rollout.prompts` rejects images)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
         columns.update(episode_columns)
-        advantages, all_rewards, all_advantages = self._advantages(prompts, completions, out, columns, mode, state)
-        loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
-            if self.settings.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
-        self._record_rollout_metrics(mode, out, all_rewards, state)
-        self._log_completions(mode, prompts, completions, images, all_rewards, all_advantages)
-        round_ = Round.from_rollout(out, prompt_images, advantages, loss_mask, self._window_tokens(
-            loss_mask if out.env_mask is None else loss_mask * out.env_mask, mode),
-            self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
-        return self._correct_for_engine(round_, mode, policy)
-
-    def _advantages(self, prompts: list, completions: list, out: rollout.Rollout, columns: dict, mode: str,
-                    state: TrainerState) -> tuple[Tensor, Tensor, Tensor]:
-        """This process's advantages `[B]`, and every process's rewards `[B_global, F]` and advantages (decision 2)."""
-        device = self.accelerator.device
+        reward_logs = RewardLogs()  # what this round's reward functions pass to log_extra / log_metric
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = self.rewards.score(prompts, completions, completion_ids, columns, trainer_state=state,
-                                           log_extra=self.reward_logs.log_extra,
-                                           log_metric=self.reward_logs.log_metric).to(device)  # [B, F]
+                                           log_extra=reward_logs.log_extra,
+                                           log_metric=reward_logs.log_metric).to(device)  # [B, F]
         unrewarded = torch.isnan(local_rewards).all(dim=1).nonzero()  # rows no reward function scored
         if len(unrewarded):
             row = int(unrewarded[0])
             sample = {**{k: v[row] for k, v in columns.items()}, "prompt": prompts[row], "completion": completions[row]}
             logger.warning(f"All reward functions returned None for the following kwargs:\n{sample}\nSuch completions "
                            "get advantage 0; make sure at least one reward function returns a valid reward.")
-        all_rewards = gather(local_rewards)  # [B_global, F]
-        all_advantages = self.rewards.advantages(self.estimator, all_rewards.cpu(), self.num_generations(mode))
-        start = self.accelerator.process_index * len(prompts)
-        return all_advantages[start:start + len(prompts)].to(device), all_rewards, all_advantages
+        return Sampled(prompts, completions, out, prompt_images, images, local_rewards, reward_logs, tool_counts,
+                       len(batch), policy.version)
 
-    def _log_completions(self, mode: str, prompts: list, completions: list, images: list | None, all_rewards: Tensor,
-                         all_advantages: Tensor) -> None:
+    def finish(self, sampled: Sampled, mode: str, policy: PolicyView, state: TrainerState) -> Round:
+        """The round's collective half (decision 4): every process's rewards, the advantages, the round's metrics
+        and log, and the `Round`. `policy`: the weights the loss starts from (the engine correction's forward)."""
+        out = sampled.rollout
+        if sampled.tool_counts is not None:
+            counts = torch.tensor([sampled.tool_counts.calls, sampled.tool_counts.failures, sampled.rows],
+                                  device=self.accelerator.device)
+            for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
+                self.metrics.add(mode, key, value)
+        all_rewards = gather(sampled.local_rewards)  # [B_global, F]
+        all_advantages = self.rewards.advantages(self.estimator, all_rewards.cpu(), self.num_generations(mode))
+        start = self.accelerator.process_index * len(sampled.prompts)
+        advantages = all_advantages[start:start + len(sampled.prompts)].to(self.accelerator.device)  # [B]
+        loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
+            if self.settings.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
+        self._record_rollout_metrics(mode, out, all_rewards, sampled.reward_logs, state)
+        self._log_completions(mode, sampled, all_rewards, all_advantages)
+        round_ = Round.from_rollout(out, sampled.prompt_images, advantages, loss_mask, self._window_tokens(
+            loss_mask if out.env_mask is None else loss_mask * out.env_mask, mode),
+            self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
+        return self._correct_for_engine(round_, mode, policy)
+
+    def _log_completions(self, mode: str, sampled: Sampled, all_rewards: Tensor, all_advantages: Tensor) -> None:
         log = self.settings.log_completions
-        extra = self.reward_logs.gather_columns(len(prompts), gather_object) if log else {}
-        self.reward_logs.columns.clear()
+        extra = sampled.reward_logs.gather_columns(len(sampled.prompts), gather_object) if log else {}
         if log and mode == "train":
+            images = sampled.images
             logged_images = gather_object(images) if images is not None and self.settings.log_multimodal else None
-            self.completions.add(gather_object([strip_images(p) for p in prompts]), gather_object(completions),
-                                 all_rewards.cpu(), all_advantages, extra, images=logged_images)
+            self.completions.add(gather_object([strip_images(p) for p in sampled.prompts]),
+                                 gather_object(sampled.completions), all_rewards.cpu(), all_advantages, extra,
+                                 images=logged_images)
 
     def _correct_for_engine(self, round_: Round, mode: str, policy: PolicyView) -> Round:
         """Decision 3; records the `sampling/*` metrics."""
@@ -191,21 +224,14 @@ class RoundBuilder:
                 out = backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, sampling.temperature)
 
-    def _episode(self, batch: list[dict], mode: str, policy: PolicyView
-                 ) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
-        """A multi-turn round (`rollout.multiturn`): the prompts as the model saw them, the rollout, the completions
-        as chat messages, and the extra reward-function keyword arguments."""
+    def _turns(self, mode: str, policy: PolicyView) -> Callable:
+        """A multi-turn round's turn on the rollout backend (`rollout.multiturn`'s `generate`)."""
         device = self.accelerator.device
 
         def generate(prompts: rollout.PromptBatch, max_new_tokens: int | None, continuation: bool) -> rollout.Rollout:
             return self.rollout(prompts.to(device), mode, policy, max_new_tokens, continuation)
 
-        episode = self.multi_turn.run(batch, generate, self.first_turn, device)
-        if episode.tool_counts is not None:
-            counts = torch.tensor([episode.tool_counts.calls, episode.tool_counts.failures, len(batch)], device=device)
-            for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
-                self.metrics.add(mode, key, value)
-        return episode.prompts, episode.rollout, episode.completions, episode.reward_kwargs
+        return generate
 
     def _suppressed(self, model: nn.Module) -> list[int] | None:
         """Tokens sampling must never produce: a vision-language model's image placeholders (TRL's rule)."""
@@ -227,7 +253,7 @@ class RoundBuilder:
         return global_tokens / self.accelerator.num_processes * self.schedule.gradient_accumulation_steps \
             / self.schedule.steps_per_generation
 
-    def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor,
+    def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor, reward_logs: RewardLogs,
                                 state: TrainerState) -> None:
         """TRL's round metrics, from the gathered round, and the round's `log_metric` values. `num_tokens` is the
         running total of prompt and completion tokens trained on (`state.num_input_tokens_seen`)."""
@@ -239,7 +265,7 @@ class RoundBuilder:
         round_metrics = {**metrics.completion_length_metrics(lengths, gather(out.is_truncated.int())),
                          **metrics.reward_metrics(all_rewards, self.rewards.weights, self.rewards.names,
                                                   self.num_generations(mode), scale, with_pass_at_k=mode == "eval"),
-                         **self.reward_logs.gather_metrics(gather_object)}
+                         **reward_logs.gather_metrics(gather_object)}
         for key, value in round_metrics.items():
             self.metrics.add(mode, key, value)
 
