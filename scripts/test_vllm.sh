@@ -13,5 +13,5 @@ bash scripts/vllm_cpu_env.sh
 built=$(date +%s)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -rs tests/vllm_integration tests/rollout/vllm \
-    tests/algorithms/test_engine_correction.py tests/runtime/test_weights.py "$@"
+    tests/algorithms/test_engine_correction.py tests/modeling/test_export.py tests/modeling/test_lora.py "$@"
 echo "== vLLM environment $(( built - start )) s, tests $(( $(date +%s) - built )) s"

@@ -1,7 +1,7 @@
 """The rules a `GRPOConfig` must satisfy, single-field and cross-field, checked when it is built.
 
 Each failure raises one `ValueError` that names the field and says how to fix it. The table in docs/ERRORS.md lists
-them; tests/config/test_checks.py reaches every one.
+them; tests/config/test_validation.py reaches every one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Advantage estimators against hand-derived numbers (PEERS.md section 2.1) and their algebraic properties.
+"""Advantage estimators against hand-derived numbers (the behaviour of twinkle 0.5.1's `twinkle/advantage/`) and
+their algebraic properties.
 
 The running example: rewards [0,1,0,1, 1,0,0,0], G = 4, so two groups.
     group 0 = [0,1,0,1]: mean 0.5,  sample std sqrt(((.5^2) * 4) / 3) = sqrt(1/3) = 0.577350
@@ -59,7 +60,7 @@ def clean_registry():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The PEERS.md table
+# The table of twinkle 0.5.1's advantage module (GRPOAdvantage, RLOOAdvantage on the running example)
 # ---------------------------------------------------------------------------------------------------------------
 
 

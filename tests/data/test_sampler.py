@@ -65,3 +65,18 @@ def test_set_epoch_changes_the_order_reproducibly():
     assert list(twin) == epoch1
     sampler.set_epoch(0)
     assert list(sampler) == epoch0
+
+
+def test_the_first_epoch_is_trls_order_and_later_epochs_reseed_with_seed_plus_epoch():
+    """README "Differences from trl.GRPOConfig": TRL 1.16's sampler seeds one generator once and continues it across
+    epochs; ours reseeds with `seed + epoch`. Epoch 0 is the same order; epoch 1 is another one."""
+    from trl.trainer.utils import RepeatSampler as TRLRepeatSampler
+
+    settings = dict(mini_repeat_count=2, batch_size=4, repeat_count=1, seed=7)
+    ours, trl = RepeatSampler(range(20), **settings), TRLRepeatSampler(range(20), **settings)
+    assert list(ours) == list(trl)  # epoch 0
+    ours.set_epoch(1)
+    trl_epoch1, ours_epoch1 = list(trl), list(ours)  # TRL: its generator's second permutation of seed 7
+    reseeded = torch.randperm(20, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    assert ours_epoch1 == [index for index in reseeded for _ in range(2)]
+    assert ours_epoch1 != trl_epoch1 and sorted(ours_epoch1) == sorted(trl_epoch1)
