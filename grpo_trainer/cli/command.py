@@ -25,7 +25,7 @@ import argparse
 import difflib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from transformers import HfArgumentParser
 
 from grpo_trainer.cli import recipe
 from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config.grpo_config import _opt
 from grpo_trainer.data.checks import check_dataset
 from grpo_trainer.reporting.run_log import RunLogCallback, read_metrics, reward_rise
 from grpo_trainer.rewards import library as reward_library
@@ -58,12 +59,6 @@ DEMO: dict[str, Any] = {
 
 class UsageError(ValueError):
     """Bad command-line or config input; main() prints it as one line and exits with code 2."""
-
-
-def _opt(default: Any, help: str) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass

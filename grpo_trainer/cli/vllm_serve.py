@@ -29,11 +29,9 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
+from grpo_trainer.config.grpo_config import _opt  # GRPOConfig's field helper: a default and the help text
+
 __all__ = ["ServeArguments", "main", "server_command"]
-
-
-def _opt(default, help: str):  # noqa: ANN001, ANN202
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass

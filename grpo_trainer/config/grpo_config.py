@@ -26,6 +26,8 @@ __all__ = ["GRPOConfig"]
 
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with its default and help text (what `HfArgumentParser` prints); a list or dict default
+    is copied for each instance. Also the field helper of the command-line dataclasses in `cli/`."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
     return field(default=default, metadata={"help": help, **kwargs})

@@ -31,7 +31,7 @@ from transformers import GenerationConfig
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
-from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_settings"]
 
@@ -93,14 +93,10 @@ def _completions(results: dict, count: int) -> list[list[int]]:
 
 
 def _rollout(prompts: PromptBatch, completions: list[list[int]], config: GenerationConfig) -> Rollout:
-    eos = config.eos_token_id
-    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    pad = config.pad_token_id if config.pad_token_id is not None else eos[0]
+    _, pad = special_tokens(config)
     T = max(1, max(len(c) for c in completions))
     completion_ids = torch.full((len(completions), T), pad, dtype=torch.long)
     for row, tokens in enumerate(completions):
         completion_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    completion_ids = completion_ids.to(prompts.ids.device)
-    mask, truncated = completion_mask(completion_ids, eos)
-    completion_ids = completion_ids.masked_fill(mask == 0, pad)
+    completion_ids, mask, truncated = end_at_first_eos(completion_ids.to(prompts.ids.device), config)
     return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated)

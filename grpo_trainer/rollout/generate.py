@@ -15,7 +15,7 @@ from transformers.generation import GenerationMixin
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
-from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos
 
 __all__ = ["GenerateBackend", "generate_override", "generate_rollout"]
 
@@ -29,10 +29,7 @@ def generate_rollout(model: nn.Module, prompts: PromptBatch, config: GenerationC
     with torch.no_grad():
         output = model.generate(input_ids=prompts.ids, attention_mask=prompts.mask, generation_config=config,
                                 **images)
-    completion_ids = output[:, prompts.ids.shape[1]:]
-    eos = config.eos_token_id
-    mask, truncated = completion_mask(completion_ids, eos if isinstance(eos, (list, tuple)) else [eos])
-    completion_ids = completion_ids.masked_fill(mask == 0, config.pad_token_id)
+    completion_ids, mask, truncated = end_at_first_eos(output[:, prompts.ids.shape[1]:], config)
     return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated)
 
 

@@ -1,5 +1,6 @@
 """The objects that cross the rollout boundary: the prompts going in (`PromptBatch`, with a vision-language model's
-`ImageInputs`), the completions coming out (`Rollout`), and the completion mask every backend builds the same way.
+`ImageInputs`), the completions coming out (`Rollout`), and the end every backend gives its completions the same way
+(`end_at_first_eos`: the EOS ids and pad id of the generation config, the mask up to the first EOS, padding after it).
 
 `ImageInputs` (built by `rollout.multimodal`) holds the model inputs a processor returned beside the prompt ids: token
 fields aligned with the prompt columns, image fields with their own leading axis (`U` entries: images or patches),
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from transformers import GenerationConfig
 
-__all__ = ["ImageInputs", "PromptBatch", "Rollout", "completion_mask"]
+__all__ = ["ImageInputs", "PromptBatch", "Rollout", "completion_mask", "end_at_first_eos", "special_tokens"]
 
 
 def _index(index: slice | Tensor, rows: int, device: torch.device) -> Tensor:
@@ -133,3 +135,18 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
     # Number of EOS strictly before each position: 0 means "still inside the completion".
     eos_before = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()
     return (eos_before == 0).int(), ~is_eos.any(dim=1)
+
+
+def special_tokens(config: GenerationConfig) -> tuple[list[int], int]:
+    """The EOS ids and the pad id a rollout under `config` uses (generate's fallback: the first EOS pads)."""
+    eos = config.eos_token_id
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    return eos, config.pad_token_id if config.pad_token_id is not None else eos[0]
+
+
+def end_at_first_eos(completion_ids: Tensor, config: GenerationConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """A backend's completions `[B, T]` as a `Rollout` holds them, every token after a row's first EOS replaced by
+    the pad id; with their mask `[B, T]` and truncated flags `[B]` (`completion_mask`)."""
+    eos, pad = special_tokens(config)
+    mask, truncated = completion_mask(completion_ids, eos)
+    return completion_ids.masked_fill(mask == 0, pad), mask, truncated

@@ -16,7 +16,7 @@ from grpo_trainer.rollout.fast import guard
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import eos_token_ids, make_generation_config
-from grpo_trainer.rollout.types import PromptBatch, completion_mask
+from grpo_trainer.rollout.types import PromptBatch, completion_mask, end_at_first_eos, special_tokens
 from tests.helpers import greedy_config, model_of_kind
 
 EOS, END = 1, 6  # the tiny tokenizer's "<eos>" and "<|end|>"
@@ -45,6 +45,23 @@ def test_completion_mask_by_hand():
     # with only EOS 1 as a stop id, row 3 runs on to its "1" at position 2
     mask, _ = completion_mask(completion_ids[3:4], [EOS])
     assert mask.tolist() == [[1, 1, 1, 0]]
+
+
+def test_every_backend_ends_its_completions_at_the_first_eos_by_hand():
+    """`end_at_first_eos`, the tail every backend shares: the config's EOS ids (one id or a list), tokens after the
+    first EOS become the pad id (the first EOS where the config has none)."""
+    completion_ids = torch.tensor([[50, 1, 51, 52], [50, 51, 52, 53], [6, 50, 1, 51]])
+    for config, pad in [(GenerationConfig(eos_token_id=[EOS, END], pad_token_id=0), 0),
+                        (GenerationConfig(eos_token_id=EOS, pad_token_id=None), EOS)]:
+        assert special_tokens(config) == ([EOS, END] if isinstance(config.eos_token_id, list) else [EOS], pad)
+        ids, mask, truncated = end_at_first_eos(completion_ids, config)
+        if pad == 0:  # EOS 1 and END 6 both stop: row 2 ends at its first token
+            assert ids.tolist() == [[50, 1, 0, 0], [50, 51, 52, 53], [6, 0, 0, 0]]
+            assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+        else:  # only EOS 1 stops, and pads
+            assert ids.tolist() == [[50, 1, 1, 1], [50, 51, 52, 53], [6, 50, 1, 1]]
+            assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+        assert truncated.tolist() == [False, True, False]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from grpo_trainer.rollout.fast.decoder import Decoder
 from grpo_trainer.rollout.fast.guard import decoder_blocker, resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
 
 __all__ = ["FastBackend"]
 
@@ -107,9 +107,7 @@ def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
     T = completion_ids.shape[1]  # the used part of the buffers (views made out here)
     outputs = None if outputs is None else outputs[:, :, :S + T]
     probs = None if probs is None else probs[:, :T]
-    eos, pad = loop.special_tokens(config)
-    mask, truncated = completion_mask(completion_ids, eos)
-    completion_ids = completion_ids.masked_fill(mask == 0, pad)
+    completion_ids, mask, truncated = end_at_first_eos(completion_ids, config)
     return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, logps, entropy, probs, outputs)
 
 
@@ -153,5 +151,5 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outpu
     def next_scores(tokens: Tensor, t: int) -> Tensor:
         return decoder.logits(decoder.step(tokens, S + t, cos[:, t], sin[:, t], key_mask[..., :S + t + 1]))
 
-    sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), loop.special_tokens(config)[1])], 1)
+    sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), special_tokens(config)[1])], 1)
     return loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs)

@@ -45,7 +45,7 @@ from grpo_trainer.rollout.fast import loop
 from grpo_trainer.rollout.fast.guard import resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
 from grpo_trainer.runtime import compat
 
 __all__ = ["GENERATION_HELPERS", "ForwardBackend", "forward_blocker", "forward_rollout"]
@@ -130,9 +130,7 @@ def forward_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfi
         device=prompts.ids.device)
     with torch.no_grad():
         completion_ids, logps, entropy, plain_logits = _decode(lm, config, prompts, max_new, probs)
-    eos, pad = loop.special_tokens(config)
-    mask, truncated = completion_mask(completion_ids, eos)
-    completion_ids = completion_ids.masked_fill(mask == 0, pad)
+    completion_ids, mask, truncated = end_at_first_eos(completion_ids, config)
     if not plain_logits:  # decision 2
         logps = entropy = probs = None
     probs = None if probs is None else probs[:, :completion_ids.shape[1]]
@@ -172,7 +170,7 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_n
             kwargs[name] = kwargs[name][group]
     scores = out.logits[:, -1].float()[group]  # [B, V]
     del out
-    sequences = torch.cat([prompts.ids, prompts.ids.new_full((B, max_new), loop.special_tokens(config)[1])], 1)
+    sequences = torch.cat([prompts.ids, prompts.ids.new_full((B, max_new), special_tokens(config)[1])], 1)
 
     def next_scores(tokens: Tensor, t: int) -> Tensor:
         nonlocal kwargs

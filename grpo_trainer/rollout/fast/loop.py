@@ -27,22 +27,15 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
 from grpo_trainer.rollout.fast.guard import processors
 from grpo_trainer.rollout.fast.sampling import sample_from_logits, sample_from_probs
-from grpo_trainer.rollout.types import PromptBatch
+from grpo_trainer.rollout.types import PromptBatch, special_tokens
 
-__all__ = ["NonFiniteLogitsError", "choose", "run", "special_tokens"]
+__all__ = ["NonFiniteLogitsError", "choose", "run"]
 
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteLogitsError(RuntimeError):
     """The model returned NaN or infinite logits during a rollout."""
-
-
-def special_tokens(config: GenerationConfig) -> tuple[list[int], int]:
-    """The EOS ids and the pad id a rollout under `config` uses (generate's fallback: the first EOS pads)."""
-    eos = config.eos_token_id
-    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    return eos, config.pad_token_id if config.pad_token_id is not None else eos[0]
 
 
 def choose(scores: Tensor, sequences: Tensor, processor_list: LogitsProcessorList, config: GenerationConfig,

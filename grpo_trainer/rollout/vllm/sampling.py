@@ -24,7 +24,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos
 
 __all__ = ["Completion", "check_generation_kwargs", "prompt_runs", "sampling_settings", "to_rollout"]
 
@@ -89,8 +89,6 @@ def to_rollout(prompts: PromptBatch, completions: Sequence[Completion], config: 
         ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logps[row, :len(values)] = torch.tensor([math.nan if v is None else v for v in values])
     device = prompts.ids.device
-    ids = ids.to(device)
-    mask, truncated = completion_mask(ids, eos)
-    ids = ids.masked_fill(mask == 0, pad)
+    ids, mask, truncated = end_at_first_eos(ids.to(device), config)
     engine_logps = logps.to(device).masked_fill(mask == 0, 0.0)
     return Rollout(prompts.ids, prompts.mask, ids, mask, truncated, engine_logps=engine_logps)
