@@ -55,32 +55,42 @@ def as_reward_vector(rewards: RewardsLike, reward_weights: Sequence[float] | Ten
     An `[B, F]` matrix (one column per reward function) is combined as the weighted sum over the functions
     that scored that sample (NaN columns skipped, as TRL's `nansum`); a row where every function is NaN stays NaN.
     """
-    if isinstance(rewards, Tensor):
-        values = rewards.detach().to(torch.float32) if not rewards.is_floating_point() else rewards.detach()
-    else:
-        values = torch.tensor(_nones_to_nan(rewards), dtype=torch.float32)
+    values = _as_float(rewards)
     if values.dim() == 2:
-        weights = torch.ones(values.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights)
-        if weights.numel() != values.shape[1]:
-            raise ValueError(
-                f"reward_weights has {weights.numel()} entries but rewards have {values.shape[1]} columns "
-                "(one per reward function); pass one weight per reward function."
-            )
-        weights = weights.to(values)
         all_missing = torch.isnan(values).all(dim=1)
-        values = torch.nansum(values * weights, dim=1).masked_fill(all_missing, math.nan)
+        values = torch.nansum(values * _weights(reward_weights, values), dim=1).masked_fill(all_missing, math.nan)
     elif values.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B] or 2-D [B, F]; got shape {tuple(values.shape)}.")
     elif reward_weights is not None:
         raise ValueError("reward_weights only applies to a 2-D [B, F] rewards matrix; got 1-D rewards.")
-    if torch.isinf(values).any():
-        raise ValueError("rewards contain +/-inf; rewards must be finite numbers, or None/NaN for 'not applicable'.")
-    return values
+    return _finite(values)
+
+
+def _as_float(rewards: RewardsLike) -> Tensor:
+    """The rewards as a float tensor, `None` as NaN."""
+    if isinstance(rewards, Tensor):
+        return rewards.detach() if rewards.is_floating_point() else rewards.detach().to(torch.float32)
+    return torch.tensor(_nones_to_nan(rewards), dtype=torch.float32)
 
 
 def _nones_to_nan(rewards: Sequence) -> list:
     return [_nones_to_nan(r) if isinstance(r, (list, tuple)) else (math.nan if r is None else float(r))
             for r in rewards]
+
+
+def _finite(values: Tensor) -> Tensor:
+    if torch.isinf(values).any():
+        raise ValueError("rewards contain +/-inf; rewards must be finite numbers, or None/NaN for 'not applicable'.")
+    return values
+
+
+def _weights(reward_weights: Sequence[float] | Tensor | None, values: Tensor) -> Tensor:
+    """`[F]` weights of the columns of `values` `[B, F]` (all 1 when None), checked to be one per column."""
+    weights = torch.ones(values.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights)
+    if weights.numel() != values.shape[1]:
+        raise ValueError(f"reward_weights has {weights.numel()} entries but rewards have {values.shape[1]} columns "
+                         "(one per reward function); pass one weight per reward function.")
+    return weights.to(values)
 
 
 def _check(values: Tensor, num_generations: int, scale: str, min_generations: int) -> None:
@@ -275,14 +285,11 @@ def normalize_then_sum(estimator: AdvantageFn, rewards: RewardsLike, num_generat
     Args: rewards `[B, F]` (a `[B]` vector is one function), reward_weights `[F]`. Returns `[B]`.
     """
     values = _as_matrix(rewards)  # [B, F]
-    weights = torch.ones(values.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights)
-    if weights.numel() != values.shape[1]:
-        raise ValueError(f"reward_weights has {weights.numel()} entries but rewards have {values.shape[1]} columns "
-                         "(one per reward function); pass one weight per reward function.")
+    weights = _weights(reward_weights, values)  # [F]
     per_function = torch.stack([torch.nan_to_num(estimator(values[:, k], num_generations=num_generations,
                                                            scale="group"), nan=0.0).to(values)
                                 for k in range(values.shape[1])], dim=1)  # [B, F]
-    combined = (per_function * weights.to(values)).sum(dim=1)  # [B]
+    combined = (per_function * weights).sum(dim=1)  # [B]
     combined = combined.masked_fill(torch.isnan(values).all(dim=1), math.nan)  # unscored: out of the batch stats
     std = torch.nan_to_num(nanstd(combined), nan=0.0)
     return torch.nan_to_num((combined - torch.nanmean(combined)) / (std + eps), nan=0.0)
@@ -291,16 +298,11 @@ def normalize_then_sum(estimator: AdvantageFn, rewards: RewardsLike, num_generat
 def _as_matrix(rewards: RewardsLike) -> Tensor:
     """`[B, F]` float rewards (a `[B]` vector as one column), `None` as NaN; +-inf refused as in
     `as_reward_vector`."""
-    if isinstance(rewards, Tensor):
-        values = rewards.detach().to(torch.float32) if not rewards.is_floating_point() else rewards.detach()
-    else:
-        values = torch.tensor(_nones_to_nan(rewards), dtype=torch.float32)
+    values = _as_float(rewards)
     values = values.unsqueeze(1) if values.dim() == 1 else values
     if values.dim() != 2:
         raise ValueError(f"rewards must be 1-D [B] or 2-D [B, F]; got shape {tuple(values.shape)}.")
-    if torch.isinf(values).any():
-        raise ValueError("rewards contain +/-inf; rewards must be finite numbers, or None/NaN for 'not applicable'.")
-    return values
+    return _finite(values)
 
 
 MultiObjectiveAggregation = Callable[..., Tensor]
