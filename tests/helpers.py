@@ -2,6 +2,9 @@
 comparisons. Everything is built offline from configs."""
 
 import copy
+import inspect
+import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
 from grpo_trainer.rollout.capture import Capture
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.prompts import tokenize_prompts
@@ -167,19 +171,54 @@ def write_remote_code_model(folder, tokenizer, task: str = "causal-lm") -> str:
     return folder
 
 
-def copy_task_trainer(output_dir, tokenizer, dataset, reward_funcs=None, model=None, **overrides):
-    """A GRPOTrainer on the toy copy task with a tiny seeded model: 4 completions per step, G=2, short completions,
-    no checkpoints unless asked for."""
-    from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.cli.toy import copy_digits_reward
+# The settings every test trainer starts from: one round of 4 completions (2 prompts x G=2) per step, 6 completion
+# tokens, a learning rate high enough that every trainable parameter visibly moves within the 2 steps, a log entry
+# every step, no checkpoints, no progress bar, seed 0. A test passes only the fields where it differs.
+TRAINER_DEFAULTS = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, learning_rate=0.1,
+                        max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
 
-    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=4, learning_rate=0.01, max_steps=2, report_to="none", save_strategy="no",
-                    logging_steps=1, seed=0, disable_tqdm=True)
-    settings.update(overrides)
-    return GRPOTrainer(model if model is not None else make_tiny_model(tokenizer, seed=7),
-                       reward_funcs if reward_funcs is not None else copy_digits_reward,
-                       args=GRPOConfig(**settings), train_dataset=dataset, processing_class=tokenizer)
+
+def make_args(output_dir, **overrides):
+    """A `GRPOConfig` writing to `output_dir`: `TRAINER_DEFAULTS` with `overrides` (any GRPOConfig field) over them."""
+    return GRPOConfig(**{**TRAINER_DEFAULTS, "output_dir": str(output_dir), **overrides})
+
+
+# GRPOTrainer's keyword arguments that `make_trainer` passes through; the others, and a name that is both
+# (`advantage_estimator`), are GRPOConfig fields.
+_TRAINER_KWARGS = set(inspect.signature(GRPOTrainer.__init__).parameters) - {
+    "self", "model", "reward_funcs", "train_dataset", "processing_class"} - {f.name for f in fields(GRPOConfig)}
+
+
+def make_trainer(output_dir, processing_class, dataset=None, reward_funcs=None, model=None, **settings):
+    """The one builder of the tests' trainers: a `GRPOTrainer` on `dataset` (the toy copy task's 32 prompts when None)
+    with `reward_funcs` (`copy_digits_reward` when None) and `model` (a fresh tiny model, seed 0, when None).
+    `settings` are `GRPOTrainer`'s own keyword arguments (`peft_config`, `callbacks`, `tools`, `eval_dataset`, an
+    `args` built elsewhere, ...) and GRPOConfig fields over `TRAINER_DEFAULTS` (through `make_args`)."""
+    trainer_kwargs = {k: settings.pop(k) for k in list(settings) if k in _TRAINER_KWARGS}
+    if "args" not in trainer_kwargs:
+        trainer_kwargs["args"] = make_args(output_dir, **settings)
+    elif settings:
+        raise TypeError(f"config fields {sorted(settings)} given with a ready `args`: set them on it")
+    return GRPOTrainer(make_tiny_model(processing_class) if model is None else model,
+                       copy_digits_reward if reward_funcs is None else reward_funcs,
+                       train_dataset=copy_digits_dataset(num_prompts=32) if dataset is None else dataset,
+                       processing_class=processing_class, **trainer_kwargs)
+
+
+def varied_reward(completions, **kwargs):
+    """A reward that always separates the completions of a group (their lengths, plus 0.1 x the row), so every step
+    has a gradient."""
+    return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
+
+
+def train_and_compare(trainer) -> dict:
+    """`trainer.train()`, then: its last logged train_loss is finite, and {parameter name: whether it changed}."""
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    loss = trainer.state.log_history[-1]["train_loss"]
+    assert loss is not None and math.isfinite(loss)
+    return {n: not torch.equal(p, before[n]) for n, p in model.named_parameters()}
 
 
 def vlm_families(families) -> list:

@@ -17,16 +17,17 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the GPU tests need one (they run in bfloat16 on cuda:0)", allow_module_level=True)
 
 from grpo_trainer.algorithms.losses import LossNorm, policy_loss  # noqa: E402
+from grpo_trainer.cli.toy import make_tiny_model  # noqa: E402
 from grpo_trainer.modeling.logprobs import completion_logprobs  # noqa: E402
 from grpo_trainer.rollout.fast import guard  # noqa: E402
 from grpo_trainer.rollout.generate import generate_rollout  # noqa: E402
 from tests.helpers import (  # noqa: E402
     MAX_NEW,
     assert_same_rollout,
-    copy_task_trainer,
     fast_rollout,
     greedy_config,
     grouped_prompts,
+    make_trainer,
     model_of_kind,
 )
 
@@ -91,8 +92,8 @@ def test_logprobs_and_loss_in_bf16_stay_within_rounding_of_fp32(tokenizer):
 def test_a_short_bf16_training_run_changes_the_weights(tokenizer, toy_dataset, tmp_path):
     """Two optimizer steps on cuda in bf16 mixed precision: every trained matrix moved, the loss is finite and
     the rewards were logged."""
-    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, bf16=True, max_completion_length=8,
-                                learning_rate=0.05)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7), bf16=True,
+                           max_completion_length=8, learning_rate=0.05)
     assert next(trainer.model.parameters()).device.type == "cuda"
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config
 
 from grpo_trainer.rewards.scoring import RewardError, RewardModel, reward_name, score_completions
-from tests.helpers import copy_task_trainer
+from tests.helpers import make_trainer
 
 PROMPTS = ["p0", "p1", "p2"]
 COMPLETIONS = ["a", "bb", "ccc"]
@@ -311,12 +311,12 @@ def test_reward_timeout_in_training(tmp_path, tokenizer, toy_dataset, release):
             release.wait(60)
         return [float(len(c)) for c in completions]
 
-    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, [stuck_at_step_1], reward_timeout=0.5)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, [stuck_at_step_1], reward_timeout=0.5)
     with pytest.raises(RewardError, match="'stuck_at_step_1' did not return within reward_timeout \\(0.5 s\\)"):
         trainer.train()
     assert trainer.state.global_step == 1
-    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, [stuck_at_step_1, length], reward_timeout=0.5,
-                                reward_error_policy="none", max_steps=3)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, [stuck_at_step_1, length], reward_timeout=0.5,
+                           reward_error_policy="none", max_steps=3)
     with pytest.warns(UserWarning, match="'stuck_at_step_1' did not return within reward_timeout"):
         trainer.train()
     assert trainer.state.global_step == 3

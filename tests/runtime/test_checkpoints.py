@@ -25,7 +25,7 @@ from grpo_trainer.runtime.checkpoints import (
     save_guard,
     write_manifest,
 )
-from tests.helpers import copy_task_trainer
+from tests.helpers import make_trainer
 
 
 def make_checkpoint(folder, manifest=True):
@@ -159,7 +159,7 @@ class StepRecorder(TrainerCallback):
 def train(output_dir, tokenizer, dataset, resume=None, **overrides):
     """Train (4 steps, a checkpoint every 2 unless overridden); the trainer records the steps this call ran."""
     settings = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    trainer = copy_task_trainer(output_dir, tokenizer, dataset, **{**settings, **overrides})
+    trainer = make_trainer(output_dir, tokenizer, dataset, **{**settings, **overrides})
     trainer.steps_run = StepRecorder()
     trainer.add_callback(trainer.steps_run)
     trainer.train(resume_from_checkpoint=resume)
@@ -201,8 +201,8 @@ def test_resume_at_or_past_max_steps_trains_nothing(tmp_path, tokenizer, toy_dat
                                           (errno.EACCES, "permission denied")])
 def test_a_failing_writer_raises_what_happened_and_keeps_earlier_checkpoints(tmp_path, tokenizer, toy_dataset, code,
                                                                              reason):
-    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, max_steps=4, save_strategy="steps", save_steps=2,
-                                save_total_limit=1)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, max_steps=4, save_strategy="steps", save_steps=2,
+                           save_total_limit=1)
     real = trainer._save_optimizer_and_scheduler
 
     def fails_the_second_time(output_dir):
@@ -222,8 +222,8 @@ def test_a_failing_writer_raises_what_happened_and_keeps_earlier_checkpoints(tmp
 def test_older_checkpoints_are_rotated_out_only_once_the_new_one_is_complete(tmp_path, tokenizer, toy_dataset):
     # save_total_limit=1: rotation would delete checkpoint-2 as soon as checkpoint-4's files are written. The
     # manifest, the last write, fails here: checkpoint-2 must survive.
-    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, max_steps=4, save_strategy="steps", save_steps=2,
-                                save_total_limit=1)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, max_steps=4, save_strategy="steps", save_steps=2,
+                           save_total_limit=1)
     real = checkpoints.write_manifest
 
     def fails_on_checkpoint_4(folder):
@@ -258,7 +258,7 @@ def small_disk(tmp_path):
 
 
 def test_disk_full_during_a_save(small_disk, tokenizer, toy_dataset):
-    trainer = copy_task_trainer(small_disk, tokenizer, toy_dataset, max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = make_trainer(small_disk, tokenizer, toy_dataset, max_steps=4, save_strategy="steps", save_steps=2)
     with pytest.raises(CheckpointSaveError) as error:
         trainer.train()
     message = str(error.value)
@@ -267,6 +267,6 @@ def test_disk_full_during_a_save(small_disk, tokenizer, toy_dataset):
     assert "Free some space" in message
     assert sorted(p.name for p in small_disk.glob("checkpoint-*")) == ["checkpoint-2"]
     assert problem(str(small_disk / "checkpoint-2")) is None
-    resumed = copy_task_trainer(small_disk, tokenizer, toy_dataset, max_steps=3)  # the space came back
+    resumed = make_trainer(small_disk, tokenizer, toy_dataset, max_steps=3)  # the space came back
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3

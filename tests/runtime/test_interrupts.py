@@ -14,15 +14,15 @@ import time
 import pytest
 
 from grpo_trainer.runtime.checkpoints import MANIFEST, latest_complete
-from tests.helpers import copy_task_trainer
+from tests.helpers import make_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT = 240  # import and two training steps on a loaded machine
 
 STUCK_SCRIPT = textwrap.dedent('''
     import ctypes, sys, time
-    from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model, make_tokenizer
+    from tests.helpers import make_trainer
 
     def wait_forever():
         if sys.argv[3] == "python":  # a blocking call that Python interrupts to run signal handlers
@@ -40,11 +40,9 @@ STUCK_SCRIPT = textwrap.dedent('''
         return copy_digits_reward(completions, **kwargs)
 
     tokenizer = make_tokenizer()
-    args = GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, learning_rate=0.01, max_steps=100, save_strategy="no",
-                      report_to="none", disable_tqdm=True, seed=0, signal_grace_period=float(sys.argv[2]))
-    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=7), reward_from_a_dead_server, args=args,
-                          train_dataset=copy_digits_dataset(32), processing_class=tokenizer)
+    trainer = make_trainer(sys.argv[1], tokenizer, reward_funcs=reward_from_a_dead_server,
+                           model=make_tiny_model(tokenizer, seed=7), max_completion_length=4, learning_rate=0.01,
+                           max_steps=100, signal_grace_period=float(sys.argv[2]))
     trainer.train()
     print("RETURNED", flush=True)
 ''')
@@ -122,7 +120,7 @@ def test_a_stuck_step_ends_within_the_grace_period_with_the_last_step_saved(tmp_
     checkpoint = run.output_dir / "checkpoint-2"
     assert latest_complete(str(run.output_dir)) == str(checkpoint) and (checkpoint / MANIFEST).is_file()
     if stuck_in == "python" and signum == signal.SIGTERM:  # what was saved resumes
-        resumed = copy_task_trainer(run.output_dir, tokenizer, toy_dataset, max_steps=3)
+        resumed = make_trainer(run.output_dir, tokenizer, toy_dataset, max_steps=3, max_completion_length=4)
         resumed.train(resume_from_checkpoint=True)
         assert resumed.state.global_step == 3
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from grpo_trainer.runtime.run_lock import LOCK_NAME, OutputDirInUseError, _start_time, acquire, release
-from tests.helpers import copy_task_trainer
+from tests.helpers import make_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,20 +27,17 @@ HOLDER = textwrap.dedent('''
 TRAINING = textwrap.dedent('''
     import sys
     from transformers import TrainerCallback
-    from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
+    from tests.helpers import make_trainer
 
     class Announce(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 print("TRAINING", flush=True)
 
-    tokenizer = make_tokenizer()
-    args = GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=100000, save_strategy="steps", save_steps=1,
-                      report_to="none", disable_tqdm=True)
-    GRPOTrainer(make_tiny_model(tokenizer), copy_digits_reward, args=args, train_dataset=copy_digits_dataset(64),
-                processing_class=tokenizer, callbacks=[Announce()]).train()
+    # It only has to hold the lock: trains until killed, a checkpoint every step.
+    make_trainer(sys.argv[1], make_tokenizer(), copy_digits_dataset(64), max_completion_length=4, max_steps=100000,
+                 save_strategy="steps", save_steps=1, callbacks=[Announce()]).train()
 ''')
 
 
@@ -79,8 +76,7 @@ def write_lock(folder, **owner):
 
 
 def test_a_second_run_is_refused_while_the_first_lives(tmp_path, other_training_run, tokenizer, toy_dataset):
-    trainer = copy_task_trainer(tmp_path / "out", tokenizer, toy_dataset, max_steps=1, save_strategy="steps",
-                                save_steps=1)
+    trainer = make_trainer(tmp_path / "out", tokenizer, toy_dataset, max_steps=1, save_strategy="steps", save_steps=1)
     with pytest.raises(OutputDirInUseError) as error:
         trainer.train()
     message = str(error.value)
@@ -90,7 +86,7 @@ def test_a_second_run_is_refused_while_the_first_lives(tmp_path, other_training_
 
 
 def test_the_opt_in_writes_into_a_folder_in_use(tmp_path, other_run, tokenizer, toy_dataset):
-    trainer = copy_task_trainer(tmp_path / "out", tokenizer, toy_dataset, max_steps=1, ignore_output_dir_lock=True)
+    trainer = make_trainer(tmp_path / "out", tokenizer, toy_dataset, max_steps=1, ignore_output_dir_lock=True)
     with pytest.warns(UserWarning, match="writing to it anyway \\(ignore_output_dir_lock=True\\)"):
         trainer.train()
     assert trainer.state.global_step == 1
@@ -100,7 +96,7 @@ def test_the_opt_in_writes_into_a_folder_in_use(tmp_path, other_run, tokenizer, 
 def test_the_lock_of_a_run_that_ended_is_taken_over(tmp_path, other_run, tokenizer, toy_dataset):
     other_run.kill()
     other_run.wait()
-    trainer = copy_task_trainer(tmp_path / "out", tokenizer, toy_dataset, max_steps=1)
+    trainer = make_trainer(tmp_path / "out", tokenizer, toy_dataset, max_steps=1)
     with pytest.warns(UserWarning, match=f"taking over the stale lock .* \\(pid {other_run.pid} has exited\\)"):
         trainer.train()
     assert trainer.state.global_step == 1
@@ -111,7 +107,7 @@ def test_the_lock_is_released_when_training_fails(tmp_path, tokenizer, toy_datas
     def broken(completions, **kwargs):
         raise RuntimeError("bug")
 
-    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, reward_funcs=broken, max_steps=1)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, reward_funcs=broken, max_steps=1)
     with pytest.raises(Exception, match="bug"):
         trainer.train()
     assert not (tmp_path / LOCK_NAME).exists()
