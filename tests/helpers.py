@@ -5,6 +5,7 @@ import copy
 import inspect
 import math
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,9 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
 MAX_NEW = 12
+# The repository's root: a subprocess's PYTHONPATH, so that it imports this checkout's `grpo_trainer` and `tests`
+# (an editable install elsewhere would otherwise win).
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def model_of_kind(kind: str, tokenizer, **overrides):

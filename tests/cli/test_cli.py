@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from grpo_trainer.cli import command as cli
+from tests.helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4", "--logging_steps", "1",
         "--max_completion_length", "4", "--save_steps", "1", "--disable_tqdm", "true"]
 
@@ -155,8 +155,8 @@ def test_demo_two_steps_leaves_everything_to_look_at(tmp_path, capsys):
 
 def test_module_entry_point_reports_bad_input_without_traceback():
     result = subprocess.run([sys.executable, "-m", "grpo_trainer.cli", "--reward_funcs", "nope", "--demo"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("grpo-train: error: unknown reward function 'nope'")

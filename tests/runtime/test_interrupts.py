@@ -14,15 +14,14 @@ import time
 import pytest
 
 from grpo_trainer.runtime.checkpoints import MANIFEST, latest_complete
-from tests.helpers import make_trainer
+from tests.helpers import REPO, make_trainer
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT = 240  # import and two training steps on a loaded machine
 
 STUCK_SCRIPT = textwrap.dedent('''
     import ctypes, sys, time
     from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model, make_tokenizer
-    from tests.helpers import make_trainer
+    from tests.helpers import REPO, make_trainer
 
     def wait_forever():
         if sys.argv[3] == "python":  # a blocking call that Python interrupts to run signal handlers

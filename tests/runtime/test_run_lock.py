@@ -11,9 +11,7 @@ import textwrap
 import pytest
 
 from grpo_trainer.runtime.run_lock import LOCK_NAME, OutputDirInUseError, _start_time, acquire, release
-from tests.helpers import make_trainer
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO, make_trainer
 
 HOLDER = textwrap.dedent('''
     import sys, time
@@ -28,7 +26,7 @@ TRAINING = textwrap.dedent('''
     import sys
     from transformers import TrainerCallback
     from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
-    from tests.helpers import make_trainer
+    from tests.helpers import REPO, make_trainer
 
     class Announce(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

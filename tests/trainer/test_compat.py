@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grpo_trainer.cli.toy import copy_digits_dataset, make_tiny_model
+from tests.helpers import REPO
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -69,9 +70,8 @@ def assets(tmp_path_factory, tokenizer):
 def run_script(root, import_line, name):
     script = root / f"script_{name}.py"
     script.write_text(SCRIPT.format(import_line=import_line))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(script), str(root / "model"), str(root / "data.jsonl"),
                            str(root / f"out-{name}")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,9 +119,8 @@ def test_trls_own_grpo_script_trains_with_our_classes(tmp_path, tokenizer):
         "def varied(completions, **kwargs):\n"
         "    return [len(c[0]['content']) + 0.1 * i for i, c in enumerate(completions)]\n")
     (tmp_path / "driver.py").write_text(TRL_SCRIPT_DRIVER)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     argv = ["--model_name_or_path", "model", "--dataset_name", "data", "--reward_funcs", "my_rewards.varied",
             "think_format_reward", "--output_dir", "out", "--per_device_train_batch_size", "4", "--num_generations",
             "2", "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "0.1", "--logging_steps", "1",

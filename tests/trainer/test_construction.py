@@ -8,24 +8,13 @@ import warnings
 import pytest
 from datasets import Dataset, DatasetDict, IterableDatasetDict
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
+from grpo_trainer import GRPOTrainer
+from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
+from tests.helpers import make_args, make_trainer
 
 LOGGER = "grpo_trainer.trainer.grpo_trainer"
-
-
-def make_args(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-                    num_generations=2, max_completion_length=4, max_steps=1, report_to="none", save_strategy="no",
-                    logging_steps=1, seed=0)
-    return GRPOConfig(**{**settings, **overrides})
-
-
-def make(tmp_path, tokenizer, train_dataset=None, reward_funcs=copy_digits_reward, **kwargs):
-    args = kwargs.pop("args", None) or make_args(tmp_path)
-    train_dataset = copy_digits_dataset(num_prompts=8) if train_dataset is None else train_dataset
-    return GRPOTrainer(make_tiny_model(tokenizer), reward_funcs, args=args, train_dataset=train_dataset,
-                       processing_class=tokenizer, **kwargs)
+# Construction and evaluation, one training step at most: short completions, eval batches of 2 prompts x G=2.
+SETTINGS = dict(per_device_eval_batch_size=4, max_completion_length=4, max_steps=1)
 
 
 def eval_container(kind: str):
@@ -47,7 +36,7 @@ KINDS = ["dataset", "iterable_dataset", "dataset_dict", "iterable_dataset_dict",
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_eval_container_is_accepted_at_construction(tmp_path, tokenizer, kind):
     eval_dataset = eval_container(kind)
-    trainer = make(tmp_path, tokenizer, eval_dataset=eval_dataset)
+    trainer = make_trainer(tmp_path, tokenizer, eval_dataset=eval_dataset, **SETTINGS)
     if isinstance(eval_dataset, dict):
         assert set(trainer.eval_dataset) == {"data1", "data2"}
     else:
@@ -59,7 +48,7 @@ def test_every_eval_container_is_accepted_at_construction(tmp_path, tokenizer, k
 def test_evaluate_takes_every_container_and_names_the_losses(tmp_path, tokenizer, kind):
     """`evaluate(eval_dataset=...)` with a set first seen there (a stream included): one `eval_loss`, or one
     `eval_<name>_loss` per named set, with our metrics alongside."""
-    trainer = make(tmp_path, tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, **SETTINGS)
     metrics = trainer.evaluate(eval_dataset=eval_container(kind))
     names = ["eval"] if kind in ("dataset", "iterable_dataset") else ["eval_data1", "eval_data2"]
     for name in names:
@@ -68,23 +57,22 @@ def test_evaluate_takes_every_container_and_names_the_losses(tmp_path, tokenizer
 
 
 def test_streamed_datasets_refuse_dispatch_batches(tmp_path, tokenizer):
-    args = make_args(tmp_path, accelerator_config={"dispatch_batches": True}, max_steps=-1)
+    args = make_args(tmp_path, **{**SETTINGS, "max_steps": -1}, accelerator_config={"dispatch_batches": True})
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
-        make(tmp_path, tokenizer, train_dataset=copy_digits_dataset(num_prompts=8).to_iterable_dataset(), args=args)
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(num_prompts=8).to_iterable_dataset(), args=args)
 
 
 def test_a_streamed_train_set_is_read_by_one_worker(tmp_path, tokenizer, caplog):
-    args = make_args(tmp_path, dataloader_num_workers=4)
+    args = make_args(tmp_path, **SETTINGS, dataloader_num_workers=4)
     with caplog.at_level(logging.WARNING):
-        trainer = make(tmp_path, tokenizer, train_dataset=copy_digits_dataset(num_prompts=8).to_iterable_dataset(),
-                       args=args)
+        trainer = make_trainer(tmp_path, tokenizer, copy_digits_dataset(num_prompts=8).to_iterable_dataset(), args=args)
     assert trainer.args.dataloader_num_workers == 0
     assert "Iterable datasets require `dataloader_num_workers=0`" in caplog.text
 
 
 def test_a_streamed_eval_set_keeps_a_map_style_train_sets_workers(tmp_path, tokenizer):
-    trainer = make(tmp_path, tokenizer, eval_dataset=eval_container("iterable_dataset"),
-                   args=make_args(tmp_path, dataloader_num_workers=2))
+    trainer = make_trainer(tmp_path, tokenizer, eval_dataset=eval_container("iterable_dataset"), **SETTINGS,
+                           dataloader_num_workers=2)
     assert trainer.args.dataloader_num_workers == 2
     assert trainer.get_train_dataloader().num_workers == 2
     assert trainer.get_eval_dataloader().num_workers == 0  # only the stream's loader, only while it is built
@@ -96,7 +84,7 @@ def test_a_completion_no_reward_scored_is_logged_with_its_inputs(tmp_path, token
     def abstains(completions, **kwargs):
         return [None] * len(completions)
 
-    trainer = make(tmp_path, tokenizer, reward_funcs=abstains)
+    trainer = make_trainer(tmp_path, tokenizer, reward_funcs=abstains, **SETTINGS)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer.train()
     records = [r for r in caplog.records if r.name == LOGGER]
@@ -105,23 +93,26 @@ def test_a_completion_no_reward_scored_is_logged_with_its_inputs(tmp_path, token
 
 
 def test_reward_processing_classes_pair_with_reward_funcs(tmp_path, tokenizer):
-    trainer = make(tmp_path, tokenizer, reward_funcs=[copy_digits_reward], reward_processing_classes=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, reward_funcs=[copy_digits_reward], reward_processing_classes=tokenizer,
+                           **SETTINGS)
     assert trainer.reward_processing_classes == [tokenizer]  # one tokenizer for one reward, as TRL allows
     with pytest.raises(ValueError, match=r"The number of reward processing classes \(1\) must match"):
-        make(tmp_path, tokenizer, reward_funcs=[copy_digits_reward] * 2, reward_processing_classes=tokenizer)
+        make_trainer(tmp_path, tokenizer, reward_funcs=[copy_digits_reward] * 2, reward_processing_classes=tokenizer,
+                     **SETTINGS)
 
 
 def test_use_liger_kernel_is_deprecated_and_keeps_the_models_forward(tmp_path, tokenizer):
     with pytest.warns(FutureWarning, match="use_liger_kernel=True is deprecated"):
-        trainer = make(tmp_path, tokenizer, args=make_args(tmp_path, use_liger_kernel=True))
+        trainer = make_trainer(tmp_path, tokenizer, **SETTINGS, use_liger_kernel=True)
     assert trainer.args.liger_kernel_config == {"fused_linear_cross_entropy": False}
-    args = make_args(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True})
+    args = make_args(tmp_path, **SETTINGS, use_liger_kernel=True,
+                     liger_kernel_config={"fused_linear_cross_entropy": True})
     with warnings.catch_warnings(), pytest.raises(ValueError, match="fused_linear_cross_entropy"):
         warnings.simplefilter("ignore", FutureWarning)
-        make(tmp_path, tokenizer, args=args)
+        make_trainer(tmp_path, tokenizer, args=args)
 
 
 def test_no_reward_source_is_an_error_before_any_model_loads(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="No reward source provided"):
-        GRPOTrainer("an-org/never-downloaded", args=make_args(tmp_path),
+        GRPOTrainer("an-org/never-downloaded", args=make_args(tmp_path, **SETTINGS),
                     train_dataset=Dataset.from_dict({"prompt": ["a"]}), processing_class=tokenizer)

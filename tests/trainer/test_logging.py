@@ -6,15 +6,7 @@ import math
 import pandas as pd
 import pytest
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-
-
-def make_args(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=6, learning_rate=0.1, max_steps=2, report_to="none", save_strategy="no",
-                    logging_steps=1, seed=0, reward_weights=[1.0, 2.0])
-    settings.update(overrides)
-    return GRPOConfig(**settings)
+from tests.helpers import make_trainer
 
 
 class Rewards:
@@ -37,9 +29,10 @@ class Rewards:
 
 
 def run(tmp_path, tiny_model, tokenizer, toy_dataset, **overrides):
+    """A run rewarded by `Rewards`, f1 weighted 1 and f2 weighted 2."""
     rewards = Rewards(tokenizer)
-    trainer = GRPOTrainer(tiny_model, [rewards.f1, rewards.f2], args=make_args(tmp_path, **overrides),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, [rewards.f1, rewards.f2], tiny_model,
+                           reward_weights=[1.0, 2.0], **overrides)
     trainer.train()
     return trainer, rewards, [h for h in trainer.state.log_history if "reward" in h]
 
@@ -98,7 +91,6 @@ def test_a_log_extra_column_of_the_wrong_length_is_refused(tmp_path, tiny_model,
         log_extra("half", completions[:2])
         return [1.0] * len(completions)
 
-    trainer = GRPOTrainer(tiny_model, short_column, args=make_args(tmp_path, log_completions=True, reward_weights=None),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, short_column, tiny_model, log_completions=True)
     with pytest.raises(ValueError, match=r"log_extra\('half', \.\.\.\) received 2 values in this round for 4"):
         trainer.train()

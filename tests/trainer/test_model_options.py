@@ -3,36 +3,19 @@ auxiliary loss (router_aux_loss_coef), a float32 LM head (cast_lm_head_to_fp32) 
 (pad_to_multiple_of)."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.modeling.logprobs import Float32Head
-from tests.helpers import write_remote_code_model
+from tests.helpers import make_trainer, train_and_compare, varied_reward, write_remote_code_model
 
 
-def varied_reward(completions, **kwargs):
-    """Always separates the completions of a group, so every step has a gradient."""
-    return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
-
-
-def make_args(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=6, learning_rate=0.1, max_steps=2, report_to="none", save_strategy="no",
-                    logging_steps=1, seed=0)
-    return GRPOConfig(**{**settings, **overrides})
-
-
-def train(trainer):
-    model = trainer.model
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    trainer.train()
-    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
-    return [n for n, p in model.named_parameters() if n in before and torch.equal(p, before[n])]
+def stuck(trainer) -> list[str]:
+    """Trains; the trainable parameters that did not change."""
+    changed = train_and_compare(trainer)
+    return [n for n, p in trainer.model.named_parameters() if p.requires_grad and not changed[n]]
 
 
 def _common(tokenizer):
@@ -63,19 +46,17 @@ def test_custom_code_checkpoints_need_trust_remote_code_then_train(tmp_path, tok
     policy = write_remote_code_model(tmp_path / "policy", tokenizer)
     reward = write_remote_code_model(tmp_path / "reward", tokenizer, task="reward")
     with pytest.raises(ValueError, match="custom code"):
-        GRPOTrainer(policy, varied_reward, args=make_args(tmp_path), train_dataset=toy_dataset)
+        make_trainer(tmp_path, None, toy_dataset, varied_reward, policy)
     with pytest.raises(ValueError, match="custom code"):  # a reward model by path is checked the same way
-        GRPOTrainer(make_tiny_model(tokenizer), reward, args=make_args(tmp_path), train_dataset=toy_dataset,
-                    processing_class=tokenizer)
+        make_trainer(tmp_path, tokenizer, toy_dataset, reward)
 
-    trainer = GRPOTrainer(policy, [varied_reward, reward], args=make_args(tmp_path, trust_remote_code=True),
-                          train_dataset=toy_dataset)
+    trainer = make_trainer(tmp_path, None, toy_dataset, [varied_reward, reward], policy, trust_remote_code=True)
     assert type(trainer.model).__name__ == "TinyRemoteForCausalLM"
     assert type(trainer.processing_class).__name__ == "TinyRemoteTokenizer"
     assert type(trainer.reward_funcs[1].model).__name__ == "TinyRemoteForSequenceClassification"
     assert trainer.reward_processing_classes[0] is None
     assert type(trainer.reward_processing_classes[1]).__name__ == "TinyRemoteTokenizer"
-    assert train(trainer) == []
+    assert stuck(trainer) == []
 
 
 # ------------------------------------------------------------------------------------- router aux loss
@@ -85,35 +66,32 @@ def test_custom_code_checkpoints_need_trust_remote_code_then_train(tmp_path, tok
 def test_moe_models_train_with_their_router_aux_loss(tmp_path, tokenizer, toy_dataset, kind):
     """TRL's test_train on an MoE model: the aux loss is on by default (the config's coefficient) and logged as
     `aux_loss`; every parameter, router included, trains."""
-    trainer = GRPOTrainer(moe_model(tokenizer, kind), varied_reward, args=make_args(tmp_path),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, moe_model(tokenizer, kind))
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001
-    assert train(trainer) == []
+    assert stuck(trainer) == []
     aux = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
     assert len(aux) == 2 and all(value > 0 for value in aux)
 
 
 def test_router_aux_loss_coef_zero_turns_it_off(tmp_path, tokenizer, toy_dataset):
-    trainer = GRPOTrainer(moe_model(tokenizer), varied_reward, args=make_args(tmp_path, router_aux_loss_coef=0.0),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, moe_model(tokenizer),
+                           router_aux_loss_coef=0.0)
     assert not trainer.aux_loss_enabled
-    train(trainer)
+    train_and_compare(trainer)
     assert not any("aux_loss" in entry for entry in trainer.state.log_history)
 
 
 def test_router_aux_loss_coef_on_a_dense_model_is_an_error(tmp_path, tiny_model, tokenizer, toy_dataset):
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 but .* is not a Mixture-of-Experts model"):
-        GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, router_aux_loss_coef=0.01),
-                    train_dataset=toy_dataset, processing_class=tokenizer)
+        make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, router_aux_loss_coef=0.01)
 
 
 def test_the_loss_adds_coef_times_aux_over_the_accumulation_steps(tmp_path, tokenizer, toy_dataset):
     """loss = policy loss + coef * aux / gradient_accumulation_steps (TRL 1.16), where aux is the router's
     load-balancing loss of the whole micro-batch, zero-advantage rows included (they are not skipped)."""
     coef, steps = 0.5, 4
-    trainer = GRPOTrainer(moe_model(tokenizer), varied_reward, train_dataset=toy_dataset, processing_class=tokenizer,
-                          args=make_args(tmp_path, router_aux_loss_coef=coef, gradient_accumulation_steps=steps,
-                                         per_device_train_batch_size=2))
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, moe_model(tokenizer),
+                           router_aux_loss_coef=coef, gradient_accumulation_steps=steps, per_device_train_batch_size=2)
     model = trainer.model
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(8)], "train")
     inputs = trainer.scorer.prepare(round_, "train", trainer.model)
@@ -140,12 +118,11 @@ def test_cast_lm_head_to_fp32_trains_a_bf16_policy_with_a_float32_head(tmp_path,
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         LlamaConfig(**_common(tokenizer), intermediate_size=32, tie_word_embeddings=False), dtype=torch.bfloat16)
-    trainer = GRPOTrainer(model, varied_reward, args=make_args(tmp_path, cast_lm_head_to_fp32=True, beta=0.1),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, model, cast_lm_head_to_fp32=True, beta=0.1)
     for lm in (trainer.model, trainer.ref_model):
         assert type(lm.lm_head) is Float32Head and lm.lm_head.weight.dtype == torch.float32
     assert trainer.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert train(trainer) == []
+    assert stuck(trainer) == []
     assert trainer.model.lm_head.weight.dtype == torch.float32
 
 
@@ -154,11 +131,10 @@ def test_cast_lm_head_to_fp32_trains_a_tied_head(tmp_path, tokenizer, toy_datase
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         LlamaConfig(**_common(tokenizer), intermediate_size=32, tie_word_embeddings=True), dtype=torch.bfloat16)
-    trainer = GRPOTrainer(model, varied_reward, args=make_args(tmp_path, cast_lm_head_to_fp32=True),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, model, cast_lm_head_to_fp32=True)
     head = trainer.model.lm_head
     assert type(head) is Float32Head and head.weight is trainer.model.model.embed_tokens.weight
-    assert train(trainer) == []
+    assert stuck(trainer) == []
     assert trainer.model.lm_head.weight.dtype == torch.float32
 
 
@@ -168,9 +144,8 @@ def test_cast_lm_head_to_fp32_trains_a_tied_head(tmp_path, tokenizer, toy_datase
 def test_pad_to_multiple_of_pads_every_micro_batch_and_trains(tmp_path, tokenizer, toy_dataset):
     """TRL's test_train_with_pad_to_multiple_of, plus the shapes: every micro-batch the loss sees (after its own
     trim) has prompt and completion widths that are multiples of 8."""
-    trainer = GRPOTrainer(make_tiny_model(tokenizer), varied_reward, train_dataset=toy_dataset,
-                          processing_class=tokenizer,
-                          args=make_args(tmp_path, pad_to_multiple_of=8, gradient_accumulation_steps=2))
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, pad_to_multiple_of=8,
+                           gradient_accumulation_steps=2)
     seen, compute_loss = [], trainer.compute_loss
 
     def recording(model, inputs, *args, **kwargs):
@@ -178,15 +153,14 @@ def test_pad_to_multiple_of_pads_every_micro_batch_and_trains(tmp_path, tokenize
         return compute_loss(model, inputs, *args, **kwargs)
 
     trainer.compute_loss = recording
-    assert train(trainer) == []
+    assert stuck(trainer) == []
     # prompts "copy 123:" are 9-10 characters (plus BOS): 16 columns; completions of at most 6 tokens: 8 columns
     assert seen == [(16, 8)] * 4
 
 
 def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path, tokenizer, toy_dataset):
     """Padding columns are masked everywhere: the same micro-batch padded to multiples of 8 gives the same loss."""
-    trainer = GRPOTrainer(make_tiny_model(tokenizer), varied_reward, args=make_args(tmp_path, beta=0.1),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, beta=0.1)
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
     inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     padded = dataclasses.replace(inputs, pad_to_multiple_of=8).padded(tokenizer.pad_token_id).trimmed()

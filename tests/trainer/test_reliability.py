@@ -13,23 +13,10 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards import RewardError
 from grpo_trainer.runtime.checkpoints import latest_complete
-
-
-def varied_reward(completions, **kwargs):
-    return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
-
-
-def make_trainer(tmp_path, model, tokenizer, dataset, reward_funcs=varied_reward, **overrides):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=6, learning_rate=0.1, max_steps=2, report_to="none", save_strategy="no",
-                    logging_steps=1, seed=0, disable_tqdm=True)
-    settings.update(overrides)
-    return GRPOTrainer(model, reward_funcs, args=GRPOConfig(**settings), train_dataset=dataset,
-                       processing_class=tokenizer)
+from tests.helpers import REPO, make_trainer, varied_reward
 
 
 def test_failing_reward_names_function_sample_and_prompt(tmp_path, tiny_model, tokenizer, toy_dataset):
@@ -43,7 +30,7 @@ def test_failing_reward_names_function_sample_and_prompt(tmp_path, tiny_model, t
         return [0.0]
 
     broken_on_index_2.calls = 0
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, broken_on_index_2)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, broken_on_index_2, tiny_model)
     with pytest.raises(RewardError) as error:
         trainer.train()
     message = str(error.value)
@@ -60,7 +47,7 @@ def test_failing_reward_as_missing_with_policy_none(tmp_path, tiny_model, tokeni
             raise RuntimeError("service unavailable")
         return [None if len(calls) % 2 else 1.0]  # single calls alternate between "no score" and 1.0
 
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, [flaky, varied_reward],
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, [flaky, varied_reward], tiny_model,
                            reward_error_policy="none")
     trainer.train()
     assert trainer.state.global_step == 2
@@ -73,7 +60,7 @@ def test_failing_reward_as_missing_with_policy_none(tmp_path, tiny_model, tokeni
     (lambda completions, **kw: [math.nan] * len(completions), "failed on sample 0 (returned nan)"),
 ])
 def test_reward_of_wrong_length_or_infinite(tmp_path, tiny_model, tokenizer, toy_dataset, bad, message):
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, bad)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, bad, tiny_model)
     with pytest.raises(RewardError) as error:
         trainer.train()
     assert message in str(error.value) or message in str(error.value.__cause__)
@@ -84,7 +71,7 @@ def test_group_with_all_rewards_missing_gets_zero_advantage_and_a_warning(tmp_pa
     def half_missing(completions, **kwargs):  # first group scored, second group all None
         return [float(i) if i < 2 else None for i in range(len(completions))]
 
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, half_missing, max_steps=1)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, half_missing, tiny_model, max_steps=1)
     with caplog.at_level("WARNING", logger="grpo_trainer.trainer.grpo_trainer"):  # TRL's logger warning
         trainer.train()
     assert "All reward functions returned None for the following kwargs:" in caplog.text
@@ -96,7 +83,8 @@ def test_group_with_all_rewards_missing_gets_zero_advantage_and_a_warning(tmp_pa
 
 
 def test_non_finite_loss_skips_the_step_then_stops(tmp_path, tiny_model, tokenizer, toy_dataset):
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, max_steps=3, max_nonfinite_steps=1)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, max_steps=3,
+                           max_nonfinite_steps=1)
     real = trainer.compute_loss
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
     with mock.patch.object(trainer, "compute_loss", side_effect=lambda *a, **k: real(*a, **k) * math.nan):
@@ -108,8 +96,8 @@ def test_non_finite_loss_skips_the_step_then_stops(tmp_path, tiny_model, tokeniz
 
 
 def test_empty_and_full_length_completions(tmp_path, tiny_model, tokenizer, toy_dataset):
-    trainer = make_trainer(tmp_path, tiny_model, tokenizer, toy_dataset, max_steps=1, max_completion_length=4,
-                           generation_backend="generate")  # the completions come from a patched model.generate
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, max_steps=1,
+                           max_completion_length=4, generation_backend="generate")  # completions: a patched generate
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def fake_generate(input_ids, attention_mask, generation_config):
@@ -139,7 +127,7 @@ class StopAt(TrainerCallback):
 def run_to(tmp_path, tokenizer, dataset, stop_at, resume=None, max_steps=4, **overrides):
     torch.manual_seed(123)
     model = make_tiny_model(tokenizer, seed=7)
-    trainer = make_trainer(tmp_path, model, tokenizer, dataset, max_steps=max_steps, learning_rate=0.01,
+    trainer = make_trainer(tmp_path, tokenizer, dataset, varied_reward, model, max_steps=max_steps, learning_rate=0.01,
                            save_strategy="steps", save_steps=2, **overrides)
     trainer.add_callback(StopAt(stop_at))
     trainer.train(resume_from_checkpoint=resume)
@@ -171,19 +159,15 @@ def test_half_written_checkpoint_is_never_resumed_from(tmp_path, tokenizer, toy_
 SIGTERM_SCRIPT = textwrap.dedent('''
     import sys
     from transformers import TrainerCallback
-    from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
+    from tests.helpers import make_trainer
 
     class Announce(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             print(f"STEP {state.global_step}", flush=True)
 
-    tokenizer = make_tokenizer()
-    args = GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=10000, save_strategy="no", report_to="none",
-                      disable_tqdm=True)
-    trainer = GRPOTrainer(make_tiny_model(tokenizer), copy_digits_reward, args=args,
-                          train_dataset=copy_digits_dataset(64), processing_class=tokenizer, callbacks=[Announce()])
+    trainer = make_trainer(sys.argv[1], make_tokenizer(), copy_digits_dataset(64), max_completion_length=4,
+                           max_steps=10000, callbacks=[Announce()])
     trainer.train()
     print(f"STOPPED AT {trainer.state.global_step}", flush=True)
 ''')
@@ -192,8 +176,7 @@ SIGTERM_SCRIPT = textwrap.dedent('''
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SIGTERM_SCRIPT)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.time() + 240
