@@ -180,6 +180,8 @@ def write_remote_code_model(folder, tokenizer, task: str = "causal-lm") -> str:
 # every step, no checkpoints, no progress bar, seed 0. A test passes only the fields where it differs.
 TRAINER_DEFAULTS = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, learning_rate=0.1,
                         max_steps=2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+# The other round shape the tests use: 2 prompts x G=4 (wider groups: rarely all rewards equal).
+TWO_GROUPS_OF_4 = dict(per_device_train_batch_size=8, num_generations=4)
 
 
 def make_args(output_dir, **overrides):
@@ -207,6 +209,19 @@ def make_trainer(output_dir, processing_class, dataset=None, reward_funcs=None, 
                        copy_digits_reward if reward_funcs is None else reward_funcs,
                        train_dataset=copy_digits_dataset(num_prompts=32) if dataset is None else dataset,
                        processing_class=processing_class, **trainer_kwargs)
+
+
+def checkpointing_trainer(output_dir, tokenizer, dataset, **settings):
+    """For tests that drive rounds and losses by hand: a trainer (2 prompts x G=4, 8 completion tokens, temperature
+    1.3, the tiny model of seed 2) whose model is in training mode with activation checkpointing on, as
+    `Trainer.train` sets it up."""
+    from grpo_trainer.runtime import compat
+
+    trainer = make_trainer(output_dir, tokenizer, dataset, model=make_tiny_model(tokenizer, seed=2),
+                           **{**TWO_GROUPS_OF_4, "max_completion_length": 8, "temperature": 1.3, **settings})
+    compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
+    trainer.model.train()
+    return trainer
 
 
 def varied_reward(completions, **kwargs):

@@ -8,13 +8,19 @@ import math
 import pytest
 import torch
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.modeling import replay
 from grpo_trainer.modeling.logprobs import completion_logprobs
-from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.runtime import compat
-from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
+from tests.helpers import (
+    TWO_GROUPS_OF_4,
+    checkpointing_trainer,
+    fast_rollout,
+    greedy_config,
+    grouped_prompts,
+    make_trainer,
+    model_of_kind,
+)
 
 
 def _count_layer_runs(model, monkeypatch) -> list[int]:
@@ -80,17 +86,6 @@ def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokeniz
         torch.testing.assert_close(replayed[name], plain[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-                "max_completion_length": 8, "report_to": "none", "save_strategy": "no", "temperature": 1.3}
-    args = GRPOConfig(**{**settings, **overrides})
-    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
-                          train_dataset=toy_dataset, processing_class=tokenizer)
-    compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
-    trainer.model.train()
-    return trainer
-
-
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_gradients(tmp_path, tokenizer,
                                                                                       toy_dataset, beta,
@@ -98,7 +93,7 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
     """A round cut into micro-batches of rows with different prompt and completion lengths: each micro-batch's
     slice of the layer outputs and of the sampling distributions (rows, then `Round.trimmed`'s columns) gives the
     loss and gradients of the plain forward."""
-    trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, beta=beta, gradient_accumulation_steps=2,
+    trainer = checkpointing_trainer(tmp_path, tokenizer, toy_dataset, beta=beta, gradient_accumulation_steps=2,
                                      per_device_train_batch_size=4)
     batch = [toy_dataset[i // 4] for i in range(8)]
     batch[4:] = [{**toy_dataset[0], "prompt": "c 1:"}] * 4  # a shorter prompt: its micro-batch trims left columns
@@ -132,11 +127,8 @@ def test_training_replays_the_rollout_and_learns(tmp_path, tokenizer, toy_datase
     calls = []
     original = replay.replayed_layers
     monkeypatch.setattr(replay, "replayed_layers", lambda *a: calls.append(a[1].shape) or original(*a))
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, learning_rate=1e-2, max_steps=3, report_to="none",
-                      save_strategy="no", logging_steps=1)
-    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=2),
+                           **TWO_GROUPS_OF_4, max_completion_length=8, learning_rate=1e-2, max_steps=3)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     # One per step; rows of zero advantage are skipped (beta 0), so up to 8 rows x 2 layers.

@@ -8,6 +8,7 @@ import pytest
 from huggingface_hub import constants
 
 from grpo_trainer.reporting.completions_hub import start_upload
+from tests.helpers import make_trainer
 from tests.reporting.hub_stand_in import READ_TOKEN, WRITE_TOKEN, HubStandIn
 
 
@@ -103,15 +104,9 @@ def test_a_failed_periodic_push_warns_and_is_tried_again(hub, tmp_path):
 
 
 def train_with_hub(tmp_path, tiny_model, tokenizer, toy_dataset, **overrides):
-    from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.cli.toy import copy_digits_reward
-
-    settings = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-                    max_completion_length=4, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
-                    log_completions=True, num_completions_to_print=0, log_completions_hub_repo="me/run-logs")
-    settings.update(overrides)
-    trainer = GRPOTrainer(tiny_model, copy_digits_reward, args=GRPOConfig(**settings), train_dataset=toy_dataset,
-                          processing_class=tokenizer)
+    trainer = make_trainer(tmp_path / "run", tokenizer, toy_dataset, model=tiny_model, max_completion_length=4,
+                           log_completions=True, num_completions_to_print=0, log_completions_hub_repo="me/run-logs",
+                           **overrides)
     trainer.train()
     return trainer
 

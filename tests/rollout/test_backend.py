@@ -3,16 +3,11 @@
 import pytest
 import torch
 
-from grpo_trainer import GRPOConfig, GRPOTrainer, rollout
+from grpo_trainer import GRPOTrainer, rollout
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import BACKENDS, Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.generate import generate_rollout
-
-
-def _args(tmp_path, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-                "max_completion_length": 4, "max_steps": 1, "report_to": "none", "save_strategy": "no"}
-    return GRPOConfig(**{**settings, **overrides})
+from tests.helpers import TWO_GROUPS_OF_4, make_args, make_trainer
 
 
 def test_built_in_backends_declare_their_capabilities():
@@ -24,7 +19,7 @@ def test_built_in_backends_declare_their_capabilities():
 
 
 def test_an_unknown_backend_is_refused_before_any_model_is_loaded(tmp_path, tokenizer, toy_dataset):
-    args = _args(tmp_path, generation_backend="nonexistent")
+    args = make_args(tmp_path, **TWO_GROUPS_OF_4, generation_backend="nonexistent")
     # The model id does not exist: loading it would fail differently; the backend is checked first.
     with pytest.raises(ValueError, match="unknown generation_backend 'nonexistent'; choose one of"):
         GRPOTrainer("no/such-model", copy_digits_reward, args=args, train_dataset=toy_dataset,
@@ -46,8 +41,9 @@ def test_a_registered_backend_is_selected_by_name_and_trains(tmp_path, tiny_mode
     register_backend("recording")(Recording)
     with pytest.raises(ValueError, match="already registered as 'recording'"):
         register_backend("recording")(type("Other", (Recording,), {}))
-    trainer = GRPOTrainer(tiny_model, copy_digits_reward, args=_args(tmp_path, generation_backend="recording"),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    # Seed 42: a round whose rewards differ within a group (with seed 0 the one step's advantages are all 0).
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=tiny_model, **TWO_GROUPS_OF_4, max_steps=1,
+                           max_completion_length=4, seed=42, generation_backend="recording")
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     assert len(calls) == 1 and calls[0][0][0] == 8 and calls[0][1] == 4

@@ -6,23 +6,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.cli.toy import make_tiny_model
-from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import capture
 from grpo_trainer.rollout.types import Rollout
 from grpo_trainer.runtime import compat
-
-
-def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-                "max_completion_length": 8, "report_to": "none", "save_strategy": "no", "temperature": 1.3}
-    args = GRPOConfig(**{**settings, **overrides})
-    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, args=args,
-                          train_dataset=toy_dataset, processing_class=tokenizer)
-    compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
-    trainer.model.train()
-    return trainer
+from tests.helpers import checkpointing_trainer
 
 
 @pytest.mark.parametrize(("overrides", "keeps"), [
@@ -33,7 +20,7 @@ def _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides):
     ({"temperature": 1.0, "generation_kwargs": {"temperature": 0.5}}, ("layer_outputs",)),  # not the loss's softmax
 ])
 def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset, overrides, keeps):
-    trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides)
+    trainer = checkpointing_trainer(tmp_path, tokenizer, toy_dataset, **overrides)
     if overrides.get("gradient_checkpointing") is False:
         compat.disable_checkpointing(trainer.model)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
@@ -49,7 +36,7 @@ def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset
     (8 * 8 * 4, ()),  # under 8 x 8 x V floats: neither
 ])
 def test_replay_tensors_over_the_memory_cap_are_not_kept(tmp_path, tokenizer, toy_dataset, monkeypatch, cap, keeps):
-    trainer = _checkpointing_trainer(tmp_path, tokenizer, toy_dataset)
+    trainer = checkpointing_trainer(tmp_path, tokenizer, toy_dataset)
     monkeypatch.setattr(capture, "REPLAY_MAX_BYTES", cap)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
     assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps

@@ -7,40 +7,42 @@ import pytest
 import torch
 from transformers import generation
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import BACKENDS, select
 from grpo_trainer.rollout.continuous import ContinuousBatchingBackend, continuous_batching_settings
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from tests.helpers import assert_same_rollout, greedy_config, grouped_prompts, model_of_kind
+from tests.helpers import (
+    TWO_GROUPS_OF_4,
+    assert_same_rollout,
+    greedy_config,
+    grouped_prompts,
+    make_args,
+    make_trainer,
+    model_of_kind,
+)
 
 # A small paged cache: the engine otherwise sizes it from free memory, which on a CPU machine is most of its RAM.
 # (`page_size` is transformers 5.18's name for what 5.17 and older call `block_size`.)
 _FIELDS = inspect.signature(generation.ContinuousBatchingConfig).parameters \
     if hasattr(generation, "ContinuousBatchingConfig") else {}
 SMALL = {"num_blocks": 16, "page_size" if "page_size" in _FIELDS else "block_size": 32, "max_batch_tokens": 256}
-
-
-def _args(tmp_path, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-                "max_completion_length": 6, "max_steps": 2, "learning_rate": 0.1, "report_to": "none",
-                "save_strategy": "no", "logging_steps": 1, "disable_tqdm": True,
-                "transformers_continuous_batching_config": SMALL}
-    return GRPOConfig(**{**settings, **overrides})
+SETTINGS = dict(**TWO_GROUPS_OF_4, transformers_continuous_batching_config=SMALL)
 
 
 def test_the_flag_selects_it_over_generation_backend_and_the_old_name_too(tmp_path):
-    assert isinstance(select(_args(tmp_path, use_transformers_continuous_batching=True)), ContinuousBatchingBackend)
-    assert isinstance(select(_args(tmp_path, use_transformers_continuous_batching=True, generation_backend="generate")),
+    def selected(**fields):
+        return select(make_args(tmp_path, **SETTINGS, **fields))
+
+    assert isinstance(selected(use_transformers_continuous_batching=True), ContinuousBatchingBackend)
+    assert isinstance(selected(use_transformers_continuous_batching=True, generation_backend="generate"),
                       ContinuousBatchingBackend)
     with pytest.warns(FutureWarning, match="use_transformers_paged is deprecated"):
-        args = _args(tmp_path, use_transformers_paged=True)
+        args = make_args(tmp_path, **SETTINGS, use_transformers_paged=True)
     assert isinstance(select(args), ContinuousBatchingBackend)
-    args = _args(tmp_path)
+    args = make_args(tmp_path, **SETTINGS)
     args.use_transformers_paged = True  # set after construction, as scripts do
     assert isinstance(select(args), ContinuousBatchingBackend)
-    assert not isinstance(select(_args(tmp_path)), ContinuousBatchingBackend)
+    assert not isinstance(selected(), ContinuousBatchingBackend)
 
 
 def test_its_settings_get_trls_memory_default_and_are_checked_early():
@@ -86,9 +88,8 @@ def test_sampling_follows_torchs_seed(tokenizer):
 
 
 def test_a_training_run_through_it(tmp_path, tokenizer, toy_dataset):
-    args = _args(tmp_path, use_transformers_continuous_batching=True)
-    trainer = GRPOTrainer(model_of_kind("qwen2", tokenizer), copy_digits_reward, args=args,
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=model_of_kind("qwen2", tokenizer), **SETTINGS,
+                           use_transformers_continuous_batching=True)
     assert isinstance(trainer.rollout_backend, ContinuousBatchingBackend)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()

@@ -2,12 +2,11 @@
 
 import pytest
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
-from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout import generate as generate_module
 from grpo_trainer.runtime import compat
 from grpo_trainer.runtime.distributed import checkpointing_paused
+from tests.helpers import TWO_GROUPS_OF_4, make_trainer
 
 
 def _flags(model) -> list[bool]:
@@ -37,11 +36,8 @@ def test_rounds_generate_without_checkpointing_and_add_no_hooks(tmp_path, tokeni
     original = generate_module.generate_rollout
     monkeypatch.setattr(generate_module, "generate_rollout",
                         lambda model, *a: seen.append(_flags(model)) or original(model, *a))
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=4, max_steps=4, report_to="none", save_strategy="no",
-                      generation_backend="generate")
-    trainer = GRPOTrainer(make_tiny_model(tokenizer), copy_digits_reward, args=args, train_dataset=toy_dataset,
-                          processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, **TWO_GROUPS_OF_4, max_completion_length=4, max_steps=4,
+                           generation_backend="generate")
     trainer.train()
     assert seen == [[False, False]] * 4
     assert _flags(trainer.model) == [True, True]

@@ -10,9 +10,10 @@ import transformers
 from packaging.version import Version
 from transformers import TrainingArguments
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer import GRPOConfig
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.runtime import compat
+from tests.helpers import make_trainer, varied_reward
 
 BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
 NEWER_NAMES = "activation_checkpointing" in TrainingArguments.__dataclass_fields__  # transformers >= 5.23
@@ -65,9 +66,8 @@ def test_checkpointing_toggles_the_models_layers(tokenizer):
 def test_the_trainer_turns_checkpointing_on_by_default_and_off_when_asked(tmp_path, tokenizer, toy_dataset):
     def run(**overrides):
         lm = make_tiny_model(tokenizer)
-        args = GRPOConfig(**{**BASE, "output_dir": str(tmp_path), "max_completion_length": 4, "max_steps": 1,
-                             "save_strategy": "no", "disable_tqdm": True, **overrides})
-        GRPOTrainer(lm, _varied_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer).train()
+        make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, lm, max_completion_length=4, max_steps=1,
+                     **overrides).train()
         return compat.checkpointing_is_on(lm)
 
     assert run() is True
@@ -77,19 +77,11 @@ def test_the_trainer_turns_checkpointing_on_by_default_and_off_when_asked(tmp_pa
 # ------------------------------------------------------------------------------ gradient-accumulation scaling
 
 
-def _varied_reward(completions, **kwargs):
-    return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
-
-
 def _first_grad_norm(tmp_path, tokenizer, dataset, accumulation: int) -> float:
     """grad_norm of the first optimizer step over one round of 8 completions, split into `accumulation`
     micro-batches."""
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8 // accumulation,
-                      gradient_accumulation_steps=accumulation, num_generations=2, max_completion_length=6,
-                      loss_type="dapo", max_steps=1, logging_steps=1, report_to="none", save_strategy="no",
-                      disable_tqdm=True, seed=0)
-    trainer = GRPOTrainer(make_tiny_model(tokenizer), _varied_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, dataset, varied_reward, per_device_train_batch_size=8 // accumulation,
+                           gradient_accumulation_steps=accumulation, loss_type="dapo", max_steps=1)
     trainer.train()
     return next(entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry)
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 from datasets import Dataset
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer import GRPOTrainer
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
 from grpo_trainer.rollout import BACKENDS, Capabilities, RolloutBackend
 from grpo_trainer.rollout.capture import KEEP_NOTHING
 from grpo_trainer.trainer.round import Round
+from tests.helpers import make_args, make_trainer
 from tests.tool_helpers import calling_kwargs, fetch, get
 
 TOKENIZER = make_tokenizer(tool_calling=True)
@@ -30,20 +31,19 @@ def alternating(completions, **kwargs):
     return [float(i % 2) for i in range(len(completions))]
 
 
+# One round of G=4 rollouts with room for a call, the tool's result and a second call; the sequence bias of
+# `calling_kwargs` makes every turn a call; one round of calls.
+SETTINGS = dict(num_generations=4, max_completion_length=32, max_steps=1, learning_rate=1e-2,
+                generation_kwargs=calling_kwargs(TOKENIZER), max_tool_calling_iterations=1)
+
+
 def config(tmp_path, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 4,
-                "max_completion_length": 32, "max_steps": 1, "learning_rate": 1e-2, "logging_steps": 1,
-                "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
-                "generation_kwargs": calling_kwargs(TOKENIZER), "max_tool_calling_iterations": 1}
-    return GRPOConfig(**{**settings, **overrides})
+    return make_args(tmp_path, **{**SETTINGS, **overrides})
 
 
-def trainer(tmp_path, model=None, reward_funcs=alternating, train_dataset=None, **kwargs):
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("tools", "environment_factory", "rollout_func")}
-    return GRPOTrainer(make_tiny_model(TOKENIZER) if model is None else model, reward_funcs,
-                       args=config(tmp_path, **overrides),
-                       train_dataset=dataset() if train_dataset is None else train_dataset,
-                       processing_class=TOKENIZER, **kwargs)
+def trainer(tmp_path, model=None, reward_funcs=alternating, train_dataset=None, **settings):
+    return make_trainer(tmp_path, TOKENIZER, dataset() if train_dataset is None else train_dataset, reward_funcs,
+                        model, **{**SETTINGS, **settings})
 
 
 @pytest.mark.parametrize("backend", ["fast", "forward", "generate"])

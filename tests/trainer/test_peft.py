@@ -22,10 +22,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel, TrainerCallback
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.runtime import models
+from tests.helpers import TWO_GROUPS_OF_4, make_args, make_trainer
 
 BASE_ID = "org/tiny-base"  # pretend Hub id: the card must name it as the base model
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
@@ -48,10 +48,7 @@ def base_model(tokenizer) -> PreTrainedModel:
     return model
 
 
-def config(output_dir, **overrides) -> GRPOConfig:
-    defaults = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
-                "learning_rate": 0.1, "max_steps": 2, "logging_steps": 1, "report_to": "none", "save_strategy": "no"}
-    return GRPOConfig(output_dir=str(output_dir), **{**defaults, **overrides})
+SETTINGS = dict(**TWO_GROUPS_OF_4, max_completion_length=8)
 
 
 def sequence_logps(model, tokenizer) -> torch.Tensor:
@@ -72,10 +69,10 @@ def run(tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_run")
     model = base_model(tokenizer)
     base_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = config(out, beta=0.1, gradient_checkpointing=True, advantage_estimator="rloo", loss_type="grpo",
-                  reward_weights=[1.0, 0.5], save_strategy="steps", save_steps=2)
-    trainer = GRPOTrainer(model, [copy_digits_reward, short_reward], args=args,
-                          train_dataset=copy_digits_dataset(32), processing_class=tokenizer, peft_config=lora())
+    trainer = make_trainer(out, tokenizer, copy_digits_dataset(32), [copy_digits_reward, short_reward], model,
+                           peft_config=lora(), **SETTINGS, beta=0.1, gradient_checkpointing=True,
+                           advantage_estimator="rloo", loss_type="grpo", reward_weights=[1.0, 0.5],
+                           save_strategy="steps", save_steps=2)
     adapter_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     trainer.save_model()
@@ -126,11 +123,10 @@ def test_a_ready_peft_model_trains_only_its_adapter_with_the_disabled_adapter_as
     model = get_peft_model(base_model(tokenizer), lora())
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    args = config(tmp_path, beta=0.1, gradient_checkpointing=False)
+    args = make_args(tmp_path, **SETTINGS, beta=0.1, gradient_checkpointing=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a fresh adapter must not trigger the "trained adapter" warning
-        trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=copy_digits_dataset(32),
-                              processing_class=tokenizer)
+        trainer = make_trainer(tmp_path, tokenizer, copy_digits_dataset(32), model=model, args=args)
     assert trainer.ref_model is None
     trainer.train()
     for name, p in model.named_parameters():
@@ -145,15 +141,14 @@ def test_an_already_trained_adapter_with_beta_warns_that_the_reference_is_the_ba
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(0.01)
     with pytest.warns(UserWarning, match="already trained"):
-        GRPOTrainer(model, copy_digits_reward, args=config(tmp_path, beta=0.1),
-                    train_dataset=copy_digits_dataset(8), processing_class=tokenizer)
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=model, **SETTINGS, beta=0.1)
 
 
 def test_an_adapter_on_lm_head_is_rejected(tmp_path, tiny_model, tokenizer):
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match="adapter on lm_head"):
-        GRPOTrainer(tiny_model, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
-                    processing_class=tokenizer, peft_config=peft_config)
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=tiny_model, peft_config=peft_config,
+                     **SETTINGS)
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
@@ -165,8 +160,8 @@ def test_prompt_learning_adapters_are_refused(tmp_path, tokenizer, wrapped):
     prompt_tuning = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
     model = get_peft_model(base_model(tokenizer), prompt_tuning) if wrapped else base_model(tokenizer)
     with pytest.raises(ValueError, match="PromptTuningConfig is a prompt-learning PEFT method"):
-        GRPOTrainer(model, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
-                    processing_class=tokenizer, peft_config=None if wrapped else prompt_tuning)
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=model,
+                     peft_config=None if wrapped else prompt_tuning, **SETTINGS)
 
 
 def test_modules_to_save_lm_head_trains_a_copy_of_the_head(tmp_path, tokenizer):
@@ -175,8 +170,8 @@ def test_modules_to_save_lm_head_trains_a_copy_of_the_head(tmp_path, tokenizer):
     model = base_model(tokenizer)
     original_head = model.lm_head.weight.detach().clone()
     peft_config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model, copy_digits_reward, args=config(tmp_path, beta=0.1, learning_rate=0.1),
-                          train_dataset=copy_digits_dataset(8), processing_class=tokenizer, peft_config=peft_config)
+    trainer = make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=model, peft_config=peft_config,
+                           **SETTINGS, beta=0.1)
     trainer.train()
     trained = trainer.model.get_parameter("base_model.model.lm_head.modules_to_save.default.weight")
     assert not torch.equal(trained, original_head)
@@ -232,9 +227,8 @@ def test_resume_from_an_adapter_checkpoint_restores_the_adapter(run, tokenizer, 
             self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     snapshot = Snapshot()
-    resumed = GRPOTrainer(base_model(tokenizer), copy_digits_reward, args=config(tmp_path, max_steps=3),
-                          train_dataset=copy_digits_dataset(32), processing_class=tokenizer, peft_config=lora(),
-                          callbacks=[snapshot])
+    resumed = make_trainer(tmp_path, tokenizer, copy_digits_dataset(32), model=base_model(tokenizer),
+                           peft_config=lora(), callbacks=[snapshot], **SETTINGS, max_steps=3)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert resumed.state.global_step == 3
     trained = dict(trainer.model.named_parameters())
@@ -262,8 +256,7 @@ def test_save_merged_model_writes_a_full_model_with_the_same_logprobs(run, token
 
 
 def test_save_merged_model_without_an_adapter_is_rejected(tmp_path, tiny_model, tokenizer):
-    trainer = GRPOTrainer(tiny_model, copy_digits_reward, args=config(tmp_path),
-                          train_dataset=copy_digits_dataset(8), processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=tiny_model, **SETTINGS)
     with pytest.raises(ValueError, match="no adapter"):
         trainer.save_merged_model(str(tmp_path / "merged"))
 
@@ -303,10 +296,10 @@ def fake_hub(monkeypatch):
 
 
 def test_push_to_hub_uploads_exactly_the_adapter_tokenizer_and_card(tmp_path, tokenizer, fake_hub):
-    args = config(tmp_path, max_steps=1, push_to_hub=True, hub_model_id="me/tiny-grpo-lora", save_strategy="steps",
-                  save_steps=1, hub_strategy="every_save", gradient_checkpointing=False)
-    trainer = GRPOTrainer(base_model(tokenizer), copy_digits_reward, args=args,
-                          train_dataset=copy_digits_dataset(16), processing_class=tokenizer, peft_config=lora())
+    trainer = make_trainer(tmp_path, tokenizer, copy_digits_dataset(16), model=base_model(tokenizer),
+                           peft_config=lora(), **SETTINGS, max_steps=1, push_to_hub=True,
+                           hub_model_id="me/tiny-grpo-lora", save_strategy="steps", save_steps=1,
+                           hub_strategy="every_save", gradient_checkpointing=False)
     trainer.train()  # checkpoint-1 is saved and pushed
     trainer.push_to_hub()
     assert len(fake_hub) == 2
@@ -343,21 +336,19 @@ def no_weight_loading(monkeypatch):
 
 def test_qlora_without_cuda_fails_before_loading_weights(tmp_path, saved_base, tokenizer, no_weight_loading):
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        GRPOTrainer(saved_base, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
-                    processing_class=tokenizer, peft_config=lora(),
-                    quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=saved_base, peft_config=lora(),
+                     quantization_config=BitsAndBytesConfig(load_in_4bit=True), **SETTINGS)
     # The same check when the config arrives through model_init_kwargs.
-    args = config(tmp_path, model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
+    args = make_args(tmp_path, **SETTINGS,
+                     model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        GRPOTrainer(saved_base, copy_digits_reward, args=args, train_dataset=copy_digits_dataset(8),
-                    processing_class=tokenizer, peft_config=lora())
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=saved_base, peft_config=lora(), args=args)
 
 
 def test_quantization_config_with_an_already_loaded_model_is_rejected(tmp_path, tiny_model, tokenizer):
     with pytest.raises(ValueError, match="already loaded"):
-        GRPOTrainer(tiny_model, copy_digits_reward, args=config(tmp_path), train_dataset=copy_digits_dataset(8),
-                    processing_class=tokenizer, peft_config=lora(),
-                    quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+        make_trainer(tmp_path, tokenizer, copy_digits_dataset(8), model=tiny_model, peft_config=lora(),
+                     quantization_config=BitsAndBytesConfig(load_in_4bit=True), **SETTINGS)
 
 
 @pytest.mark.gpu
@@ -365,9 +356,9 @@ def test_qlora_trains_the_adapter_on_a_4bit_base(tmp_path, saved_base, tokenizer
     pytest.importorskip("bitsandbytes", reason="QLoRA needs the bitsandbytes package (pip install bitsandbytes)")
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=torch.bfloat16)
-    args = config(tmp_path, bf16=True, gradient_checkpointing=True, beta=0.1)
-    trainer = GRPOTrainer(saved_base, copy_digits_reward, args=args, train_dataset=copy_digits_dataset(32),
-                          processing_class=tokenizer, peft_config=lora(), quantization_config=quantization)
+    args = make_args(tmp_path, **SETTINGS, bf16=True, gradient_checkpointing=True, beta=0.1)
+    trainer = make_trainer(tmp_path, tokenizer, copy_digits_dataset(32), model=saved_base, peft_config=lora(),
+                           quantization_config=quantization, args=args)
     assert trainer.model.get_base_model().is_loaded_in_4bit
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -7,19 +7,11 @@ from unittest import mock
 import pytest
 import torch
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.fast import selfcheck
 from grpo_trainer.rollout.generate import generate_rollout
-from tests.helpers import model_of_kind
+from tests.helpers import TWO_GROUPS_OF_4, make_trainer, model_of_kind
 
-
-def _trainer(tmp_path, model, tokenizer, dataset, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-                "max_completion_length": 8, "max_steps": 1, "learning_rate": 0.1, "report_to": "none",
-                "save_strategy": "no", "logging_steps": 1, "disable_tqdm": True}
-    return GRPOTrainer(model, copy_digits_reward, args=GRPOConfig(**{**settings, **overrides}), train_dataset=dataset,
-                       processing_class=tokenizer)
+SETTINGS = dict(**TWO_GROUPS_OF_4, max_completion_length=8)
 
 
 class Compared:
@@ -41,7 +33,8 @@ def test_greedy_rollouts_of_a_sliding_window_model_equal_generates(tmp_path, tok
     """Mistral reads `sliding_window` from its config, not from its attention modules, where the guard looked: the
     fast decoder ran full attention and every completion differed from generate's (TRL: all equal)."""
     model = model_of_kind("mistral", tokenizer, sliding_window=window, initializer_range=0.1)
-    trainer = _trainer(tmp_path, model, tokenizer, toy_dataset, generation_kwargs={"do_sample": False})
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=model, **SETTINGS, max_steps=1,
+                           generation_kwargs={"do_sample": False})
     trainer.rollout_backend = compared = Compared(trainer.rollout_backend)
     trainer.train()
     (out, reference), = compared.pairs
@@ -64,7 +57,8 @@ def test_a_patched_generate_forces_the_completions_with_the_default_backend(tmp_
                                                                              where):
     """TRL's tests force completions by patching `GenerationMixin.generate` or `trainer.model.generate`; the fast
     backend, which does not call generate, used to ignore both."""
-    trainer = _trainer(tmp_path, model_of_kind("qwen2", tokenizer), tokenizer, toy_dataset)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=model_of_kind("qwen2", tokenizer), **SETTINGS,
+                           max_steps=1)
     assert trainer.args.generation_backend == "fast"
     target = mock.patch("transformers.generation.utils.GenerationMixin.generate", side_effect=_forced(tokenizer)) \
         if where == "class" else mock.patch.object(trainer.model, "generate", side_effect=_forced(tokenizer))
@@ -81,7 +75,8 @@ def test_nan_logits_stop_training_with_an_error_naming_the_model(tmp_path, token
     model = model_of_kind("qwen2", tokenizer)
     with torch.no_grad():
         model.lm_head.weight[5, 0] = math.nan
-    trainer = _trainer(tmp_path, model, tokenizer, toy_dataset, max_nonfinite_steps=0)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=model, **SETTINGS, max_steps=1,
+                           max_nonfinite_steps=0)
     with pytest.raises(RuntimeError, match="the model produced NaN/inf logits at completion token 0 in 8 of 8 rows"):
         trainer.train()
 
@@ -92,6 +87,7 @@ def test_the_decoders_self_check_runs_once_per_training_run(tmp_path, tokenizer,
     checked = []
     measure = selfcheck._measure
     monkeypatch.setattr(selfcheck, "_measure", lambda *args: checked.append(args[0]) or measure(*args))
-    trainer = _trainer(tmp_path, model_of_kind("qwen2", tokenizer), tokenizer, toy_dataset, max_steps=3)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=model_of_kind("qwen2", tokenizer), **SETTINGS,
+                           max_steps=3)
     trainer.train()
     assert checked == [trainer.model] and trainer.state.global_step == 3

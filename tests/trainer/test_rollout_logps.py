@@ -6,18 +6,15 @@ import dataclasses
 import pytest
 import torch
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import make_tiny_model
-from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.runtime import compat
+from tests.helpers import TWO_GROUPS_OF_4, make_trainer
 
 
 def _trainer(tmp_path, tokenizer, dataset, seed=2, **overrides):
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-                "max_completion_length": 6, "report_to": "none", "save_strategy": "no"}
-    args = GRPOConfig(**{**settings, **overrides})
-    return GRPOTrainer(make_tiny_model(tokenizer, seed=seed), copy_digits_reward, args=args, train_dataset=dataset,
-                       processing_class=tokenizer)
+    """Rounds of 2 prompts x G=4 on the tiny model of `seed` (no training step: the tests drive the loss)."""
+    return make_trainer(tmp_path, tokenizer, dataset, model=make_tiny_model(tokenizer, seed=seed),
+                        **{**TWO_GROUPS_OF_4, **overrides})
 
 
 def _micro_batch(trainer, dataset):

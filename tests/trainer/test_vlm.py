@@ -7,16 +7,15 @@ import logging
 import os
 
 import pytest
-import torch
 from datasets import Dataset
 from peft import LoraConfig
 from PIL import Image
 from transformers import TrainerCallback
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 from grpo_trainer.rollout import backend
-from tests.helpers import vlm_families
+from tests.helpers import make_trainer, train_and_compare, vlm_families
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 # LLaVA's vision features are the encoder's hidden states, never its post-layernorm (the pooler's): by design those
@@ -42,33 +41,24 @@ def varied_reward(completions, **kwargs):
     return [float(sum(map(ord, completion[0]["content"])) % 97) for completion in completions]
 
 
-def config(tmp_path, **overrides) -> GRPOConfig:
-    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 2,
-                "max_completion_length": 6, "learning_rate": 0.1, "max_steps": 1, "report_to": "none",
-                "save_strategy": "no", "disable_tqdm": True}
-    return GRPOConfig(**{**settings, **overrides})
-
-
-def train(family: str, tmp_path, dataset: Dataset | None = None, reward=varied_reward, peft_config=None,
-          **overrides) -> tuple[GRPOTrainer, dict[str, torch.Tensor]]:
+def vlm_trainer(family: str, output_dir, dataset: Dataset | None = None, reward=varied_reward,
+                **settings) -> GRPOTrainer:
+    """The tiny VLM of `family` with its processor, on `image_dataset()` unless given; one step unless asked."""
     model, processor = make_tiny_vlm(family)
-    trainer = GRPOTrainer(model, reward_funcs=reward, args=config(tmp_path, **overrides),
-                          train_dataset=dataset or image_dataset(), processing_class=processor,
-                          peft_config=peft_config)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    assert trainer.state.log_history[-1]["train_loss"] is not None
-    return trainer, before
+    return make_trainer(output_dir, processor, dataset or image_dataset(), reward, model,
+                        **{"max_steps": 1, **settings})
 
 
-def changed(trainer: GRPOTrainer, before: dict[str, torch.Tensor]) -> dict[str, bool]:
-    return {n: not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters()}
+def train(family: str, tmp_path, dataset: Dataset | None = None, reward=varied_reward,
+          **settings) -> tuple[GRPOTrainer, dict[str, bool]]:
+    """A trained `vlm_trainer`, and which of its parameters changed."""
+    trainer = vlm_trainer(family, tmp_path, dataset, reward, **settings)
+    return trainer, train_and_compare(trainer)
 
 
 @pytest.mark.parametrize("family", vlm_families(sorted(VLM_FAMILIES)))
 def test_training_moves_every_parameter_vision_tower_included(family, tmp_path):
-    trainer, before = train(family, tmp_path)
-    moved = changed(trainer, before)
+    trainer, moved = train(family, tmp_path)
     unused = [n for n in moved if any(part in n for part in UNUSED_BY_DESIGN.get(family, ()))]
     assert not any(moved[n] for n in unused), unused
     stuck = [n for n, m in moved.items() if not m and n not in unused]
@@ -79,33 +69,32 @@ def test_training_moves_every_parameter_vision_tower_included(family, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3", "llava_next"])
 def test_several_images_per_prompt_and_prompts_without_any(family, tmp_path):
     dataset = image_dataset(rows=6, images_per_row=[1, 2, 0])
-    trainer, before = train(family, tmp_path, dataset, per_device_train_batch_size=6, num_generations=2)
-    assert all(m for n, m in changed(trainer, before).items()
+    trainer, moved = train(family, tmp_path, dataset, per_device_train_batch_size=6, num_generations=2)
+    assert all(m for n, m in moved.items()
                if not any(part in n for part in UNUSED_BY_DESIGN.get(family, ())))
 
 
 def test_reference_model_and_off_policy_micro_batches_carry_the_images(tmp_path):
     # beta > 0: reference forwards in chunks of 2 rows; steps_per_generation=2: the round is shuffled and split,
     # and the old log-probs are computed per micro-batch, each with its own rows' images.
-    trainer, before = train("qwen2_5_vl", tmp_path, beta=0.1, per_device_train_batch_size=2,
-                            steps_per_generation=2, max_steps=2, logging_steps=1)
-    assert all(changed(trainer, before).values())
+    trainer, moved = train("qwen2_5_vl", tmp_path, beta=0.1, per_device_train_batch_size=2,
+                           steps_per_generation=2, max_steps=2, logging_steps=1)
+    assert all(moved.values())
     assert all("kl" in row for row in trainer.state.log_history if "reward" in row)
 
 
 def test_pad_to_multiple_of_pads_the_token_types(tmp_path):
-    trainer, before = train("gemma3", tmp_path, pad_to_multiple_of=7)
-    assert all(changed(trainer, before).values())
+    trainer, moved = train("gemma3", tmp_path, pad_to_multiple_of=7)
+    assert all(moved.values())
 
 
 def test_lora_trains_the_language_model_only_with_the_adapter_free_reference(tmp_path):
     # Gemma 3's SigLIP tower has q_proj / v_proj too: the adapter must stay out of it.
-    trainer, before = train("gemma3", tmp_path, peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]),
-                            beta=0.1)
-    lora = [n for n in before if "lora_" in n]
+    trainer, moved = train("gemma3", tmp_path, peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]),
+                           beta=0.1)
+    lora = [n for n in moved if "lora_" in n]
     assert lora and all(".language_model." in n for n in lora)
-    moved = changed(trainer, before)
-    assert all(moved[n] for n in lora if "lora_B" in n) and not any(moved[n] for n in before if "lora_" not in n)
+    assert all(moved[n] for n in lora if "lora_B" in n) and not any(moved[n] for n in moved if "lora_" not in n)
     assert trainer.ref_model is None and "kl" in trainer.state.log_history[0]
 
 
@@ -135,8 +124,8 @@ def test_a_model_path_loads_the_model_and_its_processor(tmp_path):
     model, processor = make_tiny_vlm("gemma3")
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
-    trainer = GRPOTrainer(str(tmp_path / "model"), reward_funcs=varied_reward,
-                          args=config(tmp_path / "run"), train_dataset=image_dataset())
+    trainer = make_trainer(tmp_path / "run", None, image_dataset(), varied_reward, str(tmp_path / "model"),
+                           max_steps=1)
     assert type(trainer.processing_class).__name__ == "Gemma3Processor"
     assert type(trainer.model).__name__ == "Gemma3ForConditionalGeneration"
     trainer.train()
@@ -151,17 +140,13 @@ def test_the_fast_backend_hands_image_rounds_to_generate(tmp_path, caplog):
 
 
 def test_continuous_batching_is_refused_with_a_processor(tmp_path):
-    model, processor = make_tiny_vlm("llava")
     with pytest.raises(ValueError, match="does not support multimodal models"):
-        GRPOTrainer(model, reward_funcs=varied_reward, train_dataset=image_dataset(), processing_class=processor,
-                    args=config(tmp_path, use_transformers_continuous_batching=True))
+        vlm_trainer("llava", tmp_path, use_transformers_continuous_batching=True)
 
 
 def test_evaluate_with_images(tmp_path):
-    model, processor = make_tiny_vlm("qwen2_5_vl")
-    trainer = GRPOTrainer(model, reward_funcs=varied_reward, processing_class=processor,
-                          args=config(tmp_path, per_device_eval_batch_size=4, num_generations_eval=2),
-                          train_dataset=image_dataset(), eval_dataset=image_dataset(rows=2))
+    trainer = vlm_trainer("qwen2_5_vl", tmp_path, eval_dataset=image_dataset(rows=2), per_device_eval_batch_size=4,
+                          num_generations_eval=2)
     metrics = trainer.evaluate()
     assert "eval_loss" in metrics and "eval_reward" in metrics
 
@@ -178,11 +163,9 @@ def test_resume_in_the_middle_of_a_round_with_images(tmp_path):
     """A checkpoint taken between the micro-batches of a round keeps their image inputs: the resumed run ends
     where an uninterrupted one does."""
     def run(output_dir, stop_at, resume=None):
-        model, processor = make_tiny_vlm("qwen2_vl")
-        trainer = GRPOTrainer(model, reward_funcs=varied_reward, processing_class=processor,
-                              train_dataset=image_dataset(), callbacks=[StopAt(stop_at)],
-                              args=config(output_dir, per_device_train_batch_size=2, steps_per_generation=2,
-                                          max_steps=2, learning_rate=0.01, save_strategy="steps", save_steps=1))
+        trainer = vlm_trainer("qwen2_vl", output_dir, callbacks=[StopAt(stop_at)], per_device_train_batch_size=2,
+                              steps_per_generation=2, max_steps=2, learning_rate=0.01, save_strategy="steps",
+                              save_steps=1)
         trainer.train(resume_from_checkpoint=resume)
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
