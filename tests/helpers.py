@@ -35,8 +35,18 @@ MAX_NEW = 12
 REPO = str(Path(__file__).resolve().parents[1])
 
 
+# Qwen2.5-0.5B's layout at reduced width: its 14 query and 2 key/value heads (grouped-query attention, 7 query heads
+# per key/value head), q/k/v biases (Qwen2's), tied input and output embeddings, rope theta 1e6, RMS-norm eps 1e-6,
+# and its MLP ratio (4864 / 896); head_dim 16 instead of 64 (hidden 224 instead of 896), 2 layers instead of 24 and
+# the test tokenizer's vocabulary instead of 151,936, so a test runs in seconds.
+QWEN2_5_0_5B_LAYOUT = dict(num_attention_heads=14, num_key_value_heads=2, hidden_size=14 * 16,
+                           intermediate_size=4864 * 14 * 16 // 896, num_hidden_layers=2, tie_word_embeddings=True,
+                           rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
 def model_of_kind(kind: str, tokenizer, **overrides):
-    """A tiny randomly initialised model of each family (seeded); `overrides` go into its config."""
+    """A tiny randomly initialised model of each family (seeded), or of one real checkpoint's layout
+    (`qwen2.5-0.5b`); `overrides` go into its config."""
     if kind == "qwen2" and not overrides:
         return make_tiny_model(tokenizer, seed=1)
     common = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -60,7 +70,8 @@ def model_of_kind(kind: str, tokenizer, **overrides):
               "gemma2": lambda: Gemma2Config(**{**common, "head_dim": 16, "sliding_window": 4, **overrides}),
               "phi3": lambda: Phi3Config(**{**common, **overrides}),  # fused qkv and gate|up projections
               "mixtral": lambda: MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2,
-                                                  **overrides})}[kind]()
+                                                  **overrides}),
+              "qwen2.5-0.5b": lambda: Qwen2Config(**{**common, **QWEN2_5_0_5B_LAYOUT, **overrides})}[kind]()
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -211,13 +222,14 @@ def make_trainer(output_dir, processing_class, dataset=None, reward_funcs=None, 
                        processing_class=processing_class, **trainer_kwargs)
 
 
-def checkpointing_trainer(output_dir, tokenizer, dataset, **settings):
+def checkpointing_trainer(output_dir, tokenizer, dataset, model=None, **settings):
     """For tests that drive rounds and losses by hand: a trainer (2 prompts x G=4, 8 completion tokens, temperature
-    1.3, the tiny model of seed 2) whose model is in training mode with activation checkpointing on, as
+    1.3, `model` or the tiny model of seed 2) whose model is in training mode with activation checkpointing on, as
     `Trainer.train` sets it up."""
     from grpo_trainer.runtime import compat
 
-    trainer = make_trainer(output_dir, tokenizer, dataset, model=make_tiny_model(tokenizer, seed=2),
+    model = make_tiny_model(tokenizer, seed=2) if model is None else model
+    trainer = make_trainer(output_dir, tokenizer, dataset, model=model,
                            **{**TWO_GROUPS_OF_4, "max_completion_length": 8, "temperature": 1.3, **settings})
     compat.enable_checkpointing(trainer.model)  # what Trainer.train does first
     trainer.model.train()

@@ -181,15 +181,15 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     from accelerate.utils import gather_object
     from transformers import set_seed
 
-    from grpo_trainer import GRPOConfig, GRPOTrainer
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
     from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
+    from tests.helpers import make_args, make_trainer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     processes = launched_world_size()
     set_seed(0)  # LoRA's random A matrices are drawn before the trainer seeds; start every run from one state
-    args = GRPOConfig(
-        output_dir=str(out_dir / "run"),
+    args = make_args(
+        out_dir / "run",
         per_device_train_batch_size=per_device_batch or ROUND_ROWS // (processes * ACCUMULATION),
         gradient_accumulation_steps=ACCUMULATION, num_generations=G, max_completion_length=MAX_COMPLETION,
         max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
@@ -202,8 +202,9 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     recorder = Recorder()
-    trainer = GRPOTrainer(str(model_dir / "policy"), [copy_digits_reward, str(model_dir / "reward"), recorder],
-                          args=args, train_dataset=copy_digits_dataset(num_prompts=16), peft_config=peft_config)
+    trainer = make_trainer(out_dir / "run", None, copy_digits_dataset(num_prompts=16),
+                           [copy_digits_reward, str(model_dir / "reward"), recorder], str(model_dir / "policy"),
+                           args=args, peft_config=peft_config)
     # Instrumentation: which process writes the completion log, and each process's own metric means before
     # `log` averages them over processes.
     flushes, local_metrics = [], []

@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[4])  # tests/distributed, for teardown.py
     from teardown import leave_cleanly
     from transformers import TrainerCallback
-    from grpo_trainer import GRPOConfig, GRPOTrainer
-    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model, make_tokenizer
+    from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
+    from tests.helpers import make_trainer
 
     class Steps(TrainerCallback):
         steps = []
@@ -31,12 +31,9 @@ SCRIPT = textwrap.dedent('''
             self.steps.append(state.global_step)
 
     output_dir, max_steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
-    tokenizer = make_tokenizer()
-    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=max_steps, save_strategy="steps", save_steps=1,
-                      save_total_limit=2, report_to="none", disable_tqdm=True)
-    trainer = GRPOTrainer(make_tiny_model(tokenizer), copy_digits_reward, args=args,
-                          train_dataset=copy_digits_dataset(32), processing_class=tokenizer, callbacks=[Steps()])
+    trainer = make_trainer(output_dir, make_tokenizer(), copy_digits_dataset(32), callbacks=[Steps()],
+                           max_completion_length=4, max_steps=max_steps, save_strategy="steps", save_steps=1,
+                           save_total_limit=2)
     trainer.train(resume_from_checkpoint=resume)
     with open(f"{output_dir}/steps_{trainer.accelerator.process_index}.json", "w") as f:
         json.dump(Steps.steps, f)

@@ -23,7 +23,7 @@ from tests.helpers import (
 
 
 @pytest.mark.parametrize("layout", ["fused", "packed", "unfused", "unfused_onednn"])
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3", "qwen3", "mistral", "qwen2.5-0.5b"])
 def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `packed`: every projection
     and the LM head run as oneDNN linears on packed weights (large weights do; the tiny test models have none
@@ -48,11 +48,14 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     assert guard.fast_path_blocker(model, config, prompts.ids.shape[1]) is None
     with torch.no_grad():
         reference = generate_rollout(model, prompts, config)
-    calls = []
+    calls, decoded = [], []
     if layout == "unfused_onednn":
         op = kernels._onednn_linear
         monkeypatch.setattr(kernels, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
+    rollout = fast_backend._fast_rollout
+    monkeypatch.setattr(fast_backend, "_fast_rollout", lambda *args: decoded.append(1) or rollout(*args))
     assert_same_rollout(fast_rollout(model, prompts, config), reference)
+    assert decoded == [1]  # the hand-written decoder served it, not the model-forward tier
     assert reference.completion_ids.shape[1] == MAX_NEW  # nothing ended early: every position compared
     if layout == "unfused_onednn":  # every projection of every layer, and the head, for every position
         assert len(calls) >= (4 * model.config.num_hidden_layers + 1) * MAX_NEW

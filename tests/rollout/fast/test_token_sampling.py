@@ -79,20 +79,22 @@ def test_every_logits_processor_generate_builds_is_applied(tokenizer):
     assert not torch.equal(reference.completion_ids, plain.completion_ids)  # the processors changed the tokens
 
 
-def test_top_k_one_sampling_is_greedy(tokenizer):
-    model = model_of_kind("llama", tokenizer)
+@pytest.mark.parametrize("kind", ["llama", "qwen2.5-0.5b"])
+def test_top_k_one_sampling_is_greedy(tokenizer, kind):
+    model = model_of_kind(kind, tokenizer)
     prompts = grouped_prompts(tokenizer)
     greedy = fast_rollout(model, prompts, greedy_config(tokenizer))
     assert_same_rollout(fast_rollout(model, prompts, greedy_config(tokenizer, do_sample=True, top_k=1)), greedy)
 
 
-def test_sampling_matches_generate_in_distribution(tokenizer):
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-0.5b"])
+def test_sampling_matches_generate_in_distribution(tokenizer, kind):
     """Sampled tokens differ from generate's for a seed (different random stream), but the first token's
-    frequencies over many rows of one prompt agree. This random model's tempered distribution is nearly uniform;
+    frequencies over many rows of one prompt agree. A random model's tempered distribution is nearly uniform;
     transformers' default top_k=50 (the config leaves top_k unset) keeps 50 tokens, ~40 draws each in 2000 rows,
     so two samples differ by ~sqrt(2 * 40) ~ 9 counts per token: a total-variation distance of ~0.09. Without the
     top-k filter (or with a wrong distribution) it would be ~0.44."""
-    model = model_of_kind("qwen2", tokenizer)
+    model = model_of_kind(kind, tokenizer)
     prompts = tokenize_prompts(tokenizer, ["copy 12:"] * 2000, None)
     config = greedy_config(tokenizer, do_sample=True, max_new_tokens=1, temperature=0.8, top_k=None)
     torch.manual_seed(0)
@@ -105,12 +107,13 @@ def test_sampling_matches_generate_in_distribution(tokenizer):
     assert len(torch.unique(fast)) <= 50
 
 
-def test_sampling_logps_are_the_training_forwards_values(tokenizer):
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5-0.5b"])
+def test_sampling_logps_are_the_training_forwards_values(tokenizer, kind):
     """The sampler keeps log softmax(logits / T)[token] of the full distribution (not the top-k-filtered one
     it drew from), which is what the training forward computes for the same tokens."""
     from grpo_trainer.modeling.logprobs import completion_logprobs
 
-    model = model_of_kind("qwen2", tokenizer)
+    model = model_of_kind(kind, tokenizer)
     prompts = grouped_prompts(tokenizer)
     torch.manual_seed(0)
     rollout = fast_rollout(model, prompts, greedy_config(tokenizer, do_sample=True, temperature=0.7, top_k=5))

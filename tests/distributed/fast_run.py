@@ -1,0 +1,79 @@
+"""The harness's run (harness.py: 3 optimizer steps, each a round of 3 prompts x G=4 over all processes, 2
+accumulation micro-steps, beta > 0) on the default rollout backend, `fast`, with the trainer's own sampling, as
+`test_fast_backend.py` launches it over 2 processes. Each process records its rounds' prompts, how many rollouts
+each tier of the backend served (the hand-written decoder, the model's own forward, `model.generate`), and a
+digest of its weights before and after training; `result.json` under `--out` holds every process's record and
+the log history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import harness  # beside this script: the run's shape, the recording reward and the environment it sets
+from teardown import leave_cleanly
+
+TIERS = ("_fast_rollout", "forward_rollout", "generate_rollout")  # decoder, model forward, model.generate
+
+
+def _counting(original, name: str, counts: dict[str, int]):
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    return counted
+
+
+def count_tiers() -> dict[str, int]:
+    """Counts, from now on, the rollouts each tier of the fast backend serves in this process."""
+    from grpo_trainer.rollout.fast import backend, forward
+
+    counts = dict.fromkeys(TIERS, 0)
+    for module, name in ((backend, "_fast_rollout"), (forward, "forward_rollout"), (backend, "generate_rollout")):
+        setattr(module, name, _counting(getattr(module, name), name, counts))
+    return counts
+
+
+def run(out_dir: Path, model_dir: Path) -> None:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
+    from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
+    from tests.helpers import make_trainer
+
+    recorder = harness.Recorder()
+    trainer = make_trainer(
+        out_dir / "run", None, copy_digits_dataset(num_prompts=16), [copy_digits_reward, recorder],
+        str(model_dir / "policy"),
+        per_device_train_batch_size=harness.ROUND_ROWS // (launched_world_size() * harness.ACCUMULATION),
+        gradient_accumulation_steps=harness.ACCUMULATION, num_generations=harness.G,
+        max_completion_length=harness.MAX_COMPLETION, max_steps=harness.STEPS, learning_rate=1e-3, beta=0.04,
+        reward_weights=[1.0, 0.0])
+    initial = parameter_digest(full_parameters(trainer.model))
+    counts = count_tiers()
+    trainer.train()
+    state = PartialState()
+    mine = {"rank": state.process_index, "backend": trainer.args.generation_backend, "rounds": recorder.rounds,
+            "served": counts, "initial_digest": initial, "digest": parameter_digest(full_parameters(trainer.model))}
+    every = gather_object([mine])
+    if state.is_main_process:
+        result = {"num_processes": trainer.accelerator.num_processes,
+                  "distributed_type": trainer.accelerator.distributed_type.value,
+                  "log_history": trainer.state.log_history, "ranks": sorted(every, key=lambda r: r["rank"])}
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    cli = parser.parse_args()
+    run(cli.out, cli.model_dir)
+    leave_cleanly()
+
+
+if __name__ == "__main__":
+    main()  # leaves through leave_cleanly
