@@ -242,6 +242,11 @@ def varied_reward(completions, **kwargs):
     return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
 
 
+def logged(trainer, key: str) -> list:
+    """Every value of `key` in the trainer's log history, in order."""
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
 def train_and_compare(trainer) -> dict:
     """`trainer.train()`, then: its last logged train_loss is finite, and {parameter name: whether it changed}."""
     model = trainer.model

@@ -15,7 +15,7 @@ from grpo_trainer.algorithms.entropy import EntropyControl
 from grpo_trainer.algorithms.losses import LossSettings
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
-from tests.trainer.test_trainer import logged, make_args, train, varied_reward
+from tests.helpers import logged, make_args, make_trainer, train_and_compare, varied_reward
 
 
 def constant_reward(completions, **kwargs):
@@ -28,9 +28,10 @@ def test_entropy_bonus_is_coef_times_entropy_for_every_loss_type(tmp_path, tiny_
                                                                  loss_type):
     """TRL's test_entropy_bonus_scale, exact: with one micro-batch per step, the logged loss is the logged
     policy_loss minus entropy_coef x the logged entropy (the mean over the loss's tokens), whatever the loss type."""
-    trainer, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, loss_type=loss_type,
-                             entropy_coef=0.5, max_steps=3,
-                             importance_sampling_level="sequence" if loss_type == "luspo" else "token")
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, loss_type=loss_type,
+                           entropy_coef=0.5, max_steps=3,
+                           importance_sampling_level="sequence" if loss_type == "luspo" else "token")
+    changed = train_and_compare(trainer)
     assert all(changed.values())
     logs = [entry for entry in trainer.state.log_history if "policy_loss" in entry and "loss" in entry]
     assert len(logs) == 3
@@ -42,20 +43,18 @@ def test_entropy_bonus_is_coef_times_entropy_for_every_loss_type(tmp_path, tiny_
 def test_entropy_bonus_trains_completions_whose_advantage_is_zero(tmp_path, tokenizer, toy_dataset):
     """With every advantage 0 the policy term has no gradient, and zero-advantage rows skip the forward; the
     bonus must still train (a differentiable entropy, no row skipped). Without it nothing moves."""
-    from grpo_trainer.cli.toy import make_tiny_model
-
-    _, without = train(tmp_path / "a", make_tiny_model(tokenizer), tokenizer, toy_dataset, constant_reward)
+    without = train_and_compare(make_trainer(tmp_path / "a", tokenizer, toy_dataset, constant_reward))
     assert not any(without.values())
-    _, with_bonus = train(tmp_path / "b", make_tiny_model(tokenizer), tokenizer, toy_dataset, constant_reward,
-                          entropy_coef=0.1)
+    with_bonus = train_and_compare(make_trainer(tmp_path / "b", tokenizer, toy_dataset, constant_reward,
+                                                entropy_coef=0.1))
     assert all(with_bonus.values())
 
 
 def test_entropy_bonus_covers_every_row_when_advantages_are_zero(tmp_path, tiny_model, tokenizer, toy_dataset):
     """All advantages 0 (the policy term is 0): the loss is exactly -c x the mean entropy over every completion
     token, as a plain forward computes it; a skipped row would count with entropy 0."""
-    trainer = GRPOTrainer(tiny_model, constant_reward, args=make_args(tmp_path, entropy_coef=0.1, loss_type="grpo"),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, constant_reward, tiny_model, entropy_coef=0.1,
+                           loss_type="grpo")
     trainer.model.train()
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
     inputs = trainer.scorer.prepare(round_, "train", trainer.model)
@@ -76,7 +75,8 @@ def test_adaptive_entropy_steps_once_per_optimizer_step_and_resumes(tmp_path, ti
     settings = dict(loss_type="grpo", entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=15.0,
                     entropy_coef_delta=0.005, gradient_accumulation_steps=2, per_device_train_batch_size=2,
                     save_strategy="steps", save_steps=1)
-    trainer, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, max_steps=2, **settings)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, max_steps=2, **settings)
+    changed = train_and_compare(trainer)
     assert all(changed.values())
     assert trainer.entropy_coef == pytest.approx(0.01 + 2 * 0.005)
     assert logged(trainer, "entropy_coef") == pytest.approx([0.015, 0.02])  # the value after each step's update
@@ -85,25 +85,23 @@ def test_adaptive_entropy_steps_once_per_optimizer_step_and_resumes(tmp_path, ti
     first_window_policy, first_loss = logged(trainer, "policy_loss")[0], logged(trainer, "loss")[0]
     assert first_window_policy == pytest.approx(first_loss, abs=1e-6)  # coefficient 0 in the first window
 
-    resumed = GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, max_steps=3, **settings),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    resumed = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, max_steps=3, **settings)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.entropy_coef == pytest.approx(0.01 + 3 * 0.005)  # restarted from 0.01 it would be 0.015
 
 
 def test_off_policy_mask_trains(tmp_path, tiny_model, tokenizer, toy_dataset):
     # Two passes over each round: the second is off-policy, so old log-probs exist and the mask can act.
-    _, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, off_policy_mask_threshold=0.01,
-                       num_iterations=2, max_steps=2)
+    changed = train_and_compare(make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model,
+                                             off_policy_mask_threshold=0.01, num_iterations=2, max_steps=2))
     assert all(changed.values())
 
 
 def test_off_policy_mask_drops_a_drifted_negative_completion(tmp_path, tiny_model, tokenizer, toy_dataset):
     """compute_loss on an off-policy micro-batch: old log-probs far above the current ones on the negative-
     advantage rows (a drift of 10 nats) drop those rows, which changes the loss; positive rows are never dropped."""
-    trainer = GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, off_policy_mask_threshold=0.5,
-                                                                    num_iterations=2, loss_type="grpo"),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, off_policy_mask_threshold=0.5,
+                           num_iterations=2, loss_type="grpo")
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
     inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     assert inputs.old_logps is not None and (inputs.advantages < 0).any()
@@ -157,8 +155,7 @@ def test_high_entropy_mask_pools_every_process(tmp_path, tiny_model, tokenizer, 
     # (this process alone: 0.4, which would also keep 0.5)
     assert kept.int().tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]
     # the trainer's own accelerator (1 process): the quantile of this process's tokens, 0.4
-    trainer = GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path), train_dataset=toy_dataset,
-                          processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model)
     assert trainer.get_high_entropy_mask(entropy, mask, 0.5).int().tolist() == [[0, 1, 1, 0], [0, 1, 0, 0]]
 
 
@@ -173,9 +170,10 @@ def test_normalize_then_sum_runs_the_estimator_per_reward_function(tmp_path, tin
     def length_reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    _, changed = train(tmp_path, tiny_model, tokenizer, toy_dataset, [varied_reward, length_reward],
-                       trainer_kwargs={"advantage_estimator": estimator},
-                       multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5])
+    args = make_args(tmp_path, multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5])
+    trainer = GRPOTrainer(tiny_model, [varied_reward, length_reward], args=args, train_dataset=toy_dataset,
+                          processing_class=tokenizer, advantage_estimator=estimator)  # the trainer's argument
+    changed = train_and_compare(trainer)
     assert all(changed.values())
     assert calls == [((4,), "group")] * 4  # one call per reward function and round, each on its own column
 
@@ -185,17 +183,15 @@ def test_normalize_then_sum_runs_the_estimator_per_reward_function(tmp_path, tin
 def test_sequence_level_with_a_token_summing_loss_warns(caplog, tmp_path, tiny_model, tokenizer, toy_dataset, level,
                                                        loss_type, warned):
     with caplog.at_level(logging.WARNING, logger="grpo_trainer.trainer.grpo_trainer"):
-        GRPOTrainer(tiny_model, varied_reward,
-                    args=make_args(tmp_path, importance_sampling_level=level, loss_type=loss_type),
-                    train_dataset=toy_dataset, processing_class=tokenizer)
+        make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, importance_sampling_level=level,
+                     loss_type=loss_type)
     assert ("weights each sequence by its completion length" in caplog.text) == warned
 
 
 def test_metrics_hold_no_autograd_graph(tmp_path, tiny_model, tokenizer, toy_dataset):
     """The entropy is differentiable now: what compute_loss records for logging must not keep its graph alive."""
-    trainer = GRPOTrainer(tiny_model, varied_reward, args=make_args(tmp_path, entropy_coef=0.1,
-                                                                    top_entropy_quantile=0.5),
-                          train_dataset=toy_dataset, processing_class=tokenizer)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, tiny_model, entropy_coef=0.1,
+                           top_entropy_quantile=0.5)
     trainer.model.train()
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
     inputs = trainer.scorer.prepare(round_, "train", trainer.model)

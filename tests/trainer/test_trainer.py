@@ -14,12 +14,7 @@ from transformers import AutoModelForSequenceClassification, Qwen2Config
 from grpo_trainer import GRPOTrainer, RLOOAdvantage
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.cli.toy import copy_digits_reward
-from tests.helpers import make_args, make_trainer, train_and_compare, varied_reward
-
-
-def logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
-
+from tests.helpers import logged, make_args, make_trainer, train_and_compare, varied_reward
 
 # The metrics TRL logs for each loss type, besides the common ones.
 LOSS_METRICS = {"clip": {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
