@@ -20,6 +20,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    TrainerCallback,
 )
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
@@ -240,6 +241,17 @@ def varied_reward(completions, **kwargs):
     """A reward that always separates the completions of a group (their lengths, plus 0.1 x the row), so every step
     has a gradient."""
     return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
+
+
+class StopAt(TrainerCallback):
+    """Interrupts training after `step` optimizer steps, as a crash would (the schedule still plans max_steps)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
 
 
 def logged(trainer, key: str) -> list:

@@ -88,12 +88,17 @@ def test_no_full_vocabulary_softmax_is_kept_past_the_budget_at_qwen_shapes(new_t
     assert (probs is not None) == keeps_probs
 
 
+def _with_sampler_values() -> Rollout:
+    """A rollout of 2 rows x 3 tokens (all ones) carrying every sampler tensor."""
+    ones = torch.ones(2, 3)
+    return Rollout(ones.long(), ones.long(), ones.long(), ones.long(), torch.zeros(2, dtype=torch.bool),
+                   sampling_logps=ones, sampling_entropy=ones, sampling_probs=ones[..., None],
+                   layer_outputs=ones[:, None, :, None])
+
+
 def test_a_rollout_with_tool_tokens_keeps_no_sampler_tensor():
     # Tool tokens were never sampled: no value of the sampler may stand in for them (capture, decision 4).
-    ones = torch.ones(2, 3)
-    out = Rollout(ones.long(), ones.long(), ones.long(), ones.long(), torch.zeros(2, dtype=torch.bool),
-                  sampling_logps=ones, sampling_entropy=ones, sampling_probs=ones[..., None],
-                  layer_outputs=ones[:, None, :, None])
+    out = _with_sampler_values()
     assert capture.drop_for_tool_results(out) is out  # every token sampled: all of it stays
     with_tools = capture.drop_for_tool_results(dataclasses.replace(out, env_mask=torch.tensor([[1, 0, 1], [1, 1, 1]])))
     assert (with_tools.sampling_logps, with_tools.sampling_entropy, with_tools.sampling_probs,
@@ -102,10 +107,7 @@ def test_a_rollout_with_tool_tokens_keeps_no_sampler_tensor():
 
 
 def test_sampling_values_are_dropped_where_they_are_not_the_losss_distribution():
-    ones = torch.ones(2, 3)
-    out = Rollout(ones.long(), ones.long(), ones.long(), ones.long(), torch.zeros(2, dtype=torch.bool),
-                  sampling_logps=ones, sampling_entropy=ones, sampling_probs=ones[..., None],
-                  layer_outputs=ones[:, None, :, None])
+    out = _with_sampler_values()
     sampled = GenerationConfig(do_sample=True, temperature=0.7)
     assert capture.drop_unusable(out, sampled, 0.7) is out
     for config, temperature in ((sampled, 1.0), (GenerationConfig(do_sample=False), 0.7)):

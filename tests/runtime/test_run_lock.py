@@ -50,22 +50,23 @@ def start(tmp_path, source, ready):
     raise AssertionError(f"the other run ended before it was {ready}: exit code {process.wait()}")
 
 
-@pytest.fixture
-def other_training_run(tmp_path):
-    """A real training run into tmp_path / 'out', saving a checkpoint every step."""
-    process = start(tmp_path, TRAINING, "TRAINING")
+def live(tmp_path, source, ready):
+    process = start(tmp_path, source, ready)
     yield process
     process.kill()
     process.wait()
+
+
+@pytest.fixture
+def other_training_run(tmp_path):
+    """A real training run into tmp_path / 'out', saving a checkpoint every step."""
+    yield from live(tmp_path, TRAINING, "TRAINING")
 
 
 @pytest.fixture
 def other_run(tmp_path):
     """Another live process holding the lock of tmp_path / 'out', as a training run does (quicker to start)."""
-    process = start(tmp_path, HOLDER, "LOCKED")
-    yield process
-    process.kill()
-    process.wait()
+    yield from live(tmp_path, HOLDER, "LOCKED")
 
 
 def write_lock(folder, **owner):

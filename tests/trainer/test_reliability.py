@@ -11,12 +11,11 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards import RewardError
 from grpo_trainer.runtime.checkpoints import latest_complete
-from tests.helpers import REPO, make_trainer, varied_reward
+from tests.helpers import REPO, StopAt, make_trainer, varied_reward
 
 
 def test_failing_reward_names_function_sample_and_prompt(tmp_path, tiny_model, tokenizer, toy_dataset):
@@ -113,17 +112,6 @@ def test_empty_and_full_length_completions(tmp_path, tiny_model, tokenizer, toy_
     assert first["completions/clipped_ratio"] == 0.5 and math.isfinite(first["loss"])
 
 
-class StopAt(TrainerCallback):
-    """Interrupts training after `step` optimizer steps, as a crash would (the schedule still plans max_steps)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def run_to(tmp_path, tokenizer, dataset, stop_at, resume=None, max_steps=4, **overrides):
     torch.manual_seed(123)
     model = make_tiny_model(tokenizer, seed=7)
@@ -158,8 +146,7 @@ def test_half_written_checkpoint_is_never_resumed_from(tmp_path, tokenizer, toy_
 
 SIGTERM_SCRIPT = textwrap.dedent('''
     import sys
-    from transformers import TrainerCallback
-    from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
+        from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
     from tests.helpers import make_trainer
 
     class Announce(TrainerCallback):

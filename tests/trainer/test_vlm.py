@@ -10,12 +10,11 @@ import pytest
 from datasets import Dataset
 from peft import LoraConfig
 from PIL import Image
-from transformers import TrainerCallback
 
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 from grpo_trainer.rollout import backend
-from tests.helpers import make_trainer, train_and_compare, vlm_families
+from tests.helpers import StopAt, make_trainer, train_and_compare, vlm_families
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 # LLaVA's vision features are the encoder's hidden states, never its post-layernorm (the pooler's): by design those
@@ -149,14 +148,6 @@ def test_evaluate_with_images(tmp_path):
                           num_generations_eval=2)
     metrics = trainer.evaluate()
     assert "eval_loss" in metrics and "eval_reward" in metrics
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step == self.step
 
 
 def test_resume_in_the_middle_of_a_round_with_images(tmp_path):
