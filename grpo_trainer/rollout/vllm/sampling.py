@@ -24,16 +24,11 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
 
 __all__ = ["Completion", "check_generation_kwargs", "prompt_runs", "sampling_settings", "to_rollout"]
 
 Completion = tuple[list[int], list[float | None]]  # token ids, the engine's log-prob of each
-
-
-def _eos_ids(config: GenerationConfig) -> list[int]:
-    eos = config.eos_token_id
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def check_generation_kwargs(generation_kwargs: dict | None) -> None:
@@ -59,7 +54,7 @@ def sampling_settings(config: GenerationConfig, prompt_length: int, generation_k
         "min_p": config.min_p or 0.0,
         "repetition_penalty": config.repetition_penalty or 1.0,
         "max_tokens": max_new_tokens(config, prompt_length),
-        "stop_token_ids": _eos_ids(config),
+        "stop_token_ids": special_tokens(config)[0],
         "logprobs": 0,
     }
     settings.update(generation_kwargs or {})
@@ -80,8 +75,7 @@ def prompt_runs(prompts: PromptBatch, greedy: bool = False) -> list[tuple[list[i
 
 def to_rollout(prompts: PromptBatch, completions: Sequence[Completion], config: GenerationConfig) -> Rollout:
     """The `Rollout` of one completion per prompt row (decision 3)."""
-    eos = _eos_ids(config)
-    pad = config.pad_token_id if config.pad_token_id is not None else eos[0]
+    _, pad = special_tokens(config)
     T = max(1, max(len(ids) for ids, _ in completions))
     ids = torch.full((len(completions), T), pad, dtype=torch.long)
     logps = torch.zeros(len(completions), T)
