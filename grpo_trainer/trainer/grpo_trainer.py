@@ -205,7 +205,9 @@ class GRPOTrainer(Trainer):
         def push() -> None:
             backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
 
-        rounds = AsyncRounds(AsyncSettings(args.async_rollouts, args.seed, args.async_rollout_timeout),
+        # each process its own sampling seeds, as `set_seed(..., device_specific=True)` gives the synchronous path
+        seed = args.seed + self.accelerator.process_index
+        rounds = AsyncRounds(AsyncSettings(args.async_rollouts, seed, args.async_rollout_timeout),
                              args.async_correction, self.rounds, self.scorer, source, schedule, view,
                              push if backend.capabilities.own_weights else None, self.metrics)
         self._pacing = ProducerPacing(rounds, self.buffer, self._signal_stop)

@@ -52,7 +52,7 @@ __all__ = ["AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "R
 @dataclass(frozen=True)
 class AsyncSettings:
     rounds_ahead: int = 1  # `async_rollouts`
-    seed: int = 0
+    seed: int = 0  # this process's: the run's seed + its process index
     timeout: float | None = None  # seconds a round may take (`async_rollout_timeout`); None: no limit
 
 

@@ -206,11 +206,13 @@ def check_async_model(model: nn.Module, args: GRPOConfig, in_process: bool) -> N
         return
     # A checkpointed layer's backward would save and restore torch's generator around its recompute, rewinding the
     # producer's draws; without dropout there is nothing to replay.
+    compat.default_checkpointing_kwarg(args, "use_reentrant", False)  # transformers' default, kept explicit
     compat.default_checkpointing_kwarg(args, "preserve_rng_state", False)
-    active = next((name for name, module in model.named_modules() if isinstance(module, nn.Dropout) and module.p > 0),
-                  None)
+    active = next((name for name, module in model.named_modules()
+                   if (isinstance(module, nn.Dropout) and module.p > 0)
+                   or float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0), None)
     if active is not None:
         raise ValueError(f"async_rollouts={args.async_rollouts} with an in-process backend needs dropout off, but "
                          f"{active} drops with p > 0: the training step would draw random numbers while the producer "
                          "samples, so runs would not be reproducible. Set disable_dropout=True (it also zeroes LoRA's "
-                         "lora_dropout), or sample with vLLM.")
+                         "lora_dropout) and the model config's attention_dropout to 0, or sample with vLLM.")
