@@ -1,4 +1,5 @@
-"""Helpers shared by test modules: tiny models of each decoder family, grouped prompts, greedy settings, and rollout
+"""Helpers shared by test modules: the one trainer builder (`make_trainer`, `make_args` over `TRAINER_DEFAULTS`),
+tiny models of each decoder family and of Qwen2.5-0.5B's layout, grouped prompts, greedy settings, and rollout
 comparisons. Everything is built offline from configs."""
 
 import copy

@@ -19,7 +19,9 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -176,7 +178,8 @@ class RoundBuilder:
         round_ = Round.from_rollout(out, sampled.prompt_images, advantages, loss_mask, self._window_tokens(
             loss_mask if out.env_mask is None else loss_mask * out.env_mask, mode),
             self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
-        return self._correct_for_engine(round_, mode, policy)
+        asynchronous = mode == "train" and self.schedule.rounds_ahead > 0  # sampled ahead (`trainer.producer`)
+        return self.correct_off_policy(round_, mode, policy, asynchronous)
 
     def _log_completions(self, mode: str, sampled: Sampled, all_rewards: Tensor, all_advantages: Tensor) -> None:
         log = self.settings.log_completions
@@ -188,14 +191,27 @@ class RoundBuilder:
                                  gather_object(sampled.completions), all_rewards.cpu(), all_advantages, extra,
                                  images=logged_images)
 
-    def _correct_for_engine(self, round_: Round, mode: str, policy: PolicyView) -> Round:
-        """Decision 3; records the `sampling/*` metrics."""
-        if round_.engine_logps is None or self.engine_correction is None:
+    def correct_off_policy(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False) -> Round:
+        """Decision 3, for a round whose `engine_logps` are the sampler's (an engine's; or, `asynchronous`, the
+        producer's behaviour policy, `trainer.producer`): the trainer's log-probs under `policy`'s weights become the
+        old ones, weighed against the sampler's by `engine_correction` (when set); records the `sampling/*` metrics
+        and, `asynchronous`, the raw importance ratio before truncation."""
+        if round_.engine_logps is None or (self.engine_correction is None and not asynchronous):
             return round_
         with torch.no_grad():
             old = self.score(policy.model, round_.trimmed())
-        old = nn.functional.pad(old, (0, round_.completion_ids.shape[1] - old.shape[1]))
-        round_, values = apply_engine_correction(round_, old, self.engine_correction, self.schedule.on_policy(mode))
+        old = nn.functional.pad(old, (0, round_.completion_ids.shape[1] - old.shape[1]))  # [B, T]
+        if asynchronous:
+            mask = round_.loss_mask.bool()
+            raw = torch.exp(old - round_.engine_logps.nan_to_num())[mask]  # pi_old / pi_behaviour per token
+            empty = raw.numel() == 0  # every process records every key (they are reduced together)
+            self.metrics.add(mode, "async/importance_ratio_raw_mean", math.nan if empty else raw.mean())
+            self.metrics.add_min(mode, "async/importance_ratio_raw_min", math.inf if empty else float(raw.min()))
+            self.metrics.add_max(mode, "async/importance_ratio_raw_max", -math.inf if empty else float(raw.max()))
+        if self.engine_correction is None:
+            return dataclasses.replace(round_, old_logps=old, engine_logps=None)
+        round_, values = apply_engine_correction(round_, old, self.engine_correction,
+                                                 self.schedule.on_policy(mode) and not asynchronous)
         for key, value in values.items():
             self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
         return round_

@@ -26,7 +26,7 @@ TRAINING = textwrap.dedent('''
     import sys
     from transformers import TrainerCallback
     from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
-    from tests.helpers import REPO, make_trainer
+    from tests.helpers import make_trainer
 
     class Announce(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
