@@ -214,23 +214,16 @@ def test_the_producer_thread_ends_with_the_run(tmp_path, tokenizer, toy_dataset)
 def test_unsafe_combinations_are_refused_before_any_model_loads(tmp_path, tokenizer, toy_dataset, monkeypatch):
     from datasets import IterableDataset
 
-    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from grpo_trainer import GRPOConfig
     from grpo_trainer.runtime import models
 
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
 
-    def trainer(dataset=toy_dataset, **overrides):
-        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                          report_to="none", async_rollouts=1, max_steps=2, **overrides)
-        extra = overrides.pop("trainer_kwargs", {}) if "trainer_kwargs" in overrides else {}
-        return GRPOTrainer("unused-model-id", copy_digits_reward, args=args, train_dataset=dataset,
-                           processing_class=tokenizer, **extra)
+    def trainer(dataset=toy_dataset, **settings):
+        return make_trainer(tmp_path, tokenizer, dataset, model="unused-model-id", async_rollouts=1, **settings)
 
     with pytest.raises(ValueError, match="a rollout_func receives the trainer"):
-        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                          report_to="none", async_rollouts=1)
-        GRPOTrainer("unused-model-id", copy_digits_reward, args=args, train_dataset=toy_dataset,
-                    processing_class=tokenizer, rollout_func=lambda prompts, trainer: None)
+        trainer(rollout_func=lambda prompts, trainer: None)
     stream = IterableDataset.from_generator(lambda: iter(toy_dataset))
     with pytest.raises(ValueError, match="a streamed train_dataset cannot be read rounds ahead"):
         trainer(stream)

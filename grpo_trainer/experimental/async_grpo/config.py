@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config.grpo_config import _opt  # GRPOConfig's field helper: a default and the help text
 
 __all__ = ["AsyncGRPOConfig", "REFUSED_UNLESS_DEFAULT"]
 
@@ -19,10 +20,6 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
     "token_budget": (None, "micro-batches hold per_device_train_batch_size completions (see padding_free for "
                            "padding-free forwards)"),
 }
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
