@@ -30,6 +30,7 @@ from grpo_trainer.rollout.capture import Capture
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.types import PromptBatch, Rollout
+from grpo_trainer.runtime import compat
 
 MAX_NEW = 12
 # The repository's root: a subprocess's PYTHONPATH, so that it imports this checkout's `grpo_trainer` and `tests`
@@ -228,8 +229,6 @@ def checkpointing_trainer(output_dir, tokenizer, dataset, model=None, **settings
     """For tests that drive rounds and losses by hand: a trainer (2 prompts x G=4, 8 completion tokens, temperature
     1.3, `model` or the tiny model of seed 2) whose model is in training mode with activation checkpointing on, as
     `Trainer.train` sets it up."""
-    from grpo_trainer.runtime import compat
-
     model = make_tiny_model(tokenizer, seed=2) if model is None else model
     trainer = make_trainer(output_dir, tokenizer, dataset, model=model,
                            **{**TWO_GROUPS_OF_4, "max_completion_length": 8, "temperature": 1.3, **settings})

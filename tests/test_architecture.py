@@ -123,3 +123,10 @@ def test_no_module_imports_itself_through_others():
         if module not in state:
             visit(module, [])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_test_modules_have_unique_names():
+    """Test folders are not packages, so pytest imports each test module by its file name: a second
+    `test_x.py` anywhere under tests/ fails the whole suite's collection ("import file mismatch")."""
+    names = [path.name for path in (PACKAGE.parent / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
