@@ -146,7 +146,8 @@ def test_half_written_checkpoint_is_never_resumed_from(tmp_path, tokenizer, toy_
 
 SIGTERM_SCRIPT = textwrap.dedent('''
     import sys
-        from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
+    from transformers import TrainerCallback
+    from grpo_trainer.cli.toy import copy_digits_dataset, make_tokenizer
     from tests.helpers import make_trainer
 
     class Announce(TrainerCallback):
@@ -166,13 +167,14 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.time() + 240
+    deadline, seen = time.time() + 240, []
     for line in proc.stdout:
+        seen.append(line)
         if line.startswith("STEP 2") or time.time() > deadline:
             proc.send_signal(signal.SIGTERM)
             break
     rest = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, rest[-2000:]
+    assert proc.returncode == 0, ("".join(seen) + rest)[-2000:]
     stopped = int(next(line for line in rest.splitlines() if line.startswith("STOPPED AT")).split()[-1])
     assert 2 <= stopped < 10000
     assert latest_complete(str(tmp_path / "out")) == str(tmp_path / "out" / f"checkpoint-{stopped}")
