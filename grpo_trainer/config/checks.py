@@ -72,6 +72,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,
          f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
          f"{sorted(MULTI_OBJECTIVE_AGGREGATIONS)}."),
+        (args.memory_check not in ("error", "warn", "off"),
+         f"unknown memory_check {args.memory_check!r}; choose 'error', 'warn' or 'off'."),
         (args.vllm_mode not in ("colocate", "server"),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
         (args.vllm_importance_sampling_mode not in IS_MODES,

@@ -64,6 +64,7 @@ from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setu
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import distributed, interrupts, models
+from grpo_trainer.trainer import memory
 from grpo_trainer.trainer.lifecycle import LifecycleMixin
 from grpo_trainer.trainer.loss import LossMixin
 from grpo_trainer.trainer.round import Round
@@ -156,6 +157,7 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
                                        args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
         self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
 
+        memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)
         model = self._build_models(model, args, peft_config, quantization_config)
         if self._multi_turn is not None:
             self._multi_turn.attach_model(eos_token_ids(processing_class, model.generation_config),
