@@ -20,8 +20,9 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"algorithms"},
     "reporting": {"algorithms"},
     "rollout": {"algorithms", "data", "runtime"},
-    "trainer": {"algorithms", "config", "data", "reporting", "rewards", "rollout", "runtime"},
-    "cli": {"algorithms", "config", "data", "reporting", "rewards", "rollout", "runtime", "trainer"},
+    "planning": {"algorithms", "rollout"},
+    "trainer": {"algorithms", "config", "data", "planning", "reporting", "rewards", "rollout", "runtime"},
+    "cli": {"algorithms", "config", "data", "planning", "reporting", "rewards", "rollout", "runtime", "trainer"},
 }
 # Top-level modules: the public API (`__init__`) and the seeds' public path for estimators (`advantage`).
 TOP_LEVEL = {"__init__.py": None, "advantage.py": {"algorithms"}}

@@ -20,8 +20,8 @@ Decisions:
    copied: `LOGITS_CHUNK_BYTES` (through `chunk_rows`), `REPLAY_MAX_BYTES` (through `capture.plan` and
    `capture.replay_buffers`, run on the meta device), `FUSE_MAX_PARAMETERS`.
 2. Within a gradient-accumulation window the first micro-step holds the whole round's replay tensors but no
-   accumulated gradients, a later one the gradients but fewer replay tensors: the loss instants take the larger
-   of the two cases (`_Case`).
+   accumulated gradients, a later one the gradients but fewer replay tensors: each instant's column is the case
+   (`_Case`) whose total is the larger there.
 3. What a CPU process holds beyond its tensors (the interpreter, torch, transformers, tokenizer and dataset) is
    `CPU_RUNTIME_BYTES`, measured on the benchmark machine; on a GPU that memory is host memory and the device
    adds the CUDA context (`CUDA_CONTEXT_BYTES`). Reserved memory (the caching allocator's blocks) is allocated
@@ -114,14 +114,29 @@ class MemoryPlan:
 
 
 def activation_bytes_per_token(settings: PlanSettings, shape: ModelShape) -> int:
-    """Bytes autograd saves per token in one Llama-family decoder layer: the MLP's gate, up, activation and product
-    (4 x I) and the attention's query, repeated keys and values (3 x H x D) and three E-wide linear inputs in the
-    compute dtype; the two RMSNorms' inputs and outputs (4 x E) in the residual stream's dtype (the weights').
-    LoRA with dropout adds each adapted module's dropped input and its mask."""
+    """Bytes autograd saves per token in one Llama-family decoder layer (measured with `saved_tensors_hooks`:
+    tests/planning/test_estimate.py):
+
+    - each RMSNorm's input, and its normalised input where the norm's weight trains (residual dtype);
+    - a linear module's input where it keeps it (`ModelShape.*_kept`): one tensor shared by q/k/v (and one by
+      gate/up) without autocast, a copy per module in the compute dtype under autocast;
+    - the MLP's gate, activation and up (3 x I), and down's input where it keeps it (compute dtype);
+    - the attention's query, keys and values at H heads (3 x H x D) and its log-sum-exp (H, float32);
+    - an adapter with dropout: its float32 dropout mask and its (compute dtype) dropped input, in place of the
+      raw input (`dropout_inputs`)."""
     c, r = settings.compute_bytes, _residual_bytes(settings)
-    E, I, HD = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
-    adapters = shape.adapter_inputs * (c + 1) if settings.adapter_dropout else 0
-    return c * (4 * I + 3 * E + 3 * HD) + r * 4 * E + adapters
+    E, ffn, HD = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
+    autocast = c != r
+
+    def linear_inputs(kept: int) -> int:  # modules reading one norm's output
+        return E * (kept * c if autocast else (r if kept else 0))
+
+    norms = 2 * E * r * (2 if shape.norms_trained else 1)
+    inputs = linear_inputs(shape.attention_inputs_kept) + linear_inputs(shape.mlp_inputs_kept) \
+        + (HD * c if shape.output_input_kept else 0)
+    mlp = (3 + shape.down_input_kept) * ffn * c
+    attention = 3 * HD * c + 4 * shape.heads
+    return norms + inputs + mlp + attention + shape.dropout_inputs * (4 + c)
 
 
 def _residual_bytes(settings: PlanSettings) -> int:
@@ -164,20 +179,25 @@ def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, t
     return rows * tokens * settings.compute_bytes * (3 * I + 4 * E + 3 * HD)
 
 
+def _chunk_rows(settings: PlanSettings, shape: ModelShape) -> int:
+    """Rows of one LM-head chunk (`algorithms.logprobs.chunk_rows`), at most a micro-batch's completion tokens."""
+    return min(chunk_rows(settings.logprob_chunk_size, shape.vocab), settings.micro_batch * settings.completion_length)
+
+
 def _chunk_bytes(settings: PlanSettings, shape: ModelShape) -> int:
-    """One LM-head chunk's float32 logits `[rows, V]` (`algorithms.logprobs.chunk_rows`)."""
-    return chunk_rows(settings.logprob_chunk_size, shape.vocab) * shape.vocab * 4
+    """One LM-head chunk's float32 logits `[rows, V]`."""
+    return _chunk_rows(settings, shape) * shape.vocab * 4
 
 
 def _replay_bytes(settings: PlanSettings, shape: ModelShape) -> tuple[int, int]:
     """Bytes of the round's replay tensors (layer outputs, softmax) as `rollout.capture` sizes them: its own `plan`
     and `replay_buffers`, run on the meta device. Only the fast backend keeps them: its decoder both kinds, its
     model-forward tier (non-Llama architectures) the softmax only."""
-    if settings.rollout != "fast":
+    if settings.rollout not in ("fast", "forward"):
         return 0, 0
     wanted = capture.plan(training=True, on_policy=settings.on_policy,
                           plain_single_process=settings.plain_single_process, checkpointing=settings.checkpointing)
-    if shape.model_type not in ARCHITECTURES:
+    if settings.rollout == "forward" or shape.model_type not in ARCHITECTURES:
         wanted = capture.Capture(layer_outputs=False, probs=wanted.probs, max_bytes=wanted.max_bytes)
     outputs, probs = capture.replay_buffers(
         wanted, rows=settings.round_rows, prompt_length=settings.prompt_length,
@@ -252,53 +272,84 @@ def _persistent(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
         b.everywhere("DDP gradient buckets", trainable * element, "a flat copy of every gradient")
 
 
-def _gradients(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case) -> None:
+def _gradient_sizes(b: _Builder, s: PlanSettings, m: ModelShape) -> tuple[int, int]:
+    """(every gradient, the LM head's) per process; DeepSpeed's reduce bucket beside them."""
     element = _grad_element_bytes(s, m)
-    full = m.trainable * element / (s.processes if s.shards_gradients else 1)
-    head = 0 if m.adapter_parameters else m.head_parameters * element  # the LM head's, written first
-    loss = full if case.accumulated else 0
-    rollout = full if _cases(s)[0].accumulated else 0
-    at = {_R: rollout, _S: rollout, _F: loss, _BS: max(loss, head), _BE: full, _O: full}
-    b.add("gradients", at, f"{m.trainable / 1e6:.1f}M x {element} B" + (
-        f", 1/{s.processes} (sharded)" if s.shards_gradients and s.processes > 1 else ""))
+    shards = s.processes if s.shards_gradients else 1
+    full = m.trainable * element / shards
+    head = 0 if m.adapter_parameters else m.head_parameters * element / shards  # the LM head's: written first
     if s.zero_stage in (1, 2) and s.processes > 1:
         bucket = min(s.zero_reduce_bucket, m.trainable) * element
         b.add("DeepSpeed reduce bucket", {_BS: bucket, _BE: bucket, _O: bucket}, "reduce_bucket_size elements")
+    return int(full), int(head)
 
 
-def _activations(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
+def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
+    """(tensors the loss forward leaves for the backward, one layer's recomputation, a note)."""
     rows, N, r = s.micro_batch, s.sequence_length, _residual_bytes(s)
     ends = rows * N * m.hidden * r * 2  # the embedding's output and the final norm's
     if s.checkpointing:
         saved = rows * N * m.hidden * r * m.layers + ends
-        note = f"each layer's input, {rows} rows x {N} tokens (checkpointing)"
-        recompute = _layer_bytes(s, m, rows)
-    else:
-        saved = m.layers * _layer_bytes(s, m, rows) + ends
-        note = f"{activation_bytes_per_token(s, m)} B per token and layer, {rows} rows x {N} tokens"
-        recompute = 0
-    b.add("activations", {_F: saved, _BS: saved}, note)
-    grad_hidden = 2 * rows * N * m.hidden * r
-    b.add("layer recomputation", {_BS: recompute, _BE: recompute + grad_hidden},
-          "one layer's saved tensors, rebuilt in the backward" if recompute else "the hidden state's gradient")
+        return saved, _layer_bytes(s, m, rows), f"each layer's input, {rows} rows x {N} tokens (checkpointing)"
+    saved = m.layers * _layer_bytes(s, m, rows) + ends
+    return saved, 0, f"{activation_bytes_per_token(s, m)} B per token and layer, {rows} rows x {N} tokens"
 
 
-def _head(b: _Builder, s: PlanSettings, m: ModelShape, replay_probs: int) -> None:
-    """LM-head chunks: float32 logits of `chunk_rows` rows at a time (`algorithms.logprobs`)."""
+def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int, int, int]:
+    """LM-head buffers (`algorithms.logprobs`): float32 logits of `chunk_rows` rows at a time in the loss forward,
+    in its backward, and in a gradient-free scoring forward."""
     chunk = _chunk_bytes(s, m)
-    plain = not s.shards_weights  # ZeRO-3 / FSDP heads go through the checkpointed per-chunk path
-    known = s.on_policy and s.temperature_matches and s.rollout == "fast"
+    plain = not s.shards_weights  # a ZeRO-3 / FSDP head goes through the checkpointed per-chunk path
+    known = s.on_policy and s.temperature_matches and s.rollout in ("fast", "forward")
     forward = 0 if plain and known else (2 if plain else 3) * chunk
     if not plain:
         backward = 5 * chunk
     elif replay_probs and not s.entropy_gradient:
-        backward = 0 if s.weight_bytes == 4 else chunk // 4 * s.weight_bytes  # the kept softmax, cast to the head
+        backward = 0 if s.weight_bytes == 4 else chunk // 4 * s.weight_bytes  # the kept softmax cast to the head's
     else:
         backward = (3 if s.entropy_gradient else 1) * chunk
-    rows = chunk_rows(s.logprob_chunk_size, m.vocab)
-    b.add("log-prob chunks", {_F: forward, _BS: backward}, f"{rows} rows x V={m.vocab} float32 per chunk")
-    scoring = (1 if plain else 3) * chunk
-    b.add("scoring chunks", {_S: scoring}, "reference / old log-probs, no gradients")
+    return forward, backward, (1 if plain else 3) * chunk
+
+
+def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: tuple[int, int]) -> None:
+    """The loss forward and the backward's two peaks. Backward start: the LM head's backward (its chunks, the
+    current micro-batch's kept softmax), or the last layer's recomputation after it, whichever is larger. Backward
+    end: the input embedding's backward (a tied embedding's own V x E gradient before it joins the head's), or the
+    first layer's recomputation before it. The trainer drops the micro-batch (`del inputs`) before the backward,
+    so its kept layer outputs are gone by then; the softmax lives until the head's backward has used it."""
+    full, head_grad = _gradient_sizes(b, s, m)
+    saved, recompute, note = _saved_activations(s, m)
+    forward_chunks, backward_chunks, _ = _head_chunks(s, m, replay[1])
+    outputs, probs = replay
+    current = 1 / s.steps_per_generation  # this micro-batch's share of the round
+    others = max(0.0, case.replay_left - current)
+    grads = max(full * case.accumulated, head_grad)
+    head_moment = backward_chunks + probs * current
+    bs_head = head_moment >= recompute
+    tied = m.head_parameters * _grad_element_bytes(s, m) / (s.processes if s.shards_gradients else 1) \
+        if m.tied_head and not m.adapter_parameters else 0
+    be_embedding = tied >= recompute
+    grad_hidden = 2 * s.micro_batch * s.sequence_length * m.hidden * _residual_bytes(s)
+    mid_window = _cases(s)[0].accumulated
+    element = _grad_element_bytes(s, m)
+    b.add("gradients", {_R: full * mid_window, _S: full * mid_window, _F: full * case.accumulated, _BS: grads,
+                        _BE: full, _O: full},
+          f"{m.trainable / 1e6:.1f}M x {element} B" + (f", 1/{s.processes} (sharded)" if s.shards_gradients
+                                                        and s.processes > 1 else "") + "; the LM head's first")
+    b.add("activations", {_F: saved, _BS: saved}, note)
+    b.add("log-prob chunks", {_F: forward_chunks, _BS: backward_chunks * bs_head},
+          f"{_chunk_rows(s, m)} rows x V={m.vocab} float32 per chunk")
+    b.add("layer recomputation", {_BS: recompute * (not bs_head), _BE: recompute * (not be_embedding)},
+          "one layer's saved tensors, rebuilt in the backward")
+    b.add("tied embedding gradient", {_BE: tied * be_embedding}, "the input embedding's own V x E gradient")
+    b.add("hidden-state gradients", {_BS: grad_hidden, _BE: grad_hidden}, "flowing between layers")
+    total = outputs + probs
+    if total:
+        b.add("replay tensors", {_R: total, _S: total * (2 if s.steps_per_generation > 1 else 1),
+                                 _F: total * case.replay_left, _BS: total * others + probs * current * bs_head,
+                                 _BE: total * others},
+              f"layer outputs {outputs / 2**20:.0f} MiB + softmax {probs / 2**20:.0f} MiB of the round "
+              f"(REPLAY_MAX_BYTES); Round.split copies them while the round is held")
 
 
 def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
@@ -342,16 +393,6 @@ def _vllm(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     b.everywhere("vLLM engine (CPU)", engine, "its bfloat16 weights and VLLM_CPU_KVCACHE_SPACE")
 
 
-def _replay(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, outputs: int, probs: int) -> None:
-    total = outputs + probs
-    if not total:
-        return
-    copies = 2 if s.steps_per_generation > 1 else 1  # Round.split copies rows while the round is still held
-    left = total * case.replay_left
-    b.add("replay tensors", {_R: total, _S: total * copies, _F: left, _BS: left, _BE: left},
-          f"layer outputs {outputs / 2**20:.0f} MiB + softmax {probs / 2**20:.0f} MiB (REPLAY_MAX_BYTES)")
-
-
 def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length)},
           "one layer at a time, no gradients")
@@ -382,16 +423,18 @@ def _instants(s: PlanSettings) -> tuple[bool, ...]:
     return tuple(k != _S or scoring for k in range(len(INSTANTS)))
 
 
+def _scoring_chunks(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
+    b.add("scoring chunks", {_S: _head_chunks(s, m, 0)[2]}, "reference / old log-probs, no gradients")
+
+
 def _build(s: PlanSettings, m: ModelShape, case: _Case, replay: tuple[int, int]) -> tuple[Item, ...]:
     b = _Builder()
     _persistent(b, s, m)
-    _gradients(b, s, m, case)
     _rollout(b, s, m)
-    _replay(b, s, m, case, *replay)
     _round(b, s)
     _scoring(b, s, m)
-    _head(b, s, m, replay[1])
-    _activations(b, s, m)
+    _scoring_chunks(b, s, m)
+    _backward(b, s, m, case, replay)
     _sharded_working_set(b, s, m)
     _optimizer_step(b, s, m)
     return tuple(b.items)
@@ -401,16 +444,31 @@ def plan_memory(settings: PlanSettings, shape: ModelShape) -> MemoryPlan:
     """The itemised memory of one process of this run, at the micro-step case that peaks (decision 2)."""
     replay = _replay_bytes(settings, shape)
     occurs = _instants(settings)
-    candidates = [MemoryPlan(settings, shape, _build(settings, shape, case, replay), occurs)
-                  for case in _cases(settings)]
-    plan = max(candidates, key=lambda p: max(p.totals()))
+    candidates = [_build(settings, shape, case, replay) for case in _cases(settings)]
+    items = _worst_per_instant(candidates, occurs)
     notes = []
     if settings.mixed_precision and replay[0]:
         notes.append("the rollout keeps layer outputs for replay, which autocast then does not use (replay runs "
                      "without autocast only)")
     if settings.rollout == "vllm_colocate" and settings.device == "cuda":
         notes.extend(_vllm_notes(settings, shape))
-    return MemoryPlan(settings, shape, plan.items, occurs, tuple(notes))
+    return MemoryPlan(settings, shape, items, occurs, tuple(notes))
+
+
+def _worst_per_instant(candidates: list[tuple[Item, ...]], occurs: tuple[bool, ...]) -> tuple[Item, ...]:
+    """One column per instant, each from the case whose total is largest there (decision 2)."""
+    names = list(dict.fromkeys(i.name for items in candidates for i in items))
+    by_name = [{i.name: i for i in items} for items in candidates]
+    worst = [max(range(len(candidates)), key=lambda c: sum(i.bytes[k] for i in candidates[c]))
+             for k in range(len(INSTANTS))]
+    merged = []
+    for name in names:
+        first = next(items[name] for items in by_name if name in items)
+        values = tuple(by_name[worst[k]][name].bytes[k] if name in by_name[worst[k]] else 0
+                       for k in range(len(INSTANTS)))
+        if any(values):
+            merged.append(Item(name, values, first.note, first.host))
+    return tuple(merged)
 
 
 def _vllm_notes(s: PlanSettings, m: ModelShape) -> list[str]:

@@ -61,7 +61,7 @@ def fitting(settings: PlanSettings, shape: ModelShape, device: DeviceMemory, spl
                 break
     if lora_shape is not None and not shape.adapter_parameters:
         for candidate in [settings, *_candidates(settings, split_exact)]:
-            plan = plan_memory(dataclasses.replace(candidate, adapter_dropout=True), lora_shape)
+            plan = plan_memory(candidate, lora_shape)
             if plan.device_bytes <= device.total_bytes:
                 found.append(Fit({"use_peft": True, **_changes(settings, candidate)}, plan, same_objective=False))
                 break

@@ -11,7 +11,7 @@ from grpo_trainer.planning.estimate import INSTANTS, MemoryPlan
 from grpo_trainer.planning.fit import Fit
 from grpo_trainer.planning.settings import DeviceMemory
 
-__all__ = ["format_plan", "over_budget_message", "verdict"]
+__all__ = ["fit_advice", "format_plan", "over_budget_message", "verdict"]
 
 _NAME_WIDTH, _COLUMN_WIDTH = 34, 10
 _HEADERS = ("rollout", "scoring", "loss fwd", "bwd start", "bwd end", "opt step")
@@ -69,8 +69,8 @@ def verdict(plan: MemoryPlan, device: DeviceMemory) -> str:
     return f"verdict: {state}: needs {_size(need)} of {_size(have)} ({device.source}), {need / max(have, 1):.0%}"
 
 
-def over_budget_message(plan: MemoryPlan, device: DeviceMemory, fits: list[Fit], global_batch: int) -> str:
-    """The error a run gets before its weights are loaded when its plan exceeds the device."""
+def fit_advice(plan: MemoryPlan, device: DeviceMemory, fits: list[Fit], global_batch: int) -> str:
+    """Why the plan does not fit (its largest items at the peak) and the settings that do."""
     peak = INSTANTS.index(plan.peak_instant)
     largest = sorted(plan.items, key=lambda i: -i.bytes[peak])[:5]
     lines = [f"This run needs about {_size(plan.device_bytes)} per process and {device.device} has "
@@ -90,6 +90,11 @@ def over_budget_message(plan: MemoryPlan, device: DeviceMemory, fits: list[Fit],
               f"({_size(f.plan.device_bytes)}; e.g. --use_peft --lora_r 16)" for f in fits if not f.same_objective]
     lines.append("Other ways: more processes with DeepSpeed ZeRO-3 or FSDP (docs/DISTRIBUTED.md), a shorter "
                  "max_completion_length, an 8-bit optimizer (optim='adamw_8bit'). memory_check='warn' trains anyway "
-                 "(docs/MEMORY.md); the full table: grpo-train plan with the same arguments.")
-    lines.append(format_plan(plan, device))
+                 "(docs/MEMORY.md); `grpo-train plan` with the same arguments prints this plan.")
     return "\n".join(lines)
+
+
+def over_budget_message(plan: MemoryPlan, device: DeviceMemory, fits: list[Fit], global_batch: int) -> str:
+    """The error a run gets before its weights are loaded when its plan exceeds the device: the advice, then the
+    itemised table."""
+    return fit_advice(plan, device, fits, global_batch) + "\n" + format_plan(plan, device)

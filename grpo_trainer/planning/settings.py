@@ -37,8 +37,15 @@ class ModelShape:
     linear_parameters: int  # the decoder layers' nn.Linear weights (what 4-bit and 8-bit quantisation pack)
     largest_parameter: int  # elements of the largest parameter tensor
     adapter_parameters: int = 0  # trainable adapter (LoRA) parameters; 0 without an adapter
-    adapter_inputs: int = 0  # per token and layer: input features of the adapted modules (their dropout copies)
+    dropout_inputs: int = 0  # per layer: input features of the adapted modules with dropout (their dropped copies)
     factored_state: int = 0  # trainable matrices' rows + columns, plus trainable vectors' elements (Adafactor)
+    # Which of a Llama-family layer's linear modules keep their input for the backward (trained, or adapted without
+    # dropout), and whether its norms' weights train: what autograd saves (`estimate.activation_bytes_per_token`).
+    attention_inputs_kept: int = 3  # of q/k/v (1 for a fused qkv projection)
+    output_input_kept: bool = True  # o_proj
+    mlp_inputs_kept: int = 2  # of gate/up (1 for a fused gate|up projection)
+    down_input_kept: bool = True  # down_proj
+    norms_trained: bool = True
 
     @property
     def trainable(self) -> int:
@@ -71,7 +78,6 @@ class PlanSettings:
     checkpointing: bool = True  # activation checkpointing
     beta: float = 0.0
     quantization: str | None = None  # "4bit" / "8bit" (bitsandbytes, QLoRA) or None
-    adapter_dropout: bool = False  # LoRA dropout > 0: each adapted module keeps a dropped copy of its input
     optimizer: str = "adamw_torch_fused"  # TrainingArguments.optim
     sgd_momentum: float = 0.0
     max_grad_norm: float = 1.0

@@ -31,23 +31,17 @@ def model_shape(config: Any, adapter_config: Any = None, trust_remote_code: bool
 def shape_of(model: nn.Module, text_config: Any, adapter_config: Any = None) -> ModelShape:
     """The `ModelShape` of an instantiated model (meta or real); `adapter_config` is applied to a meta copy only.
     An already wrapped PEFT model counts its own trainable parameters as the adapter."""
-    base_parameters = {id(p): p for n, p in model.named_parameters() if not _is_adapter(n)}
+    base_parameters = {id(p): p for n, p in model.named_parameters() if not _is_adapter("." + n)}
     layers = _decoder_layers(model)
     layer_parameters = sum(p.numel() for n, p in layers[0].named_parameters() if not _is_adapter("." + n)) \
         if layers else 0
     linear = sum(m.weight.numel() for layer in layers for n, m in layer.named_modules()
                  if isinstance(m, nn.Linear) and not _is_adapter("." + n))
-    adapter_parameters = adapter_inputs = 0
-    trainable = list(base_parameters.values())
-    if _is_peft(model):
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        adapter_parameters = sum(p.numel() for p in trainable)
-        adapter_inputs = _adapted_inputs_per_layer(model)
-    elif adapter_config is not None:
-        wrapped = _with_adapter(model, adapter_config)
-        trainable = [p for p in wrapped.parameters() if p.requires_grad]
-        adapter_parameters = sum(p.numel() for p in trainable)
-        adapter_inputs = _adapted_inputs_per_layer(wrapped)
+    trained = model
+    if not _is_peft(model) and adapter_config is not None:
+        trained = _with_adapter(model, adapter_config)
+    adapted = trained is not model or _is_peft(model)
+    trainable = [p for p in trained.parameters() if p.requires_grad] if adapted else list(base_parameters.values())
     heads = text_config.num_attention_heads
     return ModelShape(
         model_type=getattr(text_config, "model_type", "unknown"),
@@ -63,10 +57,44 @@ def shape_of(model: nn.Module, text_config: Any, adapter_config: Any = None) -> 
         layer_parameters=layer_parameters,
         linear_parameters=linear,
         largest_parameter=max(p.numel() for p in base_parameters.values()),
-        adapter_parameters=adapter_parameters,
-        adapter_inputs=adapter_inputs,
+        adapter_parameters=sum(p.numel() for p in trainable) if adapted else 0,
         factored_state=sum(sum(p.shape) if p.dim() == 2 else p.numel() for p in trainable),
+        **_kept_inputs(_decoder_layers(trained)[0] if layers else None),
     )
+
+
+# A Llama-family layer's linear modules by role (fused projections count once: one input, one copy)
+_ROLES = {"attention": ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"), "output": ("o_proj",),
+          "mlp": ("gate_proj", "up_proj", "gate_up_proj"), "down": ("down_proj",)}
+
+
+def _kept_inputs(layer: nn.Module | None) -> dict:
+    """Which linear modules of `layer` keep their input for the backward: a trained weight, or an adapter without
+    dropout (with dropout the adapter keeps its dropped copy, counted in `dropout_inputs`); and whether the norms
+    train. Layers without Llama-family module names keep the defaults (everything trained)."""
+    if layer is None:
+        return {}
+    roles = {role: [] for role in _ROLES}
+    dropout_inputs, norms_trained = 0, False
+    for name, module in layer.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        role = next((r for r, names in _ROLES.items() if leaf in names), None)
+        if "norm" in leaf and any(p.requires_grad for p in module.parameters(recurse=False)):
+            norms_trained = True
+        if role is None:
+            continue
+        adapters = getattr(module, "lora_A", None)
+        dropout = [d for d in getattr(module, "lora_dropout", {}).values() if not isinstance(d, nn.Identity)]
+        base = getattr(module, "base_layer", module)
+        trained = any(p.requires_grad for p in base.parameters(recurse=False))
+        if adapters and dropout:
+            dropout_inputs += base.in_features
+        roles[role].append(trained or bool(adapters) and not dropout)
+    if not any(roles.values()):
+        return {}
+    return {"attention_inputs_kept": sum(roles["attention"]), "output_input_kept": any(roles["output"]),
+            "mlp_inputs_kept": sum(roles["mlp"]), "down_input_kept": any(roles["down"]),
+            "norms_trained": norms_trained, "dropout_inputs": dropout_inputs}
 
 
 def _text_config(config: Any) -> Any:
@@ -118,13 +146,3 @@ def _with_adapter(model: nn.Module, adapter_config: Any) -> nn.Module:
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return get_peft_model(meta, copy.deepcopy(adapter_config))
-
-
-def _adapted_inputs_per_layer(model: nn.Module) -> int:
-    """Input features summed over the adapted modules of one decoder layer (LoRA's dropout keeps a copy of each
-    input per token)."""
-    layers = _decoder_layers(model)
-    if not layers:
-        return 0
-    return sum(m.in_features for m in layers[0].modules() if hasattr(m, "lora_A") and hasattr(m, "in_features")
-               and len(getattr(m, "lora_A", {})))

@@ -110,7 +110,7 @@ def _sgd_momentum(args: GRPOConfig) -> float:
 
 
 def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "float32",
-                  quantization: str | None = None, adapter_dropout: bool = False, device: str = "cpu",
+                  quantization: str | None = None, device: str = "cpu",
                   device_total_bytes: int = 0) -> planning.PlanSettings:
     """The planner's settings for `args` on `device` (decision 1)."""
     mixed = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
@@ -122,7 +122,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         completion_length=args.max_completion_length, weight_dtype=weight_dtype,
         mixed_precision=mixed if mixed != weight_dtype else None,
         checkpointing=bool(args.gradient_checkpointing), beta=args.beta, quantization=quantization,
-        adapter_dropout=adapter_dropout, optimizer=str(getattr(args.optim, "value", args.optim)),
+        optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
         logprob_chunk_size=args.logprob_chunk_size,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
@@ -201,11 +201,10 @@ def plan_run(model: str | nn.Module, args: GRPOConfig, train_dataset: Any = None
     total = 0
     if device == "cuda" and torch.cuda.is_available():
         total = torch.cuda.mem_get_info()[1]
-    dropout = float(getattr(peft_config, "lora_dropout", 0.0) or 0.0) > 0
     settings = plan_settings(args, prompt_length=prompt_length(args, train_dataset, processing_class),
                              weight_dtype=_weight_dtype(model, config, args),
                              quantization=_quantization(model, args, quantization_config),
-                             adapter_dropout=dropout, device=device, device_total_bytes=total)
+                             device=device, device_total_bytes=total)
     return RunPlan(planning.plan_memory(settings, shape), settings, shape, budget)
 
 
