@@ -88,8 +88,8 @@ def vm(key: str) -> float:
     return 0.0
 
 
-def build_args(config: Config, output_dir: str, **overrides):
-    """Our GRPOConfig for `config` (also what the GPU script trains with, on cuda in bf16)."""
+def build_args(config: Config, output_dir: str, device: str = "cpu", **overrides):
+    """Our GRPOConfig for `config` on `device` (the GPU script trains with it on cuda)."""
     from grpo_trainer import GRPOConfig
 
     settings = dict(output_dir=output_dir, per_device_train_batch_size=config.micro_batch,
@@ -98,8 +98,8 @@ def build_args(config: Config, output_dir: str, **overrides):
                     bf16=config.bf16, max_steps=config.steps, logging_steps=1, report_to="none", save_strategy="no",
                     disable_tqdm=True, seed=0, dataloader_num_workers=0, temperature=1.0,
                     generation_backend=config.generation_backend)
-    if config.bf16:
-        settings["use_cpu"] = True
+    if config.bf16 and device == "cpu":
+        settings["use_cpu"] = True  # TrainingArguments refuses bf16 on a machine without a GPU otherwise
     if config.zero:
         settings["ddp_backend"] = "gloo"
     settings.update(overrides)
