@@ -249,32 +249,22 @@ def _env() -> dict:
 
 
 def predict(config: Config, model_dir: str) -> float:
-    """The planner's peak (MiB) for `config`, computed in this process from the model's config (no weights)."""
+    """The planner's peak (MiB) for `config`, computed in this process from the model's config (no weights); a
+    ZeRO launch's processes as `--processes 2 --zero_stage N` of `grpo-train plan` would give them (each process of
+    the launch makes its own plan from the environment `accelerate launch` sets)."""
     from transformers import AutoTokenizer
 
     from grpo_trainer.cli.toy import copy_digits_dataset
+    from grpo_trainer.planning import plan_memory
     from grpo_trainer.trainer import memory
 
-    env = {"WORLD_SIZE": str(config.processes), "LOCAL_WORLD_SIZE": str(config.processes)}
-    if config.zero:
-        env.update({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE":
-                    str(ROOT / f"accelerate_configs/cpu/deepspeed_zero{config.zero}.json")})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with tempfile.TemporaryDirectory() as output_dir:
-            args = build_args(config, output_dir)
-            args_world = max(config.processes, 1)
-            run = memory.plan_run(model_dir, args, copy_digits_dataset(num_prompts=64, seed=0),
-                                  AutoTokenizer.from_pretrained(model_dir), peft_config(config), with_device=False)
-            assert run.settings.processes == args_world or config.zero == 0, run.settings
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return run.plan.peak_bytes / 2**20
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = build_args(config, output_dir, ddp_backend=None)
+        run = memory.plan_run(model_dir, args, copy_digits_dataset(num_prompts=64, seed=0),
+                              AutoTokenizer.from_pretrained(model_dir), peft_config(config), with_device=False)
+    settings = replace(run.settings, processes=config.processes, processes_per_node=config.processes,
+                       zero_stage=config.zero)
+    return plan_memory(settings, run.shape).peak_bytes / 2**20
 
 
 def run_config(config: Config, model_dir: str, phases: bool, timeout: int) -> dict:

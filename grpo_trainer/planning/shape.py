@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -108,9 +109,24 @@ def _meta_model(config: Any, trust_remote_code: bool) -> nn.Module:
 
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
         else AutoModelForCausalLM
-    with torch.device("meta"), warnings.catch_warnings():
+    with torch.device("meta"), warnings.catch_warnings(), _no_zero3_init():
         warnings.simplefilter("ignore")
         return auto.from_config(config, trust_remote_code=trust_remote_code)
+
+
+@contextlib.contextmanager
+def _no_zero3_init() -> Iterator[None]:
+    """Under a ZeRO-3 launch transformers builds every model inside `deepspeed.zero.Init`, which partitions (copies)
+    its parameters: impossible for meta tensors. Its switch is the global DeepSpeed config it holds (private API:
+    `transformers.integrations.deepspeed`), cleared here while the meta model is built."""
+    from transformers.integrations import deepspeed
+
+    saved = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -143,6 +159,6 @@ def _with_adapter(model: nn.Module, adapter_config: Any) -> nn.Module:
     from peft import get_peft_model
 
     meta = model if next(model.parameters()).is_meta else copy.deepcopy(model).to("meta")
-    with torch.device("meta"), warnings.catch_warnings():
+    with torch.device("meta"), warnings.catch_warnings(), _no_zero3_init():
         warnings.simplefilter("ignore")
         return get_peft_model(meta, copy.deepcopy(adapter_config))

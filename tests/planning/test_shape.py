@@ -55,3 +55,17 @@ def test_a_7b_config_is_planned_in_a_second_without_memory():
     shape = model_shape(big)
     assert time.perf_counter() - started < 5
     assert shape.parameters == 7_615_616_512  # Qwen2.5-7B's published count
+
+
+def test_a_zero3_launch_does_not_partition_the_meta_model(tmp_path):
+    """Under ZeRO-3 transformers builds models inside deepspeed.zero.Init, which cannot copy meta tensors."""
+    pytest.importorskip("deepspeed")
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    expected = sum(p.numel() for p in real_model().parameters())
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    assert model_shape(CONFIG).parameters == expected
+    assert is_deepspeed_zero3_enabled()  # restored
+    del config
