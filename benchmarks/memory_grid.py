@@ -285,8 +285,9 @@ def run_config(config: Config, model_dir: str, phases: bool, timeout: int) -> di
         wall = time.perf_counter() - started
         results = [json.loads(p.read_text()) for p in sorted(Path(scratch).glob("rank*.json"))]
         if proc.returncode != 0 or len(results) != config.processes:
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
             return {"config": asdict(config), "failed": True, "returncode": proc.returncode,
-                    "stderr_tail": proc.stderr[-4000:]}
+                    "errors": errors[-20:], "stderr_tail": proc.stderr[-4000:]}
     worst = max(results, key=lambda r: r["peak_rss_mib"])
     worst["ranks_peak_rss_mib"] = [r["peak_rss_mib"] for r in results]
     worst["wall_seconds"] = wall

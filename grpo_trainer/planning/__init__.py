@@ -19,5 +19,5 @@ from grpo_trainer.planning.shape import model_shape, shape_of
 
 __all__ = ["DEVICE_MEMORY_ENV", "DTYPE_BYTES", "INSTANTS", "OPTIMIZERS", "SPLIT_EXACT", "DeviceMemory", "Fit", "Item",
            "MemoryPlan", "ModelShape", "PlanSettings", "activation_bytes_per_token", "device_memory", "fit_advice",
-           "fitting", "format_plan", "model_shape", "optimizer_memory", "over_budget_message", "parse_size", "plan_memory",
-           "shape_of", "split_is_exact", "verdict"]
+           "fitting", "format_plan", "model_shape", "optimizer_memory", "over_budget_message", "parse_size",
+           "plan_memory", "shape_of", "split_is_exact", "verdict"]

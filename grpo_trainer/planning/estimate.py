@@ -31,20 +31,19 @@ Decisions:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from grpo_trainer.algorithms.logprobs import chunk_rows
 from grpo_trainer.planning.optimizers import optimizer_memory
-from grpo_trainer.planning.settings import DTYPE_BYTES, ModelShape, PlanSettings
+from grpo_trainer.planning.settings import ModelShape, PlanSettings
 from grpo_trainer.rollout import capture
 from grpo_trainer.rollout.fast.decoder import FUSE_MAX_PARAMETERS
 from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 
-__all__ = ["CPU_ALLOCATOR_OVERHEAD", "CPU_RUNTIME_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_RESERVED_RATIO", "INSTANTS", "Item", "MemoryPlan",
-           "activation_bytes_per_token", "plan_memory"]
+__all__ = ["CPU_ALLOCATOR_OVERHEAD", "CPU_RUNTIME_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_RESERVED_RATIO", "INSTANTS",
+           "Item", "MemoryPlan", "activation_bytes_per_token", "plan_memory"]
 
 INSTANTS = ("rollout", "scoring", "loss forward", "backward start", "backward end", "optimizer step")
 _R, _S, _F, _BS, _BE, _O = range(len(INSTANTS))
@@ -55,7 +54,7 @@ CPU_RUNTIME_BYTES = 560 * 2**20  # the process before its first tensor: benchmar
 CPU_ALLOCATOR_OVERHEAD = 0.10
 CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and kernels, outside torch's allocator
 CUDA_RESERVED_RATIO = 1.1  # reserved / allocated at the peak (caching-allocator blocks); see docs/MEMORY.md
-_RUNTIME = "runtime (interpreter, libraries, tokenizer)"
+_RUNTIME = "runtime (process, libraries)"
 _QUANTIZED_BYTES = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}  # per packed weight: the bits plus a float32 scale per block
 
 
@@ -180,8 +179,8 @@ def _kv_bytes(settings: PlanSettings, shape: ModelShape, rows: int, element_byte
 
 def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, tokens: int) -> int:
     """A gradient-free forward's transient per layer (gate, up, their product, the attention's q/k/v/out)."""
-    E, I, HD = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
-    return rows * tokens * settings.compute_bytes * (3 * I + 4 * E + 3 * HD)
+    E, ffn, HD = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
+    return rows * tokens * settings.compute_bytes * (3 * ffn + 4 * E + 3 * HD)
 
 
 def _chunk_rows(settings: PlanSettings, shape: ModelShape) -> int:
@@ -494,8 +493,3 @@ def _vllm_notes(s: PlanSettings, m: ModelShape) -> list[str]:
         return [f"vLLM's KV cache holds {room // per_token:,} tokens, the round wants {wanted:,} at once: it will "
                 f"queue rows (slower, not out of memory)"]
     return [f"vLLM's KV cache holds {room // per_token:,} tokens; the round needs {wanted:,}"]
-
-
-def gib(size: float) -> str:
-    """`size` bytes in GiB with 2 decimals."""
-    return f"{size / 2**30:.2f} GiB" if size == size and not math.isinf(size) else "?"

@@ -34,8 +34,8 @@ from grpo_trainer.config.checks import check_config
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, models
 
-__all__ = ["MemoryPlanError", "ASSUMED_PROMPT_TOKENS", "PROMPT_SAMPLE", "RunPlan", "apply_fit", "check_memory", "plan_run", "plan_settings",
-           "prompt_length"]
+__all__ = ["ASSUMED_PROMPT_TOKENS", "PROMPT_SAMPLE", "MemoryPlanError", "RunPlan", "apply_fit", "check_memory",
+           "plan_run", "plan_settings", "prompt_length"]
 
 logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")
 

@@ -13,6 +13,7 @@ from grpo_trainer.planning.estimate import CPU_RUNTIME_BYTES
 from grpo_trainer.rollout.capture import REPLAY_MAX_BYTES
 from tests.planning.shapes import SETTINGS, SHAPE
 
+
 def item(plan, name):
     found = [i for i in plan.items if i.name == name]
     assert found, f"no item {name!r} in {[i.name for i in plan.items]}"
@@ -23,7 +24,7 @@ def test_persistent_items_are_products_of_parameters_and_dtypes():
     plan = plan_memory(SETTINGS, SHAPE)
     assert item(plan, "weights")["rollout"] == 200_000 * 4  # float32
     assert item(plan, "optimizer state")["rollout"] == 2 * 200_000 * 4  # AdamW: two moments in float32
-    assert item(plan, "runtime (interpreter, libraries, tokenizer)")["optimizer step"] == CPU_RUNTIME_BYTES
+    assert item(plan, "runtime (process, libraries)")["optimizer step"] == CPU_RUNTIME_BYTES
     assert item(plan, "gradients")["optimizer step"] == 200_000 * 4
     # before any layer's gradient, the head's V x E = 64,000 of them
     assert item(plan, "gradients")["backward start"] == 1000 * 64 * 4
@@ -142,7 +143,7 @@ def _saved_per_token_layer(make, autocast: bool, rows: int = 2, tokens: int = 24
         mask[0, :3] = 0  # left padding: the mask is materialised, as in GRPO's rounds
         storages = {}
 
-        def pack(t):
+        def pack(t, storages=storages):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
