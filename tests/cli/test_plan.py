@@ -40,10 +40,10 @@ def test_plan_from_a_config_directory(config_dir, capsys, monkeypatch):
                  "total (resident memory)", "verdict: fits"):
         assert text in out.out
     # the prompt length: the longest of the dataset's first prompts, tokenised as the rollout does
+    from transformers import AutoTokenizer
+
     from grpo_trainer.cli.toy import copy_digits_dataset
     from grpo_trainer.rollout.prompts import tokenize_prompts
-
-    from transformers import AutoTokenizer
 
     rows = copy_digits_dataset(num_prompts=512).select(range(256))
     saved = AutoTokenizer.from_pretrained(config_dir)  # what the trainer loads for a model given by path
