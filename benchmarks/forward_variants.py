@@ -27,8 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_trl import MODEL_SIZES  # noqa: E402
 
-from grpo_trainer.algorithms.logprobs import _HeadLogProbs, completion_logprobs  # noqa: E402
 from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer  # noqa: E402
+from grpo_trainer.modeling.logprobs import _HeadLogProbs, completion_logprobs  # noqa: E402
 from grpo_trainer.rollout.fast import decoder as fast_decoder  # noqa: E402
 
 ROWS, PROMPT = 8, 12

@@ -204,13 +204,13 @@ def child(config: Config, model_dir: str, out: str, phases: bool) -> None:
         rss_after_init = vm("VmRSS")
         param_bytes = sum(p.nbytes for p in trainer.model.parameters())
         rss = PhaseRSS()
-        for owner, name, phase in ((trainer, "_rollout", "rollout"), (trainer, "_micro_batch", "scoring"),
+        for owner, name, phase in ((trainer.rounds, "rollout", "rollout"), (trainer.scorer, "prepare", "scoring"),
                                    (trainer, "compute_loss", "loss forward"),
                                    (trainer.accelerator, "backward", "backward")):
             rss.wrap(owner, name, phase)
         if tracker is not None:
-            tracker.wrap(trainer, "_rollout", "rollout")
-            tracker.wrap(trainer, "_micro_batch", "scoring")
+            tracker.wrap(trainer.rounds, "rollout", "rollout")
+            tracker.wrap(trainer.scorer, "prepare", "scoring")
             tracker.wrap(trainer, "compute_loss", "loss forward")
             tracker.wrap(trainer.accelerator, "backward", "backward")
 

@@ -77,8 +77,9 @@ def greedy_config(tokenizer, **overrides) -> GenerationConfig:
 
 
 def fast_rollout(model, prompts: PromptBatch, config: GenerationConfig, **capture) -> Rollout:
-    """The fast backend's rollout, keeping the replay tensors named in `capture` (`layer_outputs`, `probs`)."""
-    return FastBackend().generate(model, prompts, config, Capture(**capture))
+    """The fast backend's rollout, keeping the replay tensors named in `capture` (`layer_outputs`, `probs`); on CUDA
+    through its decoder (which the backend's default leaves to `generate` there)."""
+    return FastBackend(cuda="decoder").generate(model, prompts, config, Capture(**capture))
 
 
 def assert_same_rollout(fast: Rollout, reference: Rollout) -> None:
@@ -217,11 +218,11 @@ def run_bounded(command: list[str], cwd, env: dict, log, timeout_s: float) -> in
 
 
 def force_onednn(monkeypatch) -> None:
-    """Every float32 CPU product that `algorithms.linear` serves goes through oneDNN, however small (the test
+    """Every float32 CPU product that `modeling.kernels` serves goes through oneDNN, however small (the test
     models' products are below `MIN_MACS`); skips where this torch build has no oneDNN linear."""
-    from grpo_trainer.algorithms import linear
+    from grpo_trainer.modeling import kernels
 
-    if linear._onednn_op() is None:
+    if kernels._onednn_op() is None:
         pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(linear, "_preferred", True)
-    monkeypatch.setattr(linear, "MIN_MACS", 0)
+    monkeypatch.setattr(kernels, "_choice", kernels.KernelChoice(True, True, "forced by the test"))
+    monkeypatch.setattr(kernels, "MIN_MACS", 0)

@@ -10,7 +10,7 @@ the copy-digits task, G=4, 2 optimizer steps; `benchmarks/shapes.py`):
     phases      `max_memory_allocated` per phase of every step (the peak reset when each phase starts): rollout,
                 scoring (reference / old log-probs), loss forward, backward, optimizer step; for ours (also with
                 the LM head forced onto the model-logits path, as every bf16 run took it before the fix in
-                `algorithms/logprobs._head_reproduces_logits`) and for TRL, at the settings of
+                `modeling/logprobs._head_reproduces_logits`) and for TRL, at the settings of
                 benchmarks/results/gpu_2026-11-25_h100_baseline.json (B=16, T=256, beta 0, checkpointing)
 
     PYTHONPATH=. python benchmarks/gpu/memory_grid.py --json-out benchmarks/results/gpu_memory_<date>.json
@@ -133,7 +133,7 @@ def child(run: str, config: Config, model_dir: str, out: str) -> None:
             phases.wrap(trainer, "_generate_single_turn", "rollout")
         else:
             from grpo_trainer import GRPOTrainer
-            from grpo_trainer.algorithms import logprobs
+            from grpo_trainer.modeling import logprobs
             from grpo_trainer.trainer import memory
 
             if run == "ours_model_logits":  # the path every bf16 run took before the fix
@@ -147,8 +147,8 @@ def child(run: str, config: Config, model_dir: str, out: str) -> None:
                                     if not i.host]}
             trainer = GRPOTrainer(model_dir, copy_digits_reward, args=args, train_dataset=dataset,
                                   processing_class=tokenizer, peft_config=peft_config(config))
-            phases.wrap(trainer, "_rollout", "rollout")
-            phases.wrap(trainer, "_micro_batch", "scoring")
+            phases.wrap(trainer.rounds, "rollout", "rollout")
+            phases.wrap(trainer.scorer, "prepare", "scoring")
         phases.wrap(trainer, "compute_loss", "loss forward")
         phases.wrap(trainer.accelerator, "backward", "backward")
 

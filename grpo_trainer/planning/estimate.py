@@ -17,7 +17,7 @@ Decisions:
    gradients, optimizer state, KV cache, replay buffers, LM-head chunks); activations per token and layer are the
    tensors autograd saves in a Llama-family layer (`activation_bytes_per_token`, measured with
    `saved_tensors_hooks`: tests/planning/test_estimate.py). The constants the code itself uses are imported, never
-   copied: `LOGITS_CHUNK_BYTES` (through `chunk_rows`), `REPLAY_MAX_BYTES` (through `capture.plan` and
+   copied: `LOGITS_CHUNK_BYTES` (through `modeling.logprobs.chunk_rows`), `REPLAY_MAX_BYTES` (through `capture.plan` and
    `capture.replay_buffers`, run on the meta device), `FUSE_MAX_PARAMETERS`.
 2. Within a gradient-accumulation window the first micro-step holds the whole round's replay tensors but no
    accumulated gradients, a later one the gradients but fewer replay tensors: each instant's column is the case
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_trainer.algorithms.logprobs import chunk_rows
+from grpo_trainer.modeling.logprobs import chunk_rows
 from grpo_trainer.planning.optimizers import optimizer_memory
 from grpo_trainer.planning.settings import ModelShape, PlanSettings
 from grpo_trainer.rollout import capture
@@ -184,7 +184,7 @@ def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, t
 
 
 def _chunk_rows(settings: PlanSettings, shape: ModelShape) -> int:
-    """Rows of one LM-head chunk (`algorithms.logprobs.chunk_rows`), at most a micro-batch's completion tokens."""
+    """Rows of one LM-head chunk (`modeling.logprobs.chunk_rows`), at most a micro-batch's completion tokens."""
     return min(chunk_rows(settings.logprob_chunk_size, shape.vocab), settings.micro_batch * settings.completion_length)
 
 
@@ -300,7 +300,7 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
 
 
 def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int, int, int]:
-    """LM-head buffers (`algorithms.logprobs`): float32 logits of `chunk_rows` rows at a time in the loss forward,
+    """LM-head buffers (`modeling.logprobs`): float32 logits of `chunk_rows` rows at a time in the loss forward,
     in its backward, and in a gradient-free scoring forward."""
     chunk = _chunk_bytes(s, m)
     plain = not s.shards_weights  # a ZeRO-3 / FSDP head goes through the checkpointed per-chunk path

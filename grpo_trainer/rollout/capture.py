@@ -4,7 +4,7 @@ Every backend returns the tokens and masks. Beyond them:
 
 1. Sampling log-probs and entropies `[B, T]` (backends whose capabilities say `sampling_logps`) are kept when they
    are the distribution the loss scores: sampling (not greedy) at the loss's temperature. They are then the old
-   log-probs, and on-policy the loss forward's own values (`algorithms.logprobs`). An engine's log-probs
+   log-probs, and on-policy the loss forward's own values (`modeling.logprobs`). An engine's log-probs
    (`engine_logps`) are never those values: they are kept whenever the rollout sampled (they are the sampler's
    distribution, whatever its temperature and filters), for the importance-sampling correction.
 2. For `replay`, on-policy training may also keep every decoder layer's output `[B, L, S + T, E]` (the checkpointed

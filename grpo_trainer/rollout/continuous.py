@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_settings"]
 

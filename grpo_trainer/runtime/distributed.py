@@ -34,10 +34,10 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 from torch import Tensor, nn
 
-from grpo_trainer.algorithms.logprobs import LogProbs
+from grpo_trainer.modeling.unwrap import is_zero3_partitioned
 
 __all__ = ["check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu", "full_parameters",
-           "is_zero3_partitioned", "launched_world_size", "make_reference_model", "parameter_digest", "prepare_backend",
+           "launched_world_size", "parameter_digest", "prepare_backend",
            "unwrapped_for_generation"]
 
 T = TypeVar("T")
@@ -69,90 +69,34 @@ def check_processes(accelerator: Accelerator) -> None:
         f"train together (and might still exit 0). Fix: {fix}. See docs/DISTRIBUTED.md.")
 
 
-def enable_fsdp2_on_cpu(trainer: object) -> None:
+def enable_fsdp2_on_cpu(accelerator: Accelerator, fsdp_plugin_args: dict | None) -> None:
     """Turn a CPU run that `accelerate launch` started with an FSDP2 config from DDP into FSDP2.
 
-    Call it right after the trainer creates its accelerator, before any model is prepared.
+    Call it right after the trainer creates its accelerator, before any model is prepared. `fsdp_plugin_args`:
+    `TrainingArguments.fsdp_plugin_args` (from `fsdp=`/`fsdp_config=`), else the FSDP_* variables `accelerate
+    launch` exports are read.
     """
     from accelerate.state import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    # TrainingArguments(fsdp=..., fsdp_config=...) if given, else the FSDP_* variables `accelerate launch` exports
-    plugin = FullyShardedDataParallelPlugin(**(getattr(trainer.args, "fsdp_plugin_args", None) or {}))
+    plugin = FullyShardedDataParallelPlugin(**(fsdp_plugin_args or {}))
     if plugin.fsdp_version != 2:
         raise RuntimeError("FSDP1 cannot run without a GPU (accelerate refuses a CPU device); set "
                            "fsdp_version: 2 in the accelerate config, or use DDP or DeepSpeed on CPU.")
-    state = trainer.accelerator.state
+    state = accelerator.state
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # read by `accelerator.distributed_type`
-    trainer.is_fsdp_enabled = True
 
 
-def prepare_backend(trainer: object) -> None:
-    """Refuse silent non-distributed launches; run FSDP2 on CPU when it was asked for. Trainer hook."""
-    accelerator = trainer.accelerator
-    if _fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        enable_fsdp2_on_cpu(trainer)
+def prepare_backend(accelerator: Accelerator, fsdp_plugin_args: dict | None) -> bool:
+    """Refuse silent non-distributed launches; run FSDP2 on CPU when it was asked for. Whether FSDP2 was switched on
+    here (the trainer then sets its `is_fsdp_enabled`)."""
+    switched = _fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU
+    if switched:
+        enable_fsdp2_on_cpu(accelerator, fsdp_plugin_args)
     check_processes(accelerator)
-
-
-def is_zero3_partitioned(model: nn.Module) -> bool:
-    """True when DeepSpeed ZeRO-3 already partitioned the model's parameters (e.g. loaded under `zero.Init`)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-def make_reference_model(model: nn.Module, beta: float, model_init_kwargs: dict | None,
-                         trust_remote_code: bool = False) -> nn.Module | None:
-    """`models.make_reference_model`, except for a ZeRO-3 partitioned policy: a deep copy of one holds empty
-    partitions, not weights, so the reference is loaded again from the policy's checkpoint (as TRL does)."""
-    from grpo_trainer.runtime import models
-
-    if beta == 0.0 or models.is_peft_model(model) or not is_zero3_partitioned(model):
-        return models.make_reference_model(model, beta)
-    path = getattr(model.config, "_name_or_path", "")
-    if not path:
-        raise ValueError("beta > 0 under DeepSpeed ZeRO-3 needs a reference model loaded from a checkpoint, but "
-                         "the policy has no config._name_or_path. Pass the model as a Hub id or local path, "
-                         "build it before GRPOConfig (so it is not partitioned yet), or set beta=0.")
-    kwargs = {"dtype": next(model.parameters()).dtype, **(model_init_kwargs or {})}
-    reference = models.load_policy(path, kwargs, trust_remote_code=trust_remote_code).eval()
-    reference.requires_grad_(False)
-    return reference
-
-
-def is_fsdp_module(model: nn.Module) -> bool:
-    """True when `model` or one of its submodules is sharded with FSDP2 (`fully_shard`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def fsdp_completion_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-                             temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                             with_aux_loss: bool = False, model_inputs: dict | None = None) -> LogProbs:
-    """`logprobs.completion_logprobs` for FSDP2-sharded models: the LM head runs inside the model's forward.
-
-    accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings). Projecting hidden
-    states through that head outside the model's forward lets FSDP free the group's weights in the backward
-    pass while the norm still needs them (a segfault on CPU). So the forward returns the completion positions'
-    logits `[B, T, V]` in the model's dtype, and each chunk is upcast to float32 under activation
-    checkpointing, which keeps one float32 chunk alive instead of `[B, T, V]`.
-    """
-    from grpo_trainer.algorithms.logprobs import chunked_scores, token_logprobs
-
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as in generate, ignoring left padding
-    extra = {"position_ids": position_ids, **(model_inputs or {})}  # a VLM's image inputs, as in the plain path
-    if with_aux_loss:
-        extra["output_router_logits"] = True
-    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_length + 1,
-                use_cache=False, **extra)
-    logits = out.logits[:, :-1]  # [B, T, V]
-    tokens = input_ids[:, -completion_length:]  # [B, T]
-    logps, entropies = chunked_scores(token_logprobs, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1),
-                                      temperature, chunk_size)  # [B*T] each
-    return LogProbs(logps.view(tokens.shape), entropies.view(tokens.shape) if with_entropy else None,
-                    out.aux_loss if with_aux_loss else None)
+    return switched
 
 
 def full_parameters(model: nn.Module) -> dict[str, Tensor]:

@@ -43,10 +43,11 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import cached_file
 
-from grpo_trainer.algorithms.logprobs import Float32Head
+from grpo_trainer.modeling.logprobs import Float32Head
+from grpo_trainer.modeling.unwrap import causal_lm, is_peft_model, is_zero3_partitioned
 
-__all__ = ["cast_lm_head_to_fp32", "causal_lm", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
-           "is_peft_model", "is_vision_language", "liger_kernel_config", "load_policy",
+__all__ = ["cast_lm_head_to_fp32", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
+           "is_vision_language", "liger_kernel_config", "load_policy",
            "load_processing_class", "load_reward_model", "load_tokenizer", "make_reference_model", "reference_context",
            "router_aux_loss_coef", "wrap_peft"]
 
@@ -134,21 +135,6 @@ def load_reward_model(model_id: str, model_init_kwargs: dict | None,
     return model, load_tokenizer(model_id, kwargs["trust_remote_code"], kwargs.get("revision"))
 
 
-def is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers causal LM inside DDP / DeepSpeed / PEFT wrappers (LoRA layers stay in place)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model.get_base_model() if is_peft_model(model) else model
-
-
 def wrap_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool) -> nn.Module:
     """Wrap `model` with a fresh adapter; only the adapter trains."""
     from peft import get_peft_model
@@ -200,8 +186,11 @@ def check_adapter(model: nn.Module) -> None:
         _refuse_prompt_learning(model.peft_config.get(model.active_adapter))
 
 
-def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:
-    """The frozen reference policy, or None when it is not needed (beta == 0) or is the adapter-free policy."""
+def make_reference_model(model: nn.Module, beta: float, model_init_kwargs: dict | None = None,
+                         trust_remote_code: bool = False) -> nn.Module | None:
+    """The frozen reference policy (decision 1), or None when it is not needed (beta == 0) or is the adapter-free
+    policy. A ZeRO-3 partitioned policy is loaded again from its checkpoint (as TRL does): a deep copy of one
+    holds empty partitions, not weights."""
     if beta == 0.0:
         return None
     if is_peft_model(model):
@@ -210,8 +199,17 @@ def make_reference_model(model: nn.Module, beta: float) -> nn.Module | None:
                           "the base model with the adapter disabled, not this starting point. To measure KL from "
                           "it, merge it (merge_and_unload()) and pass the merged model with peft_config.")
         return None
-    reference = copy.deepcopy(model).eval()
-    reference.requires_grad_(False)
+    if is_zero3_partitioned(model):
+        path = getattr(model.config, "_name_or_path", "")
+        if not path:
+            raise ValueError("beta > 0 under DeepSpeed ZeRO-3 needs a reference model loaded from a checkpoint, but "
+                             "the policy has no config._name_or_path. Pass the model as a Hub id or local path, "
+                             "build it before GRPOConfig (so it is not partitioned yet), or set beta=0.")
+        kwargs = {"dtype": next(model.parameters()).dtype, **(model_init_kwargs or {})}
+        reference = load_policy(path, kwargs, trust_remote_code=trust_remote_code)
+    else:
+        reference = copy.deepcopy(model)
+    reference.eval().requires_grad_(False)
     return reference
 
 
@@ -273,7 +271,7 @@ def router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
 
 def liger_kernel_config(config: dict | None) -> dict:
     """The Liger kernel settings `Trainer` applies with `use_liger_kernel=True`: its layer kernels only. Liger's
-    fused linear cross-entropy replaces the model's forward, which log-probs need as it is (`algorithms.logprobs`)."""
+    fused linear cross-entropy replaces the model's forward, which log-probs need as it is (`modeling.logprobs`)."""
     warnings.warn("use_liger_kernel=True is deprecated for GRPO, as in TRL 1.16 (to be removed in TRL 2.0): only "
                   "Liger's layer kernels apply, never its fused loss. Hub kernels are the replacement: "
                   "model_init_kwargs={'use_kernels': True}.", FutureWarning, stacklevel=3)

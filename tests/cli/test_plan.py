@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_trainer.cli import command
+from grpo_trainer.cli import entry
 from grpo_trainer.cli.toy import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def config_dir(tmp_path, tokenizer):
 
 def plan(argv, capsys):
     with pytest.raises(SystemExit) as exited:
-        command.main(["plan", *argv])
+        entry.main(["plan", *argv])
     return exited.value.code, capsys.readouterr()
 
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from grpo_trainer.algorithms.logprobs import completion_logprobs
-from grpo_trainer.runtime import distributed
+from grpo_trainer.modeling import logprobs as logprobs_module
+from grpo_trainer.modeling import unwrap
+from grpo_trainer.modeling.logprobs import completion_logprobs
+from grpo_trainer.runtime import distributed, models
 from tests.distributed.conftest import MODES, accelerate_launch, launch_env
 
 
@@ -47,10 +49,10 @@ def test_synced_launch_passes(monkeypatch, world_size, accelerator):
 def test_fsdp1_on_cpu_is_refused(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(RuntimeError, match="fsdp_version: 2"):
-        distributed.enable_fsdp2_on_cpu(SimpleNamespace(accelerator=None, args=SimpleNamespace()))
+        distributed.enable_fsdp2_on_cpu(None, None)
 
 
-def test_fsdp_logprobs_equal_the_memory_lean_path(tiny_model):
+def test_fsdp_logprobs_equal_the_memory_lean_path(tiny_model, monkeypatch):
     """Same log-probs, entropies and gradients as completion_logprobs (here on an unsharded model), also when
     the completion positions are split into several chunks."""
     generator = torch.Generator().manual_seed(0)
@@ -58,9 +60,11 @@ def test_fsdp_logprobs_equal_the_memory_lean_path(tiny_model):
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :2] = 0  # left padding
     results = []
-    for fn in (completion_logprobs, distributed.fsdp_completion_logprobs):
+    for sharded in (False, True):  # the FSDP2 path: the head inside the model's forward, logits scored in chunks
+        monkeypatch.setattr(logprobs_module, "is_fsdp_module", lambda model, sharded=sharded: sharded)
         tiny_model.zero_grad()
-        out = fn(tiny_model, input_ids, attention_mask, 5, temperature=0.7, chunk_size=4, with_entropy=True)
+        out = completion_logprobs(tiny_model, input_ids, attention_mask, 5, temperature=0.7, chunk_size=4,
+                                  with_entropy=True)
         logps, entropy = out.logps, out.entropy
         logps.sum().backward()
         results.append((logps.detach(), entropy, [p.grad.clone() for p in tiny_model.parameters()]))
@@ -84,8 +88,8 @@ def test_zero3_reference_is_loaded_from_the_checkpoint(tmp_path, tiny_model):
     with torch.no_grad():
         for p in policy.parameters():
             p.zero_()  # a partitioned policy holds no weights; the reference must not copy it
-    reference = distributed.make_reference_model(_as_if_partitioned(policy), 0.04, None)
-    assert not distributed.is_zero3_partitioned(reference) and not reference.training
+    reference = models.make_reference_model(_as_if_partitioned(policy), 0.04, None)
+    assert not unwrap.is_zero3_partitioned(reference) and not reference.training
     for (name, ref), (_, saved) in zip(reference.named_parameters(), tiny_model.named_parameters()):
         assert torch.equal(ref, saved) and not ref.requires_grad, name
 
@@ -93,8 +97,8 @@ def test_zero3_reference_is_loaded_from_the_checkpoint(tmp_path, tiny_model):
 def test_zero3_reference_without_a_checkpoint_is_refused(tiny_model):
     tiny_model.config._name_or_path = ""
     with pytest.raises(ValueError, match="_name_or_path"):
-        distributed.make_reference_model(_as_if_partitioned(tiny_model), 0.04, None)
-    assert distributed.make_reference_model(tiny_model, 0.0, None) is None  # beta 0: no reference at all
+        models.make_reference_model(_as_if_partitioned(tiny_model), 0.04, None)
+    assert models.make_reference_model(tiny_model, 0.0, None) is None  # beta 0: no reference at all
 
 
 def test_full_parameters_and_digest(tiny_model):

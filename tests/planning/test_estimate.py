@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from grpo_trainer.algorithms.logprobs import LOGITS_CHUNK_BYTES
+from grpo_trainer.modeling.logprobs import LOGITS_CHUNK_BYTES
 from grpo_trainer.planning import INSTANTS, activation_bytes_per_token, model_shape, plan_memory
 from grpo_trainer.planning.estimate import CPU_RUNTIME_BYTES
 from grpo_trainer.rollout.capture import REPLAY_MAX_BYTES

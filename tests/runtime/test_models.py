@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-from grpo_trainer.algorithms.logprobs import Float32Head
+from grpo_trainer.modeling.logprobs import Float32Head
 from grpo_trainer.runtime import models
 from tests.helpers import write_remote_code_model
 

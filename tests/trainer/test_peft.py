@@ -23,8 +23,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel, TrainerCallback
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
+from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.runtime import models
 
 BASE_ID = "org/tiny-base"  # pretend Hub id: the card must name it as the base model

@@ -3,14 +3,14 @@
 Decisions:
 
 1. Embedding, RMSNorm weights, the rotary-embedding module, projections and MLP are the model's. Small models
-   (`FUSE_MAX_PARAMETERS`) run q|k|v and gate|up as one matmul each, with vanilla LoRA adapters merged into those
-   weights; otherwise plain linears run on their weights and wrapped ones (LoRA, quantised) as their own modules,
-   so adapters, and a disabled adapter, behave as in `forward`.
+   (`FUSE_MAX_PARAMETERS`) run q|k|v and gate|up as one matmul each, with LoRA adapters merged into those
+   weights (`modeling.lora`'s rule); otherwise plain linears run on their weights and wrapped ones (LoRA,
+   quantised) as their own modules, so adapters, and a disabled adapter, behave as in `forward`.
 2. The per-token step (`Decoder.step`) is written for few dispatches, which cost a small model's step more than its
    arithmetic: RMSNorm through one `addmv` (`_row_rms_norm`), `addmm` on transposed views made once, cache columns
    through `select`/`narrow`.
 3. Large float32 CPU weights that are not packed (models over `FUSE_MAX_PARAMETERS`: no copies) and the LM head run
-   through `algorithms.linear`, i.e. oneDNN's kernels where this machine's BLAS is the slower library.
+   through `modeling.kernels`, i.e. oneDNN's kernels where this machine's BLAS is the slower library.
 
 Shapes: `B` rows, `S` prompt tokens, `L` cache columns, `H` query heads, `K` key/value heads, `D` head dim,
 `E` hidden size, `V` vocabulary.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import SiLUActivation
 
-from grpo_trainer.algorithms import linear as fast_linear
+from grpo_trainer.modeling import kernels, lora
 from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 
 __all__ = ["FUSE_MAX_PARAMETERS", "PACK_MIN_ELEMENTS", "STREAMED_HEAD_MIN_ELEMENTS", "Decoder"]
@@ -36,26 +36,13 @@ FUSE_MAX_PARAMETERS = 2**27
 
 
 def _lora_weights(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """The weight and bias a PEFT LoRA `Linear` applies (base + every active adapter's delta), if it is vanilla
-    LoRA over a plain `nn.Linear`; None otherwise."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:
+    """The weight and bias a PEFT LoRA `Linear` over a plain `nn.Linear` applies (`modeling.lora`'s one rule:
+    base + every active adapter's delta, a LoRA bias included); None where that rule does not serve the layer, or
+    where its forward would unmerge first (merged and disabled): then the module runs its own forward."""
+    if lora.merge_blocker(module) is not None or type(module.base_layer) is not nn.Linear \
+            or (module.merged and module.disable_adapters) or not lora.agrees_with_peft(module):
         return None
-    if not isinstance(module, LoraLinear) or type(module.base_layer) is not nn.Linear:
-        return None
-    base = module.base_layer
-    if module.merged:  # the base weight already holds the delta, unless the adapter is disabled (forward unmerges)
-        return None if module.disable_adapters else (base.weight, base.bias)
-    if module.disable_adapters:
-        return base.weight, base.bias
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if any(a in module.lora_variant or module.lora_B[a].bias is not None for a in active):
-        return None  # DoRA and other variants, or a LoRA bias: only the module's forward has them
-    weight = base.weight
-    for adapter in active:
-        weight = weight + module.get_delta_weight(adapter)
-    return weight, base.bias
+    return lora.applied_weight(module), lora.applied_bias(module)
 
 
 # Plain fp32 CPU weights with at least this many entries run as oneDNN linears on a copy packed once per rollout
@@ -80,20 +67,20 @@ def _packed_linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Cal
 
 
 def _onednn_weight(weight: Tensor) -> bool:
-    """A large float32 CPU weight for `algorithms.linear` (decision 3), where oneDNN is the faster library."""
+    """A large float32 CPU weight for `modeling.kernels` (decision 3), where oneDNN is the faster library."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= PACK_MIN_ELEMENTS \
-        and fast_linear.onednn_preferred()
+        and kernels.kernel_choice().any  # `kernels.linear` then picks per product (prefill wide, steps narrow)
 
 
 def _linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Callable[[Tensor], Tensor]:
     """`x -> F.linear(x, weight, bias)` for 2-D `x`: packed where that pays, a large unpacked weight through
-    `algorithms.linear`, else one `addmm` (or `mm`) on a transposed view made once, which is what `F.linear` runs
+    `modeling.kernels`, else one `addmm` (or `mm`) on a transposed view made once, which is what `F.linear` runs
     after a transpose and a dispatch of its own."""
     packed = _packed_linear(weight, bias, rows)
     if packed is not None:
         return packed
     if _onednn_weight(weight):
-        return lambda x: fast_linear.linear(x, weight, bias)
+        return lambda x: kernels.linear(x, weight, bias)
     transposed = weight.t()
     if bias is None:
         return lambda x: torch.mm(x, transposed)
@@ -126,7 +113,7 @@ def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tens
     if packed is not None:
         return lambda h, x: packed(x).add_(h)
     if _onednn_weight(weight):
-        return lambda h, x: fast_linear.linear(x, weight, bias).add_(h)
+        return lambda h, x: kernels.linear(x, weight, bias).add_(h)
     transposed = weight.t()
     if bias is None:
         return lambda h, x: torch.addmm(h, x, transposed)

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode, LogitsProcessorList
 
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.generate import generate_override
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ARCHITECTURES", "ROPE_TYPES", "decoder_blocker", "fast_path_blocker", "processors", "resolved",
            "settings_blocker"]

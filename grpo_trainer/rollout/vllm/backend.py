@@ -28,11 +28,11 @@ from typing import Any
 from torch import nn
 from transformers import GenerationConfig
 
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import VLLM, Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 from grpo_trainer.rollout.vllm import checks, sampling
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["VLLMBackend"]
 
@@ -111,7 +111,7 @@ class VLLMBackend(RolloutBackend):
     # -------------------------------------------------------------------------------------------- engine
 
     def start(self, model: nn.Module, processing_class: Any) -> None:
-        from grpo_trainer.runtime.weights import check_exportable
+        from grpo_trainer.modeling.export import check_exportable
 
         check_exportable(model)
         if self.mode == "server":
@@ -142,7 +142,7 @@ class VLLMBackend(RolloutBackend):
         asleep = self.engine is not None and self.engine.weights_asleep
         if version == self.loaded and not asleep:
             return
-        from grpo_trainer.runtime.weights import inference_weights
+        from grpo_trainer.modeling.export import inference_weights
 
         if self.engine is not None:
             self.engine.load_weights(inference_weights(model))

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.vllm.sampling import Completion
-from grpo_trainer.runtime.models import causal_lm
 
 __all__ = ["ColocateEngine", "EngineSettings", "kv_cache_bytes"]
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_trainer.modeling.export import inference_weight_metadata, inference_weights
 from grpo_trainer.rollout.vllm.sampling import Completion
-from grpo_trainer.runtime.weights import inference_weight_metadata, inference_weights
 
 __all__ = ["SHARD_BYTES", "ServerClient", "ServerWeights", "server_url", "wait_for_server"]
 

@@ -5,7 +5,7 @@ Speed is measured by benchmarks/, never here."""
 import pytest
 import torch
 
-from grpo_trainer.algorithms import linear
+from grpo_trainer.modeling import kernels
 from grpo_trainer.rollout.fast import backend as fast_backend
 from grpo_trainer.rollout.fast import decoder as decoder_module
 from grpo_trainer.rollout.fast import guard
@@ -30,11 +30,11 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     that large). `unfused`: the layout of models over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up):
     each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`, as where PyTorch's
     BLAS is the faster library. `unfused_onednn`: the same where oneDNN is: every projection and the head through
-    `algorithms.linear` on the unpacked weights."""
+    `modeling.kernels` on the unpacked weights."""
     if layout.startswith("unfused"):
         monkeypatch.setattr(decoder_module, "FUSE_MAX_PARAMETERS", 0)
         monkeypatch.setattr(decoder_module, "STREAMED_HEAD_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(linear, "_preferred", False)
+        monkeypatch.setattr(kernels, "_choice", kernels.KernelChoice(False, False, "forced by the test"))
     if layout == "unfused_onednn":
         force_onednn(monkeypatch)
         monkeypatch.setattr(decoder_module, "PACK_MIN_ELEMENTS", 0)
@@ -50,8 +50,8 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
         reference = generate_rollout(model, prompts, config)
     calls = []
     if layout == "unfused_onednn":
-        op = linear._onednn_linear
-        monkeypatch.setattr(linear, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
+        op = kernels._onednn_linear
+        monkeypatch.setattr(kernels, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
     assert_same_rollout(fast_rollout(model, prompts, config), reference)
     assert reference.completion_ids.shape[1] == MAX_NEW  # nothing ended early: every position compared
     if layout == "unfused_onednn":  # every projection of every layer, and the head, for every position

@@ -108,7 +108,7 @@ def test_sampling_matches_generate_in_distribution(tokenizer):
 def test_sampling_logps_are_the_training_forwards_values(tokenizer):
     """The sampler keeps log softmax(logits / T)[token] of the full distribution (not the top-k-filtered one
     it drew from), which is what the training forward computes for the same tokens."""
-    from grpo_trainer.algorithms.logprobs import completion_logprobs
+    from grpo_trainer.modeling.logprobs import completion_logprobs
 
     model = model_of_kind("qwen2", tokenizer)
     prompts = grouped_prompts(tokenizer)

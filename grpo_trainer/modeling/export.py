@@ -10,10 +10,12 @@ Decisions:
 3. Memory stays bounded by one parameter: each is gathered when it is reached (a ZeRO-3 partition through
    `GatheredParameters`, an FSDP2 DTensor through `full_tensor`) and released before the next. Gathering is a
    collective, so every process must iterate, even those that send nothing.
-4. LoRA is merged without touching the model: a LoRA linear layer yields W + (B A) * scaling, computed from its
-   gathered base, A and B weights. Other adapter types (DoRA, LoRA on embeddings or convolutions, other tuners)
-   fall back to PEFT's `merge_adapter` / `unmerge_adapter` around the iteration, which needs every parameter
-   gathered at once under ZeRO-3 (as in TRL) and rounds the base weights by one add and one subtract.
+4. LoRA is merged without touching the model, by `modeling.lora`'s one rule (the fast decoder's too): a LoRA
+   linear layer yields W + (B A) * scaling and, with `lora_bias`, b + B.bias * scaling, computed from its gathered
+   base, A and B weights. Other adapter types (DoRA, LoRA on embeddings or convolutions, other tuners) fall back to
+   PEFT's `merge_adapter` / `unmerge_adapter` around the iteration, which needs every parameter gathered at once
+   under ZeRO-3 (as in TRL) and rounds the base weights by one add and one subtract. `lora_bias=True` on a layer
+   without a bias is refused by name (`check_exportable`): no merge can express it.
 5. Quantized base weights (bitsandbytes) are refused: their merged full-precision values would need dequantising,
    which this module does not do.
 """
@@ -25,6 +27,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+
+from grpo_trainer.modeling import lora
+from grpo_trainer.modeling.unwrap import is_peft_model
 
 __all__ = ["check_exportable", "inference_weight_metadata", "inference_weights"]
 
@@ -63,43 +68,32 @@ def _full(tensor: Tensor) -> Tensor:
 
 
 def _lora_layers(model: nn.Module) -> tuple[dict[str, nn.Module], bool]:
-    """The LoRA linear layers that can be merged on the fly, by module name, and whether every adapter layer of
-    the model is one of them (decision 4)."""
-    from peft.tuners.lora import Linear as LoraLinear
+    """The LoRA layers that `modeling.lora`'s rule merges on the fly, by module name, and whether every adapter layer
+    of the model is one of them (decision 4)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     simple, all_simple = {}, True
     for name, module in model.named_modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        adapters = [a for a in module.active_adapters if a in getattr(module, "lora_A", {})]
-        if (type(module) is LoraLinear and not module.merged
-                and not any(module.use_dora.get(a, False) for a in adapters)):
+        if lora.merge_blocker(module) is None and not module.merged and lora.agrees_with_peft(module):
             simple[name] = module
         else:
             all_simple = False
     return simple, all_simple
 
 
-def _merged_lora_weight(layer: nn.Module) -> Tensor:
-    """W + sum over active adapters of (B A) * scaling, from full values (call inside `_gathered`)."""
-    weight = _full(layer.base_layer.weight).detach()
-    merged = weight.float().clone()
-    for adapter in layer.active_adapters:
-        if adapter not in layer.lora_A:
-            continue
-        delta = _full(layer.lora_B[adapter].weight).float() @ _full(layer.lora_A[adapter].weight).float()
-        merged += (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
-    return merged.to(weight.dtype)
-
-
 def check_exportable(model: nn.Module) -> None:
-    """ValueError for a policy whose weights cannot be exported (decision 5)."""
-    for module in model.modules():
+    """ValueError for a policy whose weights cannot be exported (decision 5), naming the layer."""
+    for name, module in model.named_modules():
         if type(module).__module__.startswith("bitsandbytes"):
-            raise ValueError(f"the policy has bitsandbytes-quantized layers ({type(module).__name__}); pushing "
-                             "its weights into an inference engine (use_vllm) is not supported for quantized "
+            raise ValueError(f"the policy has bitsandbytes-quantized layers ({name}: {type(module).__name__}); "
+                             "pushing its weights into an inference engine (use_vllm) is not supported for quantized "
                              "models. Train without quantization_config, or with use_vllm=False.")
+        reason = lora.merge_blocker(module) if hasattr(module, "lora_bias") else None
+        if reason is not None and "lora_bias" in reason:
+            raise ValueError(f"the policy's LoRA layer {name}: {reason}. Its weights cannot be pushed into an "
+                             "inference engine (use_vllm). Set lora_bias=False in the LoraConfig, or use_vllm=False.")
 
 
 def inference_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -107,8 +101,6 @@ def inference_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     PeftModel, ZeRO-3 partitioned or FSDP2-sharded), one at a time. A collective: every process must exhaust it.
     Each tensor is valid until the next one is requested."""
     check_exportable(model)
-    from grpo_trainer.runtime.models import is_peft_model
-
     adapter = model.active_adapter if is_peft_model(model) else None
     layers, all_simple = _lora_layers(model) if adapter is not None else ({}, True)
     merge = contextlib.nullcontext()
@@ -119,13 +111,15 @@ def inference_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             name = _checkpoint_name(full_name, adapter)
             if name is None:
                 continue
-            owner = full_name.rsplit(".base_layer.", 1)[0] if ".base_layer.weight" in full_name else None
-            layer = layers.get(owner) if owner is not None else None
+            owner, _, kind = full_name.rpartition(".base_layer.")
+            layer = layers.get(owner) if kind in ("weight", "bias") else None
             if layer is not None:
-                lora = [layer.lora_A[a].weight for a in layer.active_adapters if a in layer.lora_A] + \
-                       [layer.lora_B[a].weight for a in layer.active_adapters if a in layer.lora_B]
-                with _gathered([param, *lora]), torch.no_grad():
-                    yield name, _merged_lora_weight(layer)
+                adapters = lora.active_adapters(layer)
+                factors = [p for a in adapters for p in layer.lora_A[a].parameters()] + \
+                          [p for a in adapters for p in layer.lora_B[a].parameters()]
+                merge = lora.applied_weight if kind == "weight" else lora.applied_bias
+                with _gathered([param, *factors]), torch.no_grad():
+                    yield name, merge(layer, _full)
             else:
                 with _gathered([param]):
                     yield name, _full(param).detach()
@@ -134,8 +128,6 @@ def inference_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 def inference_weight_metadata(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(checkpoint name, dtype, full shape) of what `inference_weights` yields, in the same order, without gathering
     anything (a ZeRO-3 partition knows its full shape, an FSDP2 DTensor its global one)."""
-    from grpo_trainer.runtime.models import is_peft_model
-
     adapter = model.active_adapter if is_peft_model(model) else None
     out = []
     for full_name, param in model.named_parameters(remove_duplicate=False):

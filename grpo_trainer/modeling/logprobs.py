@@ -39,7 +39,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from grpo_trainer.algorithms import linear as fast_linear
+from grpo_trainer.modeling import kernels
+from grpo_trainer.modeling.unwrap import causal_lm, output_head
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ def chunked_scores(score: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor
     for start in range(0, tokens.numel(), chunk_size):
         args = (rows[start:start + chunk_size], tokens[start:start + chunk_size], temperature)
         if torch.is_grad_enabled() and rows.requires_grad:
-            chosen, entropy = checkpoint(score, *args, use_reentrant=False)
+            # no randomness to replay: leave torch's generator alone (a producer thread may be drawing from it)
+            chosen, entropy = checkpoint(score, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             chosen, entropy = score(*args)
         logps.append(chosen)
@@ -111,7 +113,7 @@ def chunked_scores(score: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = fast_linear.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
+    logits = kernels.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
@@ -191,13 +193,13 @@ class _HeadLogProbs(torch.autograd.Function):
             else:
                 dense, dense_scale = probs.to(weight.dtype), scale
             if want_hidden and dense_scale is None:
-                grad_hidden[rows] = scale * weight[token] - fast_linear.matmul(dense, weight)
+                grad_hidden[rows] = scale * weight[token] - kernels.matmul(dense, weight)
             elif want_hidden:
-                grad_hidden[rows] = scale * (weight[token] - fast_linear.matmul(dense, weight))
+                grad_hidden[rows] = scale * (weight[token] - kernels.matmul(dense, weight))
             if want_weight or want_bias:
                 scaled = scale * h  # [n, E]
             if want_weight:
-                fast_linear.addmm_(grad_weight, dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
+                kernels.addmm_(grad_weight, dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
                 grad_weight.index_add_(0, token, scaled)
             if want_bias:
                 row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]
@@ -308,10 +310,23 @@ def _precisions(device_type: str) -> Iterator[contextlib.AbstractContextManager]
             continue
 
 
+def is_fsdp_module(model: nn.Module) -> bool:
+    """True when `model` or one of its submodules is sharded with FSDP2 (`fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
                                 temperature: float, chunk_size: int, with_entropy: bool, forward_kwargs: dict
                                 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The model's own logits for the completion positions `[B, T, V]`, scored chunk by chunk (checkpointed)."""
+    """The model's own logits for the completion positions `[B, T, V]` in the model's dtype, scored chunk by chunk
+    (each chunk upcast to float32 under activation checkpointing, so one float32 chunk is alive at a time).
+
+    Two users: a model whose logits are not its head's output (`_head_reproduces_logits`), and an FSDP2-sharded
+    model. accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings); projecting
+    hidden states through that head outside the model's forward lets FSDP free the group's weights in the backward
+    pass while the norm still needs them (a segfault on CPU), so there the head must run inside the forward."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_length + 1,
                 use_cache=False, **forward_kwargs)
     logits = out.logits[:, :-1]  # [B, T, V]
@@ -363,13 +378,18 @@ def completion_logprobs(
     extra = {"position_ids": position_ids, **(model_inputs or {})}
     if with_aux_loss:
         extra["output_router_logits"] = True
+    if is_fsdp_module(model):  # decision: the head runs inside the forward (see `_logprobs_from_model_logits`)
+        logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(
+            model, input_ids, attention_mask, completion_length, temperature,
+            chunk_rows(chunk_size, causal_lm(model).config.get_text_config().vocab_size), with_entropy, extra)
+        return LogProbs(logps_t, entropies_t, aux_loss if with_aux_loss else None)
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, output_hidden_states=True,
                 use_cache=False, **extra)
     aux_loss = getattr(out, "aux_loss", None) if with_aux_loss else None
     if with_aux_loss and aux_loss is None:
         raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
                          "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
-    head, lm = _output_head(model), _causal_lm(model)
+    head, lm = output_head(model), causal_lm(model)
     chunk_size = chunk_rows(chunk_size, out.logits.shape[-1])
     transform = LogitTransform.of(getattr(lm, "config", None))
     if not _head_reproduces_logits(lm, out.logits[:, -1], out.hidden_states[-1][:, -1], head, transform):
@@ -399,21 +419,3 @@ def completion_logprobs(
     logps_t, entropies_t = chunked_scores(functools.partial(_head_logprobs, head), flat_hidden, flat_tokens,
                                           temperature, chunk_size)
     return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The model behind DDP / DeepSpeed / PEFT wrappers (the object whose config and logits are checked)."""
-    while hasattr(model, "module"):
-        model = model.module
-    base = getattr(model, "get_base_model", None)
-    return base() if callable(base) else model
-
-
-def _output_head(model: nn.Module) -> nn.Module:
-    """The LM head of a model behind any wrappers (DDP `.module`, DeepSpeed engine, PEFT)."""
-    while not hasattr(model, "get_output_embeddings") and hasattr(model, "module"):
-        model = model.module
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head); a causal LM is required.")
-    return head

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from grpo_trainer.algorithms import linear as fast_linear
-from grpo_trainer.algorithms import logprobs as logprobs_module
-from grpo_trainer.algorithms.logprobs import Float32Head, completion_logprobs, token_logprobs
 from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
+from grpo_trainer.modeling import kernels
+from grpo_trainer.modeling import logprobs as logprobs_module
+from grpo_trainer.modeling.logprobs import Float32Head, completion_logprobs, token_logprobs
 from tests.helpers import force_onednn
 
 T = 6  # completion tokens
@@ -56,7 +56,7 @@ def test_token_logprobs_by_hand():
 
 
 def test_in_place_logsumexp_by_hand():
-    from grpo_trainer.algorithms.logprobs import _logsumexp_
+    from grpo_trainer.modeling.logprobs import _logsumexp_
 
     # [0, ln 3] -> ln(1 + 3) = ln 4 = 1.386294; [1000, 1000] -> 1000 + ln 2 (the max is taken out first, so
     # exp never overflows); [-5] -> -5.
@@ -170,7 +170,7 @@ def test_known_values_keep_the_entropy_gradient(tiny_model, tokenizer, with_prob
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_head_products_through_onednn_give_the_same_values_and_gradients(tiny_model, tokenizer, monkeypatch,
                                                                          with_probs):
-    """Where oneDNN is the faster library (`algorithms.linear`) the head's logits, the backward's `g @ W` and the
+    """Where oneDNN is the faster library (`modeling.kernels`) the head's logits, the backward's `g @ W` and the
     weight gradient (in blocks of vocabulary rows) go through it; values and gradients are those of PyTorch's
     own products, with log p and H both differentiated, recomputed or replayed."""
     ids, mask = batch(tokenizer)
@@ -191,10 +191,10 @@ def test_head_products_through_onednn_give_the_same_values_and_gradients(tiny_mo
 
     expected, expected_grads = run()
     force_onednn(monkeypatch)
-    monkeypatch.setattr(fast_linear, "ADDMM_BLOCK_ROWS", 7)
+    monkeypatch.setattr(kernels, "ADDMM_BLOCK_ROWS", 7)
     calls = []
-    op = fast_linear._onednn_linear
-    monkeypatch.setattr(fast_linear, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
+    op = kernels._onednn_linear
+    monkeypatch.setattr(kernels, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
     out, grads = run()
     assert calls
     torch.testing.assert_close(out.logps, expected.logps, atol=ATOL, rtol=0)
@@ -398,7 +398,7 @@ def test_logprobs_score_the_models_own_logits_whatever_it_does_after_the_head(to
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -T - 1:-1].float()
         expected = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
-    with caplog.at_level("WARNING", logger="grpo_trainer.algorithms.logprobs"):
+    with caplog.at_level("WARNING", logger="grpo_trainer.modeling.logprobs"):
         out = completion_logprobs(model, ids, mask, T, temperature=0.7, chunk_size=5, with_entropy=True)
     torch.testing.assert_close(out.logps, expected, atol=1e-5, rtol=0)
     assert ("not its LM head's output" in caplog.text) == (kind == "unknown_postprocessing")
@@ -424,7 +424,7 @@ def test_a_forward_under_autocast_is_not_mistaken_for_post_processing(tokenizer,
     monkeypatch.setattr(logprobs_module, "_logprobs_from_model_logits",
                         lambda *args, **kwargs: pytest.fail("took the model-logits path"))
     ids, mask = batch(tokenizer)
-    with caplog.at_level("WARNING", logger="grpo_trainer.algorithms.logprobs"):
+    with caplog.at_level("WARNING", logger="grpo_trainer.modeling.logprobs"):
         out = completion_logprobs(model, ids, mask, T, temperature=0.7, chunk_size=5, with_entropy=True)
     assert "not its LM head's output" not in caplog.text
     expected, _ = naive(reference, ids, mask, 0.7)

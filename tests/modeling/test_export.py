@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo_trainer.runtime.weights import inference_weights
+from grpo_trainer.modeling.export import inference_weights
 
 
 def test_plain_model_yields_every_checkpoint_name_with_the_tied_head(tiny_model):
@@ -65,13 +65,14 @@ def test_quantized_layers_are_refused_by_name(tiny_model):
         __module__ = "bitsandbytes.nn.modules"
 
     tiny_model.model.layers[0].mlp.up_proj = Linear4bit(4, 4)
-    with pytest.raises(ValueError, match="bitsandbytes-quantized layers \\(Linear4bit\\).*use_vllm"):
+    refused = r"bitsandbytes-quantized layers \(model\.layers\.0\.mlp\.up_proj: Linear4bit\).*use_vllm"
+    with pytest.raises(ValueError, match=refused):
         next(inference_weights(tiny_model))
 
 
 def test_metadata_describes_what_is_yielded_in_order(tokenizer):
     from grpo_trainer.cli.toy import make_tiny_model
-    from grpo_trainer.runtime.weights import inference_weight_metadata
+    from grpo_trainer.modeling.export import inference_weight_metadata
 
     peft_model = _lora(make_tiny_model(tokenizer))
     yielded = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in inference_weights(peft_model)]

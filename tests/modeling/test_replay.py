@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.algorithms.logprobs import completion_logprobs
 from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.modeling import replay
+from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rewards.library import copy_digits_reward
-from grpo_trainer.rollout import replay
 from grpo_trainer.runtime import compat
 from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
 
@@ -117,7 +117,7 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
     runs = _count_layer_runs(model, monkeypatch)
     for rows in (slice(0, 4), slice(4, 8), torch.tensor([1, 6, 2, 5])):
         assert (round_.select(rows).kept_columns()[0] > 0) == (rows == slice(4, 8))
-        inputs = trainer._micro_batch(round_.select(rows), "train")
+        inputs = trainer.scorer.prepare(round_.select(rows), "train", trainer.model)
         runs[0] = 0
         replayed = loss_and_grads(inputs)
         assert runs[0] == 2  # 2 layers, each run once (the backward's recompute)

@@ -12,7 +12,7 @@ sequence forward's, equal up to float rounding (a KV-cache decode sums attention
 loss never reads (left padding, after EOS, the last token, which the rollout never fed back) hold whatever the
 rollout left there, zeros for the last token: their gradient is exactly zero, as it is without replay.
 
-The LM head gets the same treatment in `algorithms.logprobs`: on-policy its forward returns the rollout's log-probs,
+The LM head gets the same treatment in `modeling.logprobs`: on-policy its forward returns the rollout's log-probs,
 and its backward takes the rollout's tempered softmax (`Rollout.sampling_probs`) instead of recomputing the logits.
 Both kinds of tensors are kept only within the memory budget that `capture` applies.
 
