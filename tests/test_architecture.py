@@ -21,8 +21,10 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"algorithms", "modeling"},
     "reporting": {"algorithms"},
     "rollout": {"algorithms", "data", "modeling", "runtime"},
-    "trainer": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime"},
-    "cli": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime", "trainer"},
+    "planning": {"algorithms", "modeling", "rollout"},
+    "trainer": {"algorithms", "config", "data", "modeling", "planning", "reporting", "rewards", "rollout", "runtime"},
+    "cli": {"algorithms", "config", "data", "modeling", "planning", "reporting", "rewards", "rollout", "runtime",
+            "trainer"},
     "experimental": {"config", "trainer"},
 }
 # Top-level modules: the public API (`__init__`) and the seeds' public path for estimators (`advantage`).

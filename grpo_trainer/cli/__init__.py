@@ -1,5 +1,5 @@
 """`grpo-train`: the command line, and the offline toy model and task of its demo (`toy`)."""
 
-from grpo_trainer.cli.command import main
+from grpo_trainer.cli.entry import main
 
 __all__ = ["main"]

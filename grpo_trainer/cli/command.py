@@ -4,6 +4,7 @@
     grpo-train --config run.yaml --learning_rate 1e-6
     accelerate launch -m grpo_trainer.cli --config run.yaml   # on CPU: ACCELERATE_USE_CPU=true
     grpo-train vllm-serve --model <model>        # the vLLM server of vllm_mode='server' (`cli.vllm_serve`)
+    grpo-train plan --config run.yaml            # the run's memory plan, no weights loaded (`cli.plan`)
 
 Decisions:
 
@@ -145,8 +146,9 @@ def _read_yaml(path: str, actions: dict[str, argparse.Action]) -> dict[str, Any]
     return values
 
 
-def parse_args(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig]:
-    """Demo defaults < YAML file < flags. Raises UsageError for anything unknown or invalid."""
+def parse_args(argv: list[str], require_data: bool = True) -> tuple[ScriptArguments, GRPOConfig]:
+    """Demo defaults < YAML file < flags. Raises UsageError for anything unknown or invalid. `require_data`: a
+    dataset and rewards must be named (training; `grpo-train plan` needs only the model)."""
     parser = _parser()
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "demo")}
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -166,8 +168,11 @@ def parse_args(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig]:
         flag = next((a for a in unknown if a.startswith("-")), unknown[0])
         raise UsageError(f"unknown argument {flag!r}; {_suggest(flag, [f'--{k}' for k in actions])}"
                          "`grpo-train --help` lists every field.")
-    if script_args.model_name_or_path is None or script_args.dataset_name is None or not (
-            script_args.reward_funcs or script_args.reward_model_name_or_path):
+    no_data = script_args.dataset_name is None or not (script_args.reward_funcs
+                                                       or script_args.reward_model_name_or_path)
+    if script_args.model_name_or_path is None and not require_data:
+        raise UsageError("model_name_or_path is required; run with no arguments or --demo for the offline demo.")
+    if script_args.model_name_or_path is None or (require_data and no_data):
         raise UsageError("model_name_or_path, dataset_name and reward_funcs (or reward_model_name_or_path) are "
                          "required; run with no arguments or --demo for the offline demo.")
     return script_args, config

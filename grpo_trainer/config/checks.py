@@ -72,6 +72,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,
          f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
          f"{sorted(MULTI_OBJECTIVE_AGGREGATIONS)}."),
+        (args.memory_check not in ("error", "warn", "off"),
+         f"unknown memory_check {args.memory_check!r}; choose 'error', 'warn' or 'off'."),
         (not isinstance(args.async_rollouts, int) or args.async_rollouts < 0,
          f"async_rollouts must be an integer >= 0 (got {args.async_rollouts!r}); 0 is synchronous, 1 samples one "
          "round ahead."),

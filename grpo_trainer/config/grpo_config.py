@@ -195,6 +195,12 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         0.2, "Adaptive entropy control: target mean per-token entropy in nats, over the loss's tokens.")
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
                                          "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
+    memory_check: str = _opt(
+        "error", "Before loading weights, plan the run's peak memory per process (docs/MEMORY.md): 'error' stops a "
+        "run that would not fit, naming settings that do; 'warn' logs that and trains anyway; 'off' skips the plan. "
+        "With auto_find_batch_size=True the first setting that fits is applied instead (same global batch and "
+        "objective: a smaller per_device_train_batch_size with more gradient_accumulation_steps, checkpointing, a "
+        "lower vllm_gpu_memory_utilization).")
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 
@@ -246,9 +252,6 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
             self.bf16 = not self.fp16 and not self.use_cpu and _bf16_is_fast()
         compat.resolve_checkpointing(self, default=True)  # TRL's default (gradient_checkpointing=True there)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        if self.auto_find_batch_size:
-            raise ValueError("auto_find_batch_size is not supported: shrinking the batch would split prompt groups. "
-                             "Set it to False and lower per_device_train_batch_size instead.")
         super().__post_init__()
         compat.mirror_checkpointing(self)
         self._resolve_deprecated_names()

@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,18 +274,40 @@ def _head_reproduces_logits(lm: nn.Module, logits: Tensor, last_hidden: Tensor, 
                             transform: LogitTransform) -> bool:
     """Once per model: do the model's own last-position logits `[B, V]` equal transform(head(hidden))? A model
     that post-processes its logits in a way `LogitTransform` does not know fails, and is scored from its own
-    logits instead (a second forward), so log-probs are never silently another distribution's."""
+    logits instead (a second forward), so log-probs are never silently another distribution's.
+
+    Under mixed precision accelerate runs the model's forward in autocast (bf16 / fp16 matmuls), while this check
+    and the chunked head run outside it: the head's output is compared in each precision the forward may have had,
+    so a rounding difference is not taken for a transform (which would cost [B, T, V] float32 logits: 2.3 GiB more
+    at 16 x 256 tokens of a 152k vocabulary)."""
     if lm not in _CHECKED:
         with torch.no_grad():
-            ours = transform(head(last_hidden)).float()  # [B, V]
             theirs = logits.float()
             tolerance = 1e-4 * max(1.0, float(theirs.abs().max()))
-            _CHECKED[lm] = bool((ours - theirs).abs().max() <= tolerance)
+            _CHECKED[lm] = any(_matches(head, last_hidden, transform, theirs, tolerance, precision)
+                               for precision in _precisions(last_hidden.device.type))
         if not _CHECKED[lm]:
             logger.warning("%s's logits are not its LM head's output (after the logit transforms grpo_trainer knows: "
                            "%s); its log-probs are computed from the model's own logits, which costs a second "
                            "forward and [B, T, V] logits in memory.", type(lm).__name__, transform)
     return _CHECKED[lm]
+
+
+def _matches(head: nn.Module, hidden: Tensor, transform: LogitTransform, logits: Tensor, tolerance: float,
+             precision: contextlib.AbstractContextManager) -> bool:
+    with precision:
+        ours = transform(head(hidden)).float()  # [B, V]
+    return bool((ours - logits).abs().max() <= tolerance)
+
+
+def _precisions(device_type: str) -> Iterator[contextlib.AbstractContextManager]:
+    """As is, then under autocast to bfloat16 and to float16 (where this device has it)."""
+    yield contextlib.nullcontext()
+    for dtype in (torch.bfloat16, torch.float16):
+        try:
+            yield torch.autocast(device_type, dtype=dtype)
+        except RuntimeError:  # a device without autocast for this dtype
+            continue
 
 
 def is_fsdp_module(model: nn.Module) -> bool:

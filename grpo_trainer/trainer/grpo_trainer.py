@@ -60,7 +60,7 @@ from grpo_trainer.rewards.sources import ADVANTAGE_EPS
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
-from grpo_trainer.trainer import lifecycle, setup
+from grpo_trainer.trainer import lifecycle, memory, setup
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings, ProducerPacing
 from grpo_trainer.trainer.round import Round
@@ -140,6 +140,7 @@ class GRPOTrainer(Trainer):
                            prompt_optional=environments is not None)
         setup.check_async(args, backend, train_dataset, rollout_func)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+        memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)
         policy = setup.build_policy(model, args, peft_config, quantization_config)
         setup.check_async_model(policy.model, args, in_process=not backend.capabilities.own_weights)
         self.ref_model, self.router_aux_loss_coef = policy.ref_model, policy.router_aux_loss_coef

@@ -42,7 +42,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"reward_timeout": 0.0}, "reward_timeout must be > 0 seconds or None (got 0.0)"),
     ({"signal_grace_period": -1.0}, "signal_grace_period must be >= 0 seconds (got -1.0)"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
-    ({"auto_find_batch_size": True}, "auto_find_batch_size is not supported"),
+    ({"memory_check": "maybe"}, "unknown memory_check 'maybe'; choose 'error', 'warn' or 'off'"),
     ({"vllm_mode": "remote"}, "unknown vllm_mode 'remote'; choose 'colocate' or 'server'"),
     ({"vllm_importance_sampling_mode": "token"}, "unknown vllm_importance_sampling_mode 'token'"),
     ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},

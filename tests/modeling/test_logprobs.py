@@ -408,3 +408,25 @@ def test_logprobs_score_the_models_own_logits_whatever_it_does_after_the_head(to
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits[:, -T - 1:-1].float()
     full = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[:, -T:, None]).squeeze(-1)
     _assert_same_grads(chunked, _grads(model, (full * weights).sum()))
+
+
+def test_a_forward_under_autocast_is_not_mistaken_for_post_processing(tokenizer, caplog, monkeypatch):
+    """bf16=True: accelerate runs the model's forward in bfloat16 autocast and returns float32 outputs, while the
+    chunked head runs outside autocast. Its bf16-rounded logits differ from the float32 head's by more than the
+    check's tolerance, which once sent every mixed-precision run down the model-logits path ([B, T, V] float32
+    logits and a second forward: +5 GB at 16 x 256 tokens of Qwen2.5-0.5B on a GPU). The head path is kept, and
+    its log-probs are the float32 head's."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model = make_tiny_model(tokenizer, seed=3)
+    reference = make_tiny_model(tokenizer, seed=3)
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    monkeypatch.setattr(logprobs_module, "_logprobs_from_model_logits",
+                        lambda *args, **kwargs: pytest.fail("took the model-logits path"))
+    ids, mask = batch(tokenizer)
+    with caplog.at_level("WARNING", logger="grpo_trainer.modeling.logprobs"):
+        out = completion_logprobs(model, ids, mask, T, temperature=0.7, chunk_size=5, with_entropy=True)
+    assert "not its LM head's output" not in caplog.text
+    expected, _ = naive(reference, ids, mask, 0.7)
+    # the hidden states went through bfloat16 layers; the head and softmax ran in float32
+    torch.testing.assert_close(out.logps, expected, atol=0.1, rtol=0)

@@ -1,0 +1,104 @@
+"""Settings that fit a device and train the same objective: what the over-budget error lists and what
+`auto_find_batch_size=True` applies.
+
+Decisions:
+
+1. The same objective means the same global batch, the same generation rounds and the same algorithm: a
+   micro-batch of `micro_batch / k` rows with `k` times the gradient-accumulation steps and `k` times the micro-steps
+   per round (so `generation_batch_size` is unchanged and a round is generated exactly as before), activation
+   checkpointing (which recomputes, never changes, a value), and a smaller vLLM memory fraction (which only bounds
+   its KV cache: a round that does not fit at once is queued). Splitting micro-batches changes nothing only where
+   the loss's aggregation sums micro-batches to the whole window's value (`SPLIT_EXACT`): every aggregation but
+   `bnpo` (a token mean per micro-batch), and not with `top_entropy_quantile < 1` (a quantile per micro-batch).
+2. LoRA fits where full training does not, but trains other parameters: it is listed, never applied.
+3. Candidates are tried cheapest first: fewer micro-steps, then checkpointing (one more forward per layer), then a
+   lower vLLM fraction; the first that fits is `auto_find_batch_size`'s choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from grpo_trainer.algorithms.losses import LOSS_TYPES
+from grpo_trainer.planning.estimate import MemoryPlan, plan_memory
+from grpo_trainer.planning.settings import DeviceMemory, ModelShape, PlanSettings
+
+__all__ = ["SPLIT_EXACT", "Fit", "fitting", "split_is_exact"]
+
+# aggregation -> whether summing a window's micro-batches gives the same loss however the rows are split
+# (tests/planning/test_fit.py checks that every aggregation in `losses.AGGREGATIONS` is classified here)
+SPLIT_EXACT: dict[str, bool] = {"grpo": True, "luspo": True, "dr_grpo": True, "dapo": True, "bnpo": False}
+
+
+def split_is_exact(loss_type: str, top_entropy_quantile: float) -> bool:
+    """Whether smaller micro-batches with more accumulation train the same objective (decision 1)."""
+    return SPLIT_EXACT[LOSS_TYPES[loss_type][1]] and top_entropy_quantile >= 1.0
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A setting that fits, with its plan. `changes`: GRPOConfig field -> new value."""
+
+    changes: dict
+    plan: MemoryPlan
+    same_objective: bool = True
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.changes.items())
+
+
+def fitting(settings: PlanSettings, shape: ModelShape, device: DeviceMemory, split_exact: bool,
+            lora_shape: ModelShape | None = None, limit: int = 3) -> list[Fit]:
+    """Up to `limit` settings that fit `device` with the same objective, cheapest first (decision 3), then LoRA
+    (with `lora_shape`, the model with a default adapter) if it fits."""
+    found = []
+    for candidate in _candidates(settings, split_exact):
+        plan = plan_memory(candidate, shape)
+        if plan.device_bytes <= device.total_bytes:
+            found.append(Fit(_changes(settings, candidate), plan))
+            if len(found) == limit:
+                break
+    if lora_shape is not None and not shape.adapter_parameters:
+        for candidate in [settings, *_candidates(settings, split_exact)]:
+            plan = plan_memory(candidate, lora_shape)
+            if plan.device_bytes <= device.total_bytes:
+                found.append(Fit({"use_peft": True, **_changes(settings, candidate)}, plan, same_objective=False))
+                break
+    return found
+
+
+def _candidates(settings: PlanSettings, split_exact: bool) -> list[PlanSettings]:
+    splits = [k for k in range(1, settings.micro_batch + 1) if settings.micro_batch % k == 0] if split_exact else [1]
+    checkpointing = [settings.checkpointing] + ([] if settings.checkpointing else [True])
+    fractions = [settings.vllm_memory_fraction] + _lower_fractions(settings)
+    scored = []
+    for k in splits:
+        for ckpt in checkpointing:
+            for fraction in fractions:
+                cost = k * (1.33 if ckpt != settings.checkpointing else 1.0) \
+                    + (fraction != settings.vllm_memory_fraction) * 0.5
+                candidate = dataclasses.replace(
+                    settings, micro_batch=settings.micro_batch // k, accumulation_steps=settings.accumulation_steps * k,
+                    steps_per_generation=settings.steps_per_generation * k, checkpointing=ckpt,
+                    vllm_memory_fraction=fraction)
+                if candidate != settings:
+                    scored.append((cost, len(scored), candidate))
+    return [candidate for _, _, candidate in sorted(scored)]
+
+
+def _lower_fractions(settings: PlanSettings) -> list[float]:
+    """Smaller vLLM fractions, in steps of 0.05 down to 0.1 (colocated vLLM on a GPU only)."""
+    if settings.rollout != "vllm_colocate" or settings.device != "cuda":
+        return []
+    steps = int(round(settings.vllm_memory_fraction * 20))
+    return [step / 20 for step in range(steps - 1, 1, -1)]
+
+
+def _changes(settings: PlanSettings, candidate: PlanSettings) -> dict:
+    """The GRPOConfig fields that turn `settings` into `candidate`."""
+    names = {"micro_batch": "per_device_train_batch_size", "accumulation_steps": "gradient_accumulation_steps",
+             "steps_per_generation": "steps_per_generation", "checkpointing": "gradient_checkpointing",
+             "vllm_memory_fraction": "vllm_gpu_memory_utilization"}
+    return {field: getattr(candidate, name) for name, field in names.items()
+            if getattr(candidate, name) != getattr(settings, name)}

@@ -1,0 +1,151 @@
+"""The planner's typed inputs: what a run trains on (`ModelShape`), how it trains (`PlanSettings`), and where
+(`DeviceMemory`). Frozen dataclasses of plain numbers and names, so that a plan is a pure function of them.
+
+`PlanSettings` is built from a `GRPOConfig` by `trainer.memory.plan_settings`, `ModelShape` from a model config by
+`planning.shape.model_shape`; the planner itself never sees either object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DTYPE_BYTES", "DeviceMemory", "ModelShape", "PlanSettings"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A causal LM as trained (its adapter included), in numbers: sizes from its config, parameter counts taken on
+    the meta device (no weights are read).
+
+    Shapes: `V` vocabulary, `E` hidden size, `I` MLP width, `L` decoder layers, `H` query heads, `K` key/value
+    heads, `D` head dim.
+    """
+
+    model_type: str
+    vocab: int  # V
+    hidden: int  # E
+    intermediate: int  # I
+    layers: int  # L
+    heads: int  # H
+    kv_heads: int  # K
+    head_dim: int  # D
+    tied_head: bool  # the LM head shares the input embedding's matrix
+    parameters: int  # every distinct parameter of the base model (a tied head counted once)
+    layer_parameters: int  # one decoder layer's
+    linear_parameters: int  # the decoder layers' nn.Linear weights (what 4-bit and 8-bit quantisation pack)
+    largest_parameter: int  # elements of the largest parameter tensor
+    adapter_parameters: int = 0  # trainable adapter (LoRA) parameters; 0 without an adapter
+    dropout_inputs: int = 0  # per layer: input features of the adapted modules with dropout (their dropped copies)
+    factored_state: int = 0  # trainable matrices' rows + columns, plus trainable vectors' elements (Adafactor)
+    # Which of a Llama-family layer's linear modules keep their input for the backward (trained, or adapted without
+    # dropout), and whether its norms' weights train: what autograd saves (`estimate.activation_bytes_per_token`).
+    attention_inputs_kept: int = 3  # of q/k/v (1 for a fused qkv projection)
+    output_input_kept: bool = True  # o_proj
+    mlp_inputs_kept: int = 2  # of gate/up (1 for a fused gate|up projection)
+    down_input_kept: bool = True  # down_proj
+    norms_trained: bool = True
+
+    @property
+    def trainable(self) -> int:
+        """Parameters the optimizer updates: the adapter's, or every parameter."""
+        return self.adapter_parameters or self.parameters
+
+    @property
+    def head_parameters(self) -> int:
+        """V x E: the LM head's matrix (the embedding's when tied)."""
+        return self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """How one process trains: the GRPOConfig fields (and launch facts) that change its memory.
+
+    Batch fields count completions (rows), as `per_device_train_batch_size` does.
+    """
+
+    device: str  # "cpu" or "cuda"
+    micro_batch: int  # per_device_train_batch_size: rows per forward/backward
+    accumulation_steps: int  # gradient_accumulation_steps
+    steps_per_generation: int  # micro-steps one generation round serves
+    num_iterations: int
+    num_generations: int  # G
+    prompt_length: int  # S: the longest prompt, in tokens
+    completion_length: int  # T: max_completion_length
+    weight_dtype: str = "float32"  # the dtype the weights are loaded in
+    mixed_precision: str | None = None  # "bfloat16" / "float16" autocast over the weights (bf16=True, fp16=True)
+    checkpointing: bool = True  # activation checkpointing
+    beta: float = 0.0
+    quantization: str | None = None  # "4bit" / "8bit" (bitsandbytes, QLoRA) or None
+    optimizer: str = "adamw_torch_fused"  # TrainingArguments.optim
+    sgd_momentum: float = 0.0
+    max_grad_norm: float = 1.0
+    logprob_chunk_size: int = 1024
+    temperature_matches: bool = True  # sampling temperature == loss temperature (rollout values are the loss's)
+    entropy_gradient: bool = False  # the loss differentiates the entropy (an entropy bonus)
+    rollout: str = "fast"  # "fast", "generate", "continuous", "vllm_colocate" or "vllm_server"
+    vllm_memory_fraction: float = 0.3  # vllm_gpu_memory_utilization
+    vllm_max_model_length: int | None = None
+    vllm_sleep: bool = False  # vllm_enable_sleep_mode
+    vllm_cpu_kv_bytes: int = 4 * 2**30  # VLLM_CPU_KVCACHE_SPACE (vLLM's CPU build)
+    continuous_memory_fraction: float = 0.5  # transformers' continuous batching: max_memory_percent
+    processes: int = 1  # world size
+    processes_per_node: int = 1  # processes sharing one machine's memory (CPU) or one GPU's (never: 1)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage (0: no DeepSpeed)
+    zero_reduce_bucket: int = 500_000_000  # DeepSpeed reduce_bucket_size (elements)
+    offload_optimizer: bool = False  # ZeRO offload of optimizer state to CPU memory
+    offload_parameters: bool = False  # ZeRO-3 offload of parameters to CPU memory
+    fsdp: bool = False  # FSDP (full sharding)
+    gather_for_generation: bool = True  # ds3_gather_for_generation
+    device_total_bytes: int = 0  # the GPU's memory (an engine's pool is a fraction of it); 0 when unknown
+
+    @property
+    def sequence_length(self) -> int:
+        """N = S + T: tokens per row in the loss forward."""
+        return self.prompt_length + self.completion_length
+
+    @property
+    def round_rows(self) -> int:
+        """Rows this process generates per round: micro_batch x steps_per_generation."""
+        return self.micro_batch * self.steps_per_generation
+
+    @property
+    def on_policy(self) -> bool:
+        """Every micro-step of a round runs before the next optimizer step (`trainer.rounds._on_policy`)."""
+        return self.accumulation_steps % (self.steps_per_generation * self.num_iterations) == 0
+
+    @property
+    def plain_single_process(self) -> bool:
+        """One process whose model no engine wraps (replay of layer outputs needs it: `rollout.capture`)."""
+        return self.processes == 1 and self.zero_stage == 0 and not self.fsdp
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of linear layers' outputs: the autocast dtype, else the weights'."""
+        return DTYPE_BYTES[self.mixed_precision or self.weight_dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.zero_stage == 3 or self.fsdp
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.zero_stage >= 2 or self.fsdp
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.zero_stage >= 1 or self.fsdp
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The memory one process may use: a GPU's, or its share of the machine's RAM on CPU."""
+
+    device: str  # "cpu" or "cuda"
+    total_bytes: int
+    source: str  # where the figure comes from (shown in the verdict)

@@ -1,0 +1,91 @@
+"""`grpo-train plan`: the itemised plan and verdict from a model's config, offline, without reading weights."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_trainer.cli import entry
+from grpo_trainer.cli.toy import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def config_dir(tmp_path, tokenizer):
+    """A model directory holding only config.json and the tokenizer: no weights to read."""
+    path = tmp_path / "model"
+    model = make_tiny_model(tokenizer)
+    model.config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert not list(path.glob("*.safetensors"))
+    return path
+
+
+def plan(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        entry.main(["plan", *argv])
+    return exited.value.code, capsys.readouterr()
+
+
+def test_plan_from_a_config_directory(config_dir, capsys, monkeypatch):
+    monkeypatch.delenv("GRPO_TRAINER_DEVICE_MEMORY", raising=False)
+    code, out = plan(["--model_name_or_path", str(config_dir), "--dataset_name", "builtin:copy_digits",
+                      "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "32",
+                      "--beta", "0.04"], capsys)
+    assert code == 0, out.err
+    for text in ("weights", "reference model", "optimizer state", "KV cache", "activations", "opt step",
+                 "total (resident memory)", "verdict: fits"):
+        assert text in out.out
+    # the prompt length: the longest of the dataset's first prompts, tokenised as the rollout does
+    from transformers import AutoTokenizer
+
+    from grpo_trainer.cli.toy import copy_digits_dataset
+    from grpo_trainer.rollout.prompts import tokenize_prompts
+
+    rows = copy_digits_dataset(num_prompts=512).select(range(256))
+    saved = AutoTokenizer.from_pretrained(config_dir)  # what the trainer loads for a model given by path
+    longest = tokenize_prompts(saved, list(rows["prompt"]), None).ids.shape[1]
+    assert f"prompt {longest} + completion 32 tokens" in out.out
+
+
+def test_the_same_yaml_as_training_and_a_device_that_is_too_small(config_dir, tmp_path, capsys):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(f"model_name_or_path: {config_dir}\nper_device_train_batch_size: 8\nnum_generations: 4\n"
+                      "max_completion_length: 64\nmax_prompt_length: 16\n")
+    code, out = plan(["--config", str(recipe), "--device_memory", "100MiB"], capsys)
+    assert code == 1
+    assert "DOES NOT FIT" in out.out and "it would run out of memory" in out.out
+    assert "prompt 16 + completion 64 tokens" in out.out  # no dataset: max_prompt_length
+
+
+def test_plan_for_a_gpu_from_a_machine_without_one(config_dir, capsys):
+    code, out = plan(["--model_name_or_path", str(config_dir), "--max_prompt_length", "32", "--bf16", "True",
+                      "--device", "cuda", "--device_memory", "80GiB", "--use_vllm", "True"], capsys)
+    assert code == 0, out.err
+    assert "on cuda" in out.out and "autocast bfloat16" in out.out and "total on the GPU (allocated)" in out.out
+    assert "vLLM engine" in out.out and "24.00" in out.out  # 0.3 of 80 GiB
+
+
+def test_bad_input_is_status_2(capsys):
+    code, out = plan(["--model_name_or_path", "./no/such/model"], capsys)
+    assert code == 2 and "does not exist" in out.err
+
+
+def test_a_hub_id_is_read_from_the_cache_offline(tmp_path, tokenizer):
+    """`org/name` resolves through the Hub cache like any from_pretrained (offline here: a cache written by hand)."""
+    snapshot = tmp_path / "hub" / "models--someorg--tiny" / "snapshots" / ("0" * 40)
+    model = make_tiny_model(tokenizer)
+    model.config.save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--someorg--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someorg--tiny" / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
+           "GRPO_TRAINER_DEVICE_MEMORY": "8GiB"}
+    proc = subprocess.run([sys.executable, "-m", "grpo_trainer.cli", "plan", "--model_name_or_path", "someorg/tiny",
+                           "--max_prompt_length", "16"], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Memory plan for someorg/tiny" in proc.stdout and "verdict: fits" in proc.stdout

@@ -1,0 +1,194 @@
+"""The planner's arithmetic: every item checked against a hand-derived size, and the activation formula against
+what autograd really saves in a Qwen2 layer (`saved_tensors_hooks`)."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from grpo_trainer.modeling.logprobs import LOGITS_CHUNK_BYTES
+from grpo_trainer.planning import INSTANTS, activation_bytes_per_token, model_shape, plan_memory
+from grpo_trainer.planning.estimate import CPU_RUNTIME_BYTES
+from grpo_trainer.rollout.capture import REPLAY_MAX_BYTES
+from tests.planning.shapes import SETTINGS, SHAPE
+
+
+def item(plan, name):
+    found = [i for i in plan.items if i.name == name]
+    assert found, f"no item {name!r} in {[i.name for i in plan.items]}"
+    return dict(zip(INSTANTS, found[0].bytes))
+
+
+def test_persistent_items_are_products_of_parameters_and_dtypes():
+    plan = plan_memory(SETTINGS, SHAPE)
+    assert item(plan, "weights")["rollout"] == 200_000 * 4  # float32
+    assert item(plan, "optimizer state")["rollout"] == 2 * 200_000 * 4  # AdamW: two moments in float32
+    assert item(plan, "runtime (process, libraries)")["optimizer step"] == CPU_RUNTIME_BYTES
+    assert item(plan, "gradients")["optimizer step"] == 200_000 * 4
+    # before any layer's gradient, the head's V x E = 64,000 of them
+    assert item(plan, "gradients")["backward start"] == 1000 * 64 * 4
+    assert item(plan, "gradients")["rollout"] == 0  # dropped by zero_grad before the next round
+
+
+def test_rollout_items():
+    plan = plan_memory(SETTINGS, SHAPE)
+    # fast decoder KV cache: 2 (keys, values) x 2 layers x 4 rows x 2 heads x 16 tokens x 16 dims x 4 B
+    assert item(plan, "KV cache")["rollout"] == 2 * 2 * 4 * 2 * 16 * 16 * 4 == 32_768
+    # replay: layer outputs [4 rows, 2 layers, 16 tokens, 64] float32 = 32,768 B; softmax [4, 10, 1000] = 160,000 B
+    replay = item(plan, "replay tensors")
+    assert replay["rollout"] == 32_768 + 160_000
+    assert replay["loss forward"] == 32_768 + 160_000
+    # the backward: the micro-batch was dropped (layer outputs gone); the softmax lives until the head's backward
+    assert replay["backward end"] == 0
+
+
+def test_replay_beyond_the_budget_keeps_the_layer_outputs_only():
+    """At V = 151,936 and 8 rows x 1024 tokens the softmax is 4.98 GB > REPLAY_MAX_BYTES (1 GiB): dropped."""
+    big = dataclasses.replace(SHAPE, vocab=151_936)
+    settings = dataclasses.replace(SETTINGS, micro_batch=8, completion_length=1024)
+    assert 8 * 1024 * 151_936 * 4 > REPLAY_MAX_BYTES
+    replay = item(plan_memory(settings, big), "replay tensors")
+    assert replay["rollout"] == 8 * 2 * (6 + 1024) * 64 * 4  # [B, L, S + T, E] float32 only
+
+
+def test_log_prob_chunks_follow_logits_chunk_bytes():
+    """chunk_rows(1024, 151,936) = 2**27 // (4 x 151,936) = 220 rows; the backward recomputes one chunk of logits
+    (no softmax is kept: off-policy rounds keep no replay)."""
+    assert LOGITS_CHUNK_BYTES // (4 * 151_936) == 220
+    big = dataclasses.replace(SHAPE, vocab=151_936)
+    # two passes over a round with one micro-step per optimizer step: the second pass is off-policy
+    off_policy = dataclasses.replace(SETTINGS, micro_batch=8, completion_length=256, num_iterations=2)
+    chunks = item(plan_memory(off_policy, big), "log-prob chunks")
+    assert chunks["loss forward"] == 2 * 220 * 151_936 * 4  # logits and their log-softmax side by side
+    assert chunks["backward start"] == 220 * 151_936 * 4
+    # a micro-batch of 4 x 10 = 40 completion tokens projects 40 rows, not 220
+    small = item(plan_memory(dataclasses.replace(SETTINGS, num_iterations=2), big),
+                 "log-prob chunks")
+    assert small["backward start"] == 40 * 151_936 * 4
+
+
+def test_activations_with_and_without_checkpointing():
+    per_token = activation_bytes_per_token(SETTINGS, SHAPE)
+    # float32, full training: 4 B x (6 E + 4 H D + 4 FFN) + 4 B x H = 4 x (384 + 256 + 512) + 16
+    assert per_token == 4624
+    rows, tokens = 4, 16
+    checkpointed = plan_memory(SETTINGS, SHAPE)
+    # each layer's input and the embedding / final norm outputs: 4 x 16 x 64 x 4 B x (2 + 2)
+    assert item(checkpointed, "activations")["loss forward"] == rows * tokens * 64 * 4 * 4
+    full = plan_memory(dataclasses.replace(SETTINGS, checkpointing=False), SHAPE)
+    layer = rows * (tokens * per_token + 4 * tokens * tokens)  # + the [N, N] float32 attention mask per row
+    assert item(full, "activations")["loss forward"] == 2 * layer + rows * tokens * 64 * 4 * 2
+
+
+def test_sharding_divides_what_zero_partitions():
+    two = dataclasses.replace(SETTINGS, processes=2, processes_per_node=2)
+    ddp, zero2, zero3 = (plan_memory(dataclasses.replace(two, zero_stage=z), SHAPE) for z in (0, 2, 3))
+    assert item(ddp, "DDP gradient buckets")["rollout"] == 200_000 * 4
+    assert item(zero2, "weights")["rollout"] == 200_000 * 4  # replicated
+    assert item(zero2, "optimizer state")["rollout"] == 200_000 * 4  # 2 x 200,000 x 4 / 2
+    assert item(zero2, "DeepSpeed float32 master weights")["rollout"] == 200_000 * 4 / 2
+    assert item(zero2, "gradients")["optimizer step"] == 200_000 * 4 / 2
+    assert item(zero3, "weights")["rollout"] == 200_000 * 4 / 2
+    assert item(zero3, "ZeRO-3 gathered weights")["rollout"] == 200_000 * 4  # ds3_gather_for_generation
+
+
+def test_reference_model_only_without_an_adapter():
+    beta = dataclasses.replace(SETTINGS, beta=0.04)
+    assert item(plan_memory(beta, SHAPE), "reference model")["rollout"] == 200_000 * 4
+    adapter = dataclasses.replace(SHAPE, adapter_parameters=5_000)
+    names = [i.name for i in plan_memory(beta, adapter).items]
+    assert "reference model" not in names  # the policy with its adapter disabled
+    assert item(plan_memory(beta, adapter), "optimizer state")["rollout"] == 2 * 5_000 * 4
+
+
+@pytest.mark.parametrize(("optim", "momentum", "state"), [
+    ("adamw_torch_fused", 0.0, 2 * 200_000 * 4), ("adamw_8bit", 0.0, 2 * 200_000), ("sgd", 0.0, 0),
+    ("sgd", 0.9, 200_000 * 4), ("adagrad", 0.0, 200_000 * 4), ("lion_8bit", 0.0, 200_000),
+    ("some_future_optimizer", 0.0, 2 * 200_000 * 4)])
+def test_optimizer_state_by_optimizer(optim, momentum, state):
+    plan = plan_memory(dataclasses.replace(SETTINGS, optimizer=optim, sgd_momentum=momentum), SHAPE)
+    found = [i for i in plan.items if i.name == "optimizer state"]
+    assert (found[0].bytes[0] if found else 0) == state  # an item of 0 bytes is left out of the table
+    assert any("counted as AdamW" in i.note for i in found) == (optim == "some_future_optimizer")
+
+
+def test_accumulation_holds_gradients_through_later_micro_steps():
+    """With 2 accumulation steps the second micro-step's loss forward holds the first one's gradients."""
+    plan = plan_memory(dataclasses.replace(SETTINGS, accumulation_steps=2, steps_per_generation=2), SHAPE)
+    assert item(plan, "gradients")["loss forward"] == 200_000 * 4
+
+
+def test_the_peak_is_the_largest_instant():
+    plan = plan_memory(SETTINGS, SHAPE)
+    totals = dict(zip(INSTANTS, plan.totals()))
+    assert plan.peak_bytes == max(totals.values()) == totals[plan.peak_instant]
+    assert totals["scoring"] == 0  # beta 0, on-policy: no scoring forward in this run
+
+
+# ------------------------------------------------------------------- the activation formula against autograd
+
+
+def _saved_per_token_layer(make, autocast: bool, rows: int = 2, tokens: int = 24) -> float:
+    """Bytes autograd saves per token in one decoder layer, measured: (4-layer model - 2-layer model) / 2, less
+    each layer's [N, N] attention mask and (under autocast) its low-precision weight copies."""
+    saved = []
+    for layers in (2, 4):
+        config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        torch.manual_seed(0)
+        model = make(AutoModelForCausalLM.from_config(config, dtype=torch.float32)).train()
+        ids = torch.randint(0, 300, (rows, tokens))
+        mask = torch.ones(rows, tokens, dtype=torch.long)
+        mask[0, :3] = 0  # left padding: the mask is materialised, as in GRPO's rounds
+        storages = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, attention_mask=mask, logits_to_keep=1, output_hidden_states=True, use_cache=False)
+        saved.append(sum(size for ptr, size in storages.items() if ptr not in parameters))
+        shape = model_shape(config)
+    per_layer = (saved[1] - saved[0]) / 2
+    compute = 2 if autocast else 4
+    per_layer -= rows * compute * tokens * tokens  # the attention mask, in the query's dtype
+    if autocast:
+        per_layer -= shape.linear_parameters / shape.layers * 2  # autocast's bfloat16 weight copies
+    return per_layer / (rows * tokens)
+
+
+def _lora(targets, dropout=0.0):
+    from peft import LoraConfig, get_peft_model
+
+    def wrap(model):
+        model.enable_input_require_grads()
+        return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=dropout, target_modules=targets,
+                                                task_type="CAUSAL_LM"))
+
+    return wrap
+
+
+@pytest.mark.parametrize(("case", "make", "autocast"), [
+    ("full float32", lambda m: m, False),
+    ("full, bfloat16 autocast", lambda m: m, True),
+    ("LoRA on q/k/v/o", _lora(["q_proj", "k_proj", "v_proj", "o_proj"]), False),
+    ("LoRA everywhere, dropout", _lora("all-linear", 0.05), False),
+])
+def test_activation_formula_matches_what_autograd_saves(case, make, autocast):
+    measured = _saved_per_token_layer(make, autocast)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    adapter = None
+    if case.startswith("LoRA"):
+        from peft import LoraConfig
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if "q/k/v/o" in case else "all-linear"
+        adapter = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.05 if "dropout" in case else 0.0,
+                             target_modules=targets, task_type="CAUSAL_LM")
+    settings = dataclasses.replace(SETTINGS, mixed_precision="bfloat16" if autocast else None)
+    predicted = activation_bytes_per_token(settings, model_shape(config, adapter))
+    assert predicted == pytest.approx(measured, rel=0.06), case
