@@ -193,6 +193,11 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         0.2, "Adaptive entropy control: target mean per-token entropy in nats, over the loss's tokens.")
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
                                          "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
+    padding_free: bool = _opt(
+        False, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
+        "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "
+        "it cannot serve are scored padded, by rule or after a once-per-model packed-vs-padded self-check, with "
+        "the reason logged (README, 'Padding-free forwards').")
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 

@@ -8,7 +8,6 @@ Shapes: `B` completions (local), `T` completion tokens.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from typing import Any
@@ -19,8 +18,8 @@ from torch import Tensor, nn
 
 from grpo_trainer.algorithms import losses, masks, surrogates
 from grpo_trainer.algorithms.entropy import window_stats
-from grpo_trainer.modeling import replay, unwrap
-from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs
+from grpo_trainer.modeling import scoring
+from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.rollout import multimodal
 from grpo_trainer.trainer.round import Round
 
@@ -43,13 +42,12 @@ class LossMixin:
         with_aux_loss = policy and self.aux_loss_enabled
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
-        replayed = contextlib.nullcontext()
-        if policy and inputs.layer_outputs is not None and model.training:
-            replayed = replay.replayed_layers(unwrap.causal_lm(model).get_decoder().layers, inputs.layer_outputs)
-        with replayed:
-            return completion_logprobs(model, input_ids, attention_mask, width, self.args.temperature,
-                                       self.args.logprob_chunk_size, with_entropy, *known,
-                                       with_aux_loss=with_aux_loss, model_inputs=images)
+        replayed = inputs.layer_outputs if policy and model.training else None
+        args = self.args
+        settings = scoring.ScoringSettings(args.padding_free, args.temperature, args.logprob_chunk_size,
+                                           args.pad_to_multiple_of)
+        return scoring.score(model, input_ids, attention_mask, width, settings, with_entropy, known,
+                             with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
