@@ -5,10 +5,12 @@ longest prompt plus the longest completion. Where completion lengths vary, much 
 computes on it. `PackedBatch.of` moves the real tokens into `R` rows of `W` tokens:
 
 1. Plan: first-fit by length, decreasing (`first_fit_decreasing`): the longest sequence first, each into the first
-   row it fits, up to a token budget per row. The default budget is the longest sequence's length, so a row is never
-   wider than the padded batch's rows, and with attention as a dense `[W, W]` mask per row (SDPA, eager on CPU) no
-   row costs more attention than a padded one; flash-attention's varlen kernel costs per sequence, so there one row
-   holds everything (`PackingSettings.one_row`).
+   row it fits, up to a token budget per row; every row is then as wide as the widest. Wider rows leave less
+   filler, but where attention is a dense `[W, W]` mask per row (SDPA and eager attention: every pair of a row is
+   computed, masked or not) they cost attention quadratically. `plan` weighs both with the model's own numbers
+   (`PackingCost`: work per token, through every layer's weights, and per pair of tokens in a row, through its
+   attention) over budgets from the longest sequence to all of them, and keeps the cheapest; flash-attention's
+   varlen kernel costs per sequence, not per row (no pair cost), so there one row holds everything.
 2. Positions restart at 0 for each sequence, as the padded forward's `cumsum(mask) - 1` positions do. With no
    attention mask, no cache, and positions that restart, transformers' mask functions keep each sequence to itself
    (`masking_utils.find_packed_sequence_indices`); flash-attention gets `cu_seq_lens_q/k` and `max_length_q/k`
@@ -30,15 +32,28 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "PackingSettings", "first_fit_decreasing"]
+__all__ = ["PackedBatch", "PackingCost", "PackingSettings", "first_fit_decreasing", "plan"]
+
+
+@dataclass(frozen=True)
+class PackingCost:
+    """A forward's work in rows of `W` tokens: `token` per token (2 x the decoder layers' parameters: every linear),
+    `pair` per pair of tokens in one row (4 x layers x attention width: scores and weighted values, dense), so
+    `R x (token x W + pair x W^2)`. Only ratios matter. `pair` is 0 where attention costs per sequence (varlen)."""
+
+    token: float = 1.0
+    pair: float = 0.0
+
+    def rows(self, count: int, width: int) -> float:
+        return count * (self.token * width + self.pair * width * width)
 
 
 @dataclass(frozen=True)
 class PackingSettings:
     """How a micro-batch is packed."""
 
-    token_budget: int | None = None  # tokens per row at most (None: the longest sequence's length)
-    one_row: bool = False  # every sequence in one row (flash-attention's varlen kernel: no dense mask to pay for)
+    token_budget: int | None = None  # tokens per row at most (None: `plan` chooses with `cost`)
+    cost: PackingCost = PackingCost()
     pad_to_multiple_of: int | None = None  # row width rounded up to a multiple of this (TRL's option, for compilers)
 
 
@@ -65,6 +80,28 @@ def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]
 
 def _round_up(width: int, multiple: int | None) -> int:
     return width if multiple is None else -(-width // multiple) * multiple
+
+
+# Candidate budgets, in multiples of the longest sequence (and all of them in one row).
+_BUDGET_MULTIPLES = (1, 1.25, 1.5, 2, 3, 4, 6, 8)
+
+
+def plan(lengths: Sequence[int], settings: PackingSettings) -> tuple[list[list[int]], int]:
+    """Rows of sequence indices and their width: first-fit decreasing at `settings.token_budget`, or at the budget
+    whose rows `settings.cost` finds cheapest (ties: fewer rows). A row is as wide as the fullest, rounded up."""
+    if not lengths:
+        return [[]], _round_up(1, settings.pad_to_multiple_of)
+    longest = max(lengths)
+    budgets = [settings.token_budget] if settings.token_budget is not None else \
+        sorted({*(int(longest * m) for m in _BUDGET_MULTIPLES), sum(lengths)})
+    best = None
+    for budget in budgets:
+        rows = first_fit_decreasing(lengths, max(budget, longest))
+        width = _round_up(max(sum(lengths[i] for i in row) for row in rows), settings.pad_to_multiple_of)
+        key = (settings.cost.rows(len(rows), width), len(rows))
+        if best is None or key < best[0]:
+            best = (key, rows, width)
+    return best[1], best[2]
 
 
 @dataclass(frozen=True)
@@ -98,12 +135,9 @@ class PackedBatch:
         completions = real[:, width - T:].sum(1)  # [B]
         lengths = real.sum(1).tolist()
         kept = [b for b in range(B) if completions[b] > 0]  # rows with nothing to score are left out
-        kept_lengths = [lengths[b] for b in kept]
-        longest = max(kept_lengths, default=1)
-        budget = sum(kept_lengths) if settings.one_row else max(settings.token_budget or longest, longest)
-        rows = [[kept[i] for i in row] for row in first_fit_decreasing(kept_lengths, budget)] or [[]]
+        rows, W = plan([lengths[b] for b in kept], settings)
+        rows = [[kept[i] for i in row] for row in rows]
         used = [sum(lengths[b] for b in row) for row in rows]
-        W = _round_up(max(max(used), 1), settings.pad_to_multiple_of)
         R = len(rows)
         # Each padded row's packed row and first column (-1: not packed).
         packed_row = torch.full((B,), -1, dtype=torch.long)

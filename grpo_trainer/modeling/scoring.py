@@ -22,8 +22,8 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
    gathered forwards stay in step; afterwards each call is one forward, packed or padded.
 3. On-policy replay (the rollout's layer outputs, `modeling.replay`) composes with packing: each layer's output
    is gathered into the packed layout, and the backward recomputes each layer on packed rows.
-4. A micro-batch that packing would not shrink (one sequence, or no padding) runs padded: the same tokens, without
-   the packing's index arithmetic.
+4. The packed layout is the cheapest `packing.plan` finds for the model's `packing_cost`; a micro-batch whose
+   packed rows would not cost less than its padded ones (one sequence, little padding) runs padded.
 
 Shapes: `B` rows, `S + T` columns, `T` completion columns, `V` vocabulary, `L` decoder layers, `E` hidden size.
 """
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from grpo_trainer.modeling import replay
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, is_fsdp_module, scoring_head
-from grpo_trainer.modeling.packing import PackedBatch, PackingSettings
+from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings
 from grpo_trainer.modeling.unwrap import causal_lm
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,20 @@ def _attention(lm: nn.Module) -> str:
 
 
 def _varlen(lm: nn.Module) -> bool:
-    """flash-attention (2, 3, or a hub kernel of it): varlen kwargs, one row."""
+    """flash-attention (2, 3, or a hub kernel of it): varlen kwargs, attention per sequence."""
     return "flash" in _attention(lm)
+
+
+def packing_cost(lm: nn.Module) -> PackingCost:
+    """`lm`'s forward work per token (2 x its decoder layers' parameters; ZeRO-3's partitioned ones at full size)
+    and per pair of tokens in a row (4 x layers x attention width), for `packing.plan`."""
+    layers = lm.get_decoder().layers
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in layers.parameters())
+    if _varlen(lm):
+        return PackingCost(token=2.0 * parameters, pair=0.0)
+    config = lm.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return PackingCost(token=2.0 * parameters, pair=4.0 * len(layers) * config.num_attention_heads * head_dim)
 
 
 def _images(model: nn.Module, call: Call) -> str | None:
@@ -264,8 +276,9 @@ def self_check(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sett
         input_ids, attention_mask = input_ids.repeat(2, 1), attention_mask.repeat(2, 1)
     width = input_ids.shape[1] - 1
     lm = causal_lm(model)
-    layout = PackingSettings(token_budget=2 * int(attention_mask.sum(1).max()), one_row=_varlen(lm),
-                             pad_to_multiple_of=settings.pad_to_multiple_of)
+    lengths = attention_mask.sum(1)
+    budget = int(lengths.sum()) if _varlen(lm) else 2 * int(lengths.max())
+    layout = PackingSettings(token_budget=budget, pad_to_multiple_of=settings.pad_to_multiple_of)
     packed = PackedBatch.of(input_ids, attention_mask, width, layout)
     first = _first_sequences(packed)
     vocab = lm.get_input_embeddings().weight.shape[0]
@@ -302,6 +315,8 @@ def self_check(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sett
 
 # Causal LM -> the self-check's verdict (None: packing passed), once per model.
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Causal LM -> its `PackingCost`.
+_costs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Causal LM -> the refusal reasons already logged for it.
 _LOGGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -340,10 +355,10 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
     """
     call = Call(with_aux_loss, model_inputs)
     if settings.padding_free and _packing_refused(model, input_ids, attention_mask, settings, call) is None:
-        lm = causal_lm(model)
-        layout = PackingSettings(one_row=_varlen(lm), pad_to_multiple_of=settings.pad_to_multiple_of)
-        packed = PackedBatch.of(input_ids, attention_mask, completion_length, layout)
-        if packed.tokens_computed < input_ids.numel():  # decision 4
+        cost = _costs.get(causal_lm(model)) or _costs.setdefault(causal_lm(model), packing_cost(causal_lm(model)))
+        packed = PackedBatch.of(input_ids, attention_mask, completion_length,
+                                PackingSettings(cost=cost, pad_to_multiple_of=settings.pad_to_multiple_of))
+        if cost.rows(*packed.input_ids.shape) < cost.rows(*input_ids.shape):  # decision 4
             return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs)
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)

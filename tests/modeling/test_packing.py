@@ -4,7 +4,7 @@ scored token is predicted from and where its result goes back."""
 import pytest
 import torch
 
-from grpo_trainer.modeling.packing import PackedBatch, PackingSettings, first_fit_decreasing
+from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, first_fit_decreasing, plan
 
 
 def test_first_fit_decreasing_by_hand():
@@ -15,6 +15,18 @@ def test_first_fit_decreasing_by_hand():
     assert first_fit_decreasing([2, 2, 2], 4) == [[0, 1], [2]]
     assert first_fit_decreasing([7, 1], 4) == [[0], [1]]
     assert first_fit_decreasing([], 4) == []
+
+
+def test_plan_weighs_filler_against_dense_attention_by_hand():
+    # Lengths 5, 4, 3. Budgets 5, 6, 7, 10, 12 (1, 1.25, 1.5, 2 x the longest; everything) give rows
+    # [0] [1] [2] (width 5), the same at 6, [0] [1 2] (7), [0 1] [2] (9), [0 1 2] (12).
+    # Cost R x (token x W + pair x W^2). Without a pair cost (varlen attention): 15, 15, 14, 18, 12: one row.
+    assert plan([5, 4, 3], PackingSettings(cost=PackingCost(1.0, 0.0))) == ([[0, 1, 2]], 12)
+    # With pair = 1: 3 x (5 + 25) = 90, 2 x (7 + 49) = 112, 2 x (9 + 81) = 180, 12 + 144 = 156: rows of 5.
+    assert plan([5, 4, 3], PackingSettings(cost=PackingCost(1.0, 1.0))) == ([[0], [1], [2]], 5)
+    # A given budget is used as is; widths round up to pad_to_multiple_of.
+    assert plan([5, 4, 3], PackingSettings(token_budget=7, pad_to_multiple_of=4)) == ([[0], [1, 2]], 8)
+    assert plan([], PackingSettings()) == ([[]], 1)
 
 
 def _batch():
@@ -28,8 +40,8 @@ def _batch():
 
 def test_layout_by_hand():
     ids, mask = _batch()
-    packed = PackedBatch.of(ids, mask, completion_length=3)
-    # Lengths 5, 4, 3; budget = the longest, 5: [row 0], [row 1], [row 2] (4 + 3 > 5): nothing shares a row here,
+    packed = PackedBatch.of(ids, mask, completion_length=3, settings=PackingSettings(token_budget=5))
+    # Lengths 5, 4, 3; a budget of 5: [row 0], [row 1], [row 2] (4 + 3 > 5): nothing shares a row here,
     # but each row is only as wide as the longest sequence (5 instead of 6), the rest filler at positions 0, 1, ...
     assert packed.input_ids.tolist() == [[11, 12, 13, 14, 15], [21, 22, 23, 24, 0], [31, 32, 33, 0, 0]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
@@ -60,7 +72,7 @@ def test_budget_shares_rows_and_rows_without_completion_are_left_out():
 
 def test_one_row_and_flash_kwargs():
     ids, mask = _batch()
-    packed = PackedBatch.of(ids, mask, 3, PackingSettings(one_row=True, pad_to_multiple_of=8))
+    packed = PackedBatch.of(ids, mask, 3, PackingSettings(token_budget=12, pad_to_multiple_of=8))
     # 5 + 4 + 3 = 12 tokens in one row, rounded up to 16: a filler sequence of 4.
     assert packed.input_ids.shape == (1, 16)
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3]]

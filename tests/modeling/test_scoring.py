@@ -12,12 +12,13 @@ from transformers import Qwen2ForCausalLM
 
 from grpo_trainer.modeling import scoring
 from grpo_trainer.modeling.logprobs import completion_logprobs
-from grpo_trainer.modeling.packing import PackedBatch
+from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings
 from grpo_trainer.runtime import compat
 from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
 
 ATOL = 1e-5
 ON = scoring.ScoringSettings(padding_free=True)
+ROWS_OF_17 = PackingSettings(token_budget=17)  # the longest sequence of `variable_batch`
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +82,7 @@ def _loss_grads(model, logprobs, mask, generator_seed: int = 5):
 def test_packed_equals_padded_values_and_gradients(tokenizer, kind, lora, checkpointing):
     model = _model(kind, tokenizer, lora, checkpointing)
     ids, mask, T = variable_batch(tokenizer)
-    packed = PackedBatch.of(ids, mask, T)
+    packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
     assert len(_shared_rows(packed)) == 3 and packed.tokens_computed == 85 < ids.numel() == 144
     completion_mask = mask[:, -T:]
     padded = completion_logprobs(model, ids, mask, T, with_entropy=True)
@@ -102,7 +103,7 @@ def test_packed_equals_padded_values_and_gradients(tokenizer, kind, lora, checkp
 def test_perturbing_one_sequence_leaves_the_others_bit_identical(tokenizer):
     model = model_of_kind("qwen2", tokenizer).eval()
     ids, mask, T = variable_batch(tokenizer, B=8)
-    packed = PackedBatch.of(ids, mask, T)
+    packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
     # Two sequences sharing a packed row: perturb the earlier one (other tokens, same length); a leak would reach
     # the later one.
     first_b, second_b = _shared_rows(packed)[0]
@@ -110,7 +111,7 @@ def test_perturbing_one_sequence_leaves_the_others_bit_identical(tokenizer):
     changed[first_b] = torch.where(mask[first_b].bool(), (ids[first_b] + 7) % 100, ids[first_b])
     with torch.no_grad():
         before = scoring.packed_logprobs(model, packed, ON).logps
-        after = scoring.packed_logprobs(model, PackedBatch.of(changed, mask, T), ON).logps
+        after = scoring.packed_logprobs(model, PackedBatch.of(changed, mask, T, ROWS_OF_17), ON).logps
     others = [b for b in range(ids.shape[0]) if b != first_b]
     assert second_b in others
     assert torch.equal(after[others], before[others])  # bit-identical, including the row's next sequence
@@ -131,7 +132,7 @@ def test_the_use_cache_trap_is_real_and_caught(tokenizer, caplog):
     A model that makes one anyway fails the self-check, and is scored padded with the reason logged."""
     model = model_of_kind("qwen2", tokenizer).eval()
     ids, mask, T = variable_batch(tokenizer, B=8)
-    packed = PackedBatch.of(ids, mask, T)
+    packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
     real = mask[:, -T:].bool()
     with torch.no_grad():
         padded = completion_logprobs(model, ids, mask, T).logps
@@ -162,7 +163,7 @@ def test_a_returned_cache_is_refused(tokenizer):
     model = ReturnsCache(model_of_kind("qwen2", tokenizer).config).eval()
     ids, mask, T = variable_batch(tokenizer)
     with pytest.raises(RuntimeError, match="returned a KV cache from a packed forward"):
-        scoring.packed_logprobs(model, PackedBatch.of(ids, mask, T), ON)
+        scoring.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON)
     assert scoring.self_check(model, ids, mask, ON).startswith("the packed forward failed: RuntimeError")
 
 
@@ -226,7 +227,7 @@ def test_score_packs_when_it_saves_tokens_and_checks_once(tokenizer):
     model = model_of_kind("qwen2", tokenizer)
     shapes = _count_forwards(model)
     ids, mask, T = variable_batch(tokenizer)
-    packed = PackedBatch.of(ids, mask, T)
+    packed = PackedBatch.of(ids, mask, T, PackingSettings(cost=scoring.packing_cost(model)))
     off = scoring.score(model, ids, mask, T, dataclasses.replace(ON, padding_free=False))
     assert shapes == [tuple(ids.shape)]
     on = scoring.score(model, ids, mask, T, ON)
@@ -295,7 +296,7 @@ def test_replay_composes_with_packing(tokenizer, kind, monkeypatch):
     ids = torch.cat([prompts.ids, rollout.completion_ids], 1)
     mask = torch.cat([prompts.mask, rollout.completion_mask], 1)
     T = rollout.completion_ids.shape[1]
-    packed = PackedBatch.of(ids, mask, T)
+    packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
     assert len(_shared_rows(packed)) >= 2
     runs = _count_layer_runs(lm, monkeypatch)
     known = (rollout.sampling_logps, rollout.sampling_entropy, rollout.sampling_probs)
@@ -323,7 +324,7 @@ def test_known_values_give_the_recomputed_gradients_when_packed(tokenizer):
         reference = completion_logprobs(model, ids, mask, T, with_entropy=True)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         probs = torch.softmax(logits[:, -T - 1:-1].float(), -1)  # [B, T, V]
-    packed = PackedBatch.of(ids, mask, T)
+    packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
     recomputed = _loss_grads(model, scoring.packed_logprobs(model, packed, ON, with_entropy=True), mask[:, -T:])
     known = (reference.logps, reference.entropy, probs)
     out = scoring.packed_logprobs(model, packed, ON, with_entropy=True, known=known)
@@ -340,7 +341,15 @@ def test_every_token_of_a_micro_batch_without_completions_still_runs_the_forward
     model = _model("qwen2", tokenizer, lora=False, checkpointing=False)
     ids, mask, T = variable_batch(tokenizer)
     mask[:, -T:] = 0
-    out = scoring.packed_logprobs(model, PackedBatch.of(ids, mask, T), ON, with_entropy=True)
+    out = scoring.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON, with_entropy=True)
     assert not out.logps.any() and out.logps.requires_grad
     out.logps.sum().backward()
     assert all(p.grad is not None and not p.grad.any() for p in model.model.layers.parameters())
+
+
+def test_packing_cost_by_hand(tokenizer):
+    """The toy Qwen2 (hidden 64, MLP 128, 2 layers, 4 query heads of 16, 2 key/value heads, q/k/v biases): per layer
+    q 64x64+64 = 4160, k and v 64x32+32 = 2080 each, o 64x64 = 4096, MLP 3 x 64x128 = 24576, two norms 128:
+    37120; two layers 74240 parameters, 2 flops each per token. A pair of tokens in a row: 4 x 2 layers x 64."""
+    model = model_of_kind("qwen2", tokenizer)
+    assert scoring.packing_cost(model) == PackingCost(token=2 * 74240, pair=4 * 2 * 64)
