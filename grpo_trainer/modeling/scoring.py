@@ -281,7 +281,7 @@ def self_check(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sett
     layout = PackingSettings(token_budget=budget, pad_to_multiple_of=settings.pad_to_multiple_of)
     packed = PackedBatch.of(input_ids, attention_mask, width, layout)
     first = _first_sequences(packed)
-    vocab = lm.get_input_embeddings().weight.shape[0]
+    vocab = lm.config.get_text_config().vocab_size  # not the embedding's shape: ZeRO-3 partitions it to 0 rows
     perturbed = dataclasses.replace(packed, input_ids=torch.where(first, (packed.input_ids + 1) % vocab,
                                                                   packed.input_ids))
     try:
