@@ -117,6 +117,7 @@ class PackedBatch:
     tokens: Tensor  # [N] the scored tokens
     sequence_lengths: tuple[int, ...]  # every sequence of every row in order, filler included (flash's cu_seq_lens)
     padded_shape: tuple[int, int, int]  # (B, S + T, T)
+    real_tokens: int  # the packed sequences' tokens (the rest of R * W is filler)
 
     @property
     def tokens_computed(self) -> int:
@@ -174,7 +175,7 @@ class PackedBatch:
         return cls(input_ids=packed_ids, position_ids=position_ids, sources=(source_rows, source_cols),
                    predictors=p_row[scored] * W + p_col[scored] - 1, targets=b_index[scored] * T + t_index,
                    target_cells=(b_index[scored], t_index), tokens=input_ids[b_index[scored], c_index[scored]],
-                   sequence_lengths=tuple(sequence_lengths), padded_shape=(B, width, T))
+                   sequence_lengths=tuple(sequence_lengths), padded_shape=(B, width, T), real_tokens=int(k.numel()))
 
     def scatter(self, values: Tensor) -> Tensor:
         """`values` `[N]` of the scored tokens in their `[B, T]` places, 0 elsewhere, same dtype; differentiable."""

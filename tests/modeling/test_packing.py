@@ -50,7 +50,7 @@ def test_layout_by_hand():
     assert packed.tokens.tolist() == [13, 14, 15, 24, 32, 33]
     assert packed.predictors.tolist() == [1, 2, 3, 7, 10, 11]
     assert packed.targets.tolist() == [0, 1, 2, 3, 6, 7]  # b * T + t
-    assert packed.tokens_computed == 15 < ids.numel() == 18
+    assert packed.tokens_computed == 15 < ids.numel() == 18 and packed.real_tokens == 12
     assert packed.sources[0].tolist() == [[0] * 5, [1, 1, 1, 1, 0], [2, 2, 2, 0, 0]]
     assert packed.sources[1].tolist() == [[1, 2, 3, 4, 5], [0, 1, 2, 3, 0], [2, 3, 4, 0, 0]]
     assert packed.sequence_lengths == (5, 4, 1, 3, 2)
