@@ -212,9 +212,9 @@ def _instrument_tokens(trainer, impl: str, steps: list[dict[str, int]]) -> None:
             return compute_loss(model, inputs, *args, **kwargs)
 
         trainer.compute_loss = ours
-        from grpo_trainer.modeling import scoring
+        from grpo_trainer.modeling import forwards
 
-        packed_logprobs = scoring.packed_logprobs
+        packed_logprobs = forwards.packed_logprobs
 
         def packed(model, batch, *args, **kwargs):
             if torch.is_grad_enabled():
@@ -222,7 +222,7 @@ def _instrument_tokens(trainer, impl: str, steps: list[dict[str, int]]) -> None:
                 steps[-1]["packed_real"] += batch.real_tokens
             return packed_logprobs(model, batch, *args, **kwargs)
 
-        scoring.packed_logprobs = packed
+        forwards.packed_logprobs = packed
     else:
         compute_loss = trainer._compute_loss
 

@@ -3,7 +3,7 @@
 Part 1, the training forward + backward alone. A micro-batch of `--batch` sequences (prompts of 20-80 tokens,
 completions log-normal around `--median` with `--sigma`, in [16, T]) through the policy's log-prob forward and
 backward as the trainer runs it (activation checkpointing, bf16 autocast over float32 weights, the chunked LM head):
-padded (`modeling.logprobs.completion_logprobs`) and packed (`modeling.scoring.packed_logprobs`, the plan of
+padded (`modeling.logprobs.completion_logprobs`) and packed (`modeling.forwards.packed_logprobs`, the plan of
 `modeling.packing` for this model), with SDPA and, when the `flash_attn` package is importable, flash-attention 2
 (padded: its unpadding path; packed: varlen `cu_seq_lens`). Per case: padding / filler fractions, median CUDA-synced
 seconds of `--repeats` forward + backward passes, peak allocated memory, the largest and mean log-prob difference
@@ -85,22 +85,22 @@ def _forward_backward(model, run, weights):
 def _case(model, attention: str, ids, mask, T, opts) -> dict:
     import torch
 
-    from grpo_trainer.modeling import scoring
+    from grpo_trainer.modeling import forwards
     from grpo_trainer.modeling.logprobs import completion_logprobs
     from grpo_trainer.modeling.packing import PackedBatch, PackingSettings
 
     model.set_attn_implementation(attention)
-    scoring._VERDICTS.clear()
-    scoring._costs.clear()
-    settings = scoring.ScoringSettings(padding_free=True)
+    forwards._VERDICTS.clear()
+    forwards._costs.clear()
+    settings = forwards.ForwardSettings(padding_free=True)
     real = mask[:, -T:].bool()
     weights = torch.randn(real.shape, device=ids.device, generator=torch.Generator(ids.device).manual_seed(1)) * real
-    packed = PackedBatch.of(ids, mask, T, PackingSettings(cost=scoring.packing_cost(model)))
+    packed = PackedBatch.of(ids, mask, T, PackingSettings(cost=forwards.packing_cost(model)))
     row = {"attention": attention, "batch": list(ids.shape), "packed_rows": list(packed.input_ids.shape),
            "padding_fraction": 1 - int(mask.sum()) / mask.numel(),
            "filler_fraction": 1 - packed.real_tokens / packed.tokens_computed}
     for name, run in (("padded", lambda: completion_logprobs(model, ids, mask, T)),
-                      ("packed", lambda: scoring.packed_logprobs(model, packed, settings))):
+                      ("packed", lambda: forwards.packed_logprobs(model, packed, settings))):
         torch.cuda.reset_peak_memory_stats()
         seconds, (logps, grads) = _timed(lambda run=run: _forward_backward(model, run, weights), opts.repeats)
         row[f"{name}_s"] = seconds
@@ -112,7 +112,7 @@ def _case(model, attention: str, ids, mask, T, opts) -> dict:
                logp_mean_abs_diff=float(difference.mean()),
                grad_relative_diff=float((packed_grads - padded_grads).norm() / padded_grads.norm()))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        row["self_check"] = scoring.self_check(model, ids, mask, settings) or "passed"
+        row["self_check"] = forwards.self_check(model, ids, mask, settings) or "passed"
     return row
 
 

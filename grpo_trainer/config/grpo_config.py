@@ -194,7 +194,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
                                          "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
     padding_free: bool = _opt(
-        False, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
+        True, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
         "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "
         "it cannot serve are scored padded, by rule or after a once-per-model packed-vs-padded self-check, with "
         "the reason logged (README, 'Padding-free forwards').")

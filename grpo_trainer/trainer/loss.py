@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from grpo_trainer.algorithms import losses, masks, surrogates
 from grpo_trainer.algorithms.entropy import window_stats
-from grpo_trainer.modeling import scoring
+from grpo_trainer.modeling import forwards
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.rollout import multimodal
 from grpo_trainer.trainer.round import Round
@@ -44,9 +44,9 @@ class LossMixin:
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = inputs.layer_outputs if policy and model.training else None
         args = self.args
-        settings = scoring.ScoringSettings(args.padding_free, args.temperature, args.logprob_chunk_size,
+        settings = forwards.ForwardSettings(args.padding_free, args.temperature, args.logprob_chunk_size,
                                            args.pad_to_multiple_of)
-        return scoring.score(model, input_ids, attention_mask, width, settings, with_entropy, known,
+        return forwards.score(model, input_ids, attention_mask, width, settings, with_entropy, known,
                              with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,

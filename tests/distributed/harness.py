@@ -169,15 +169,15 @@ def _probe_generation(trainer, zero3: bool) -> dict:
 
 def _count_packed_forwards() -> list[int]:
     """Counts this process's packed log-prob forwards (`padding_free`), the self-check's included."""
-    from grpo_trainer.modeling import scoring
+    from grpo_trainer.modeling import forwards
 
-    count, packed_logprobs = [0], scoring.packed_logprobs
+    count, packed_logprobs = [0], forwards.packed_logprobs
 
     def counted(*args, **kwargs):
         count[0] += 1
         return packed_logprobs(*args, **kwargs)
 
-    scoring.packed_logprobs = counted
+    forwards.packed_logprobs = counted
     return count
 
 

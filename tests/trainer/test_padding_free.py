@@ -10,10 +10,10 @@ import torch
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model
 from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
-from grpo_trainer.modeling import scoring
+from grpo_trainer.modeling import forwards
 
 TOL = 1e-5
-PACKED_LOGPROBS = scoring.packed_logprobs
+PACKED_LOGPROBS = forwards.packed_logprobs
 
 
 def spread_model(tokenizer):
@@ -24,14 +24,14 @@ def spread_model(tokenizer):
 
 
 def _run(tmp_path, tokenizer, dataset, padding_free: bool, packed_calls: list, monkeypatch, **overrides):
-    scoring._VERDICTS.clear()
+    forwards._VERDICTS.clear()
     real = PACKED_LOGPROBS
 
     def counted(model, packed, *args, **kwargs):  # (packed rows, sequences in them)
         packed_calls.append((packed.input_ids.shape[0], packed.target_cells[0].unique().numel()))
         return real(model, packed, *args, **kwargs)
 
-    monkeypatch.setattr(scoring, "packed_logprobs", counted)
+    monkeypatch.setattr(forwards, "packed_logprobs", counted)
     peft_config = overrides.pop("peft_config", None)
     settings = dict(output_dir=str(tmp_path / f"packed_{padding_free}"), per_device_train_batch_size=8,
                     num_generations=4, max_completion_length=12, learning_rate=1e-3, max_steps=3, report_to="none",

@@ -1,4 +1,4 @@
-"""Scoring a micro-batch: the log-probs (and entropies) of its completion tokens, padded or padding-free.
+"""The trainer's log-prob forwards: log-probs (and entropies) of a micro-batch's completion tokens, padded or packed.
 
 `score` is the one entry point of the trainer's log-prob forwards (policy, old, reference). It runs the padded
 forward (`logprobs.completion_logprobs`) or the packed one (`packed_logprobs`, the layout of `modeling.packing`);
@@ -48,11 +48,11 @@ from grpo_trainer.modeling.unwrap import causal_lm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REFUSALS", "TOLERANCES", "Call", "ScoringSettings", "packed_logprobs", "refusal", "score", "self_check"]
+__all__ = ["REFUSALS", "TOLERANCES", "Call", "ForwardSettings", "packed_logprobs", "refusal", "score", "self_check"]
 
 
 @dataclass(frozen=True)
-class ScoringSettings:
+class ForwardSettings:
     """What the trainer's log-prob forwards need from its config."""
 
     padding_free: bool = False
@@ -192,7 +192,7 @@ class Tolerance:
 
 
 # By the dtype the model computes in. Layouts differ by reduction order (float32: <= 1e-6 on the tiny models of
-# tests/modeling/test_scoring.py) and, in half precision, by each layout rounding its own intermediate values. A leak
+# tests/modeling/test_forwards.py) and, in half precision, by each layout rounding its own intermediate values. A leak
 # between packed sequences moved random tiny models' log-probs by 0.2-0.4 (mean 0.04), within bf16's layout noise,
 # which is why isolation is checked on its own.
 TOLERANCES: dict[torch.dtype, Tolerance] = {
@@ -217,7 +217,7 @@ def _no_cache(model: nn.Module, out: Any) -> None:
                            "use_cache=False: with a cache its packed sequences attend to each other.")
 
 
-def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ScoringSettings, with_entropy: bool = False,
+def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSettings, with_entropy: bool = False,
                     known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
                     layer_outputs: Tensor | None = None) -> LogProbs:
     """`completion_logprobs` on a packed micro-batch: the same `[B, T]` values on the completion tokens, 0 elsewhere.
@@ -263,7 +263,7 @@ def _first_sequences(packed: PackedBatch) -> Tensor:
     return (packed.position_ids == 0).cumsum(1) == 1
 
 
-def self_check(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, settings: ScoringSettings
+def self_check(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, settings: ForwardSettings
                ) -> str | None:
     """Whether packing serves `model`, on `input_ids` `[B, S+T]` (with a copy of row 0 when B == 1), without
     gradients and dropout. Packed with a budget of twice the longest sequence, so the first row holds two sequences
@@ -328,7 +328,7 @@ def _log_once(lm: nn.Module, reason: str) -> None:
         logger.warning("padding_free: %s is scored padded: %s.", type(lm).__name__, reason)
 
 
-def _packing_refused(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, settings: ScoringSettings,
+def _packing_refused(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, settings: ForwardSettings,
                      call: Call) -> str | None:
     lm = causal_lm(model)
     reason = refusal(model, call)
@@ -342,7 +342,7 @@ def _packing_refused(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
 
 
 def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-          settings: ScoringSettings, with_entropy: bool = False,
+          settings: ForwardSettings, with_entropy: bool = False,
           known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None), with_aux_loss: bool = False,
           model_inputs: dict | None = None, layer_outputs: Tensor | None = None) -> LogProbs:
     """Log-probs (and entropies) `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`: packed

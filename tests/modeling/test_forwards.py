@@ -1,7 +1,8 @@
-"""Padding-free scoring: packed log-probs, entropies and gradients equal the padded forward's (float32, 1e-5) on
-Llama, Qwen2, Mistral (sliding window) and Gemma-2 tiny models, with and without LoRA and activation checkpointing;
-packed sequences never see each other; the `use_cache` trap and models that ignore the packing are caught by the
-self-check and scored padded; the refusal rules; replay and the rollout's known values compose with packing."""
+"""Padding-free log-prob forwards: packed log-probs, entropies and gradients equal the padded forward's (float32,
+1e-5) on Llama, Qwen2, Mistral (sliding window) and Gemma-2 tiny models, with and without LoRA and activation
+checkpointing; packed sequences never see each other; the `use_cache` trap and models that ignore the packing are
+caught by the self-check and scored padded; the refusal rules; replay and the rollout's known values compose with
+packing."""
 
 import dataclasses
 import logging
@@ -10,22 +11,22 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from grpo_trainer.modeling import scoring
+from grpo_trainer.modeling import forwards
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings
 from grpo_trainer.runtime import compat
 from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
 
 ATOL = 1e-5
-ON = scoring.ScoringSettings(padding_free=True)
+ON = forwards.ForwardSettings(padding_free=True)
 ROWS_OF_17 = PackingSettings(token_budget=17)  # the longest sequence of `variable_batch`
 
 
 @pytest.fixture(autouse=True)
 def _fresh_verdicts():
     """Every test starts with no model checked (verdicts are kept per model object, which tests may reuse)."""
-    scoring._VERDICTS.clear()
-    scoring._LOGGED.clear()
+    forwards._VERDICTS.clear()
+    forwards._LOGGED.clear()
 
 
 # A GRPO-like spread: one long completion, most short. Sequences of 17, 5, 9, 5, 7, 7, 11 and 7 tokens pack into
@@ -87,7 +88,7 @@ def test_packed_equals_padded_values_and_gradients(tokenizer, kind, lora, checkp
     completion_mask = mask[:, -T:]
     padded = completion_logprobs(model, ids, mask, T, with_entropy=True)
     padded_grads = _loss_grads(model, padded, completion_mask)
-    ours = scoring.packed_logprobs(model, packed, ON, with_entropy=True)
+    ours = forwards.packed_logprobs(model, packed, ON, with_entropy=True)
     ours_grads = _loss_grads(model, ours, completion_mask)
     real = completion_mask.bool()
     torch.testing.assert_close(ours.logps[real], padded.logps[real], atol=ATOL, rtol=0)
@@ -110,8 +111,8 @@ def test_perturbing_one_sequence_leaves_the_others_bit_identical(tokenizer):
     changed = ids.clone()
     changed[first_b] = torch.where(mask[first_b].bool(), (ids[first_b] + 7) % 100, ids[first_b])
     with torch.no_grad():
-        before = scoring.packed_logprobs(model, packed, ON).logps
-        after = scoring.packed_logprobs(model, PackedBatch.of(changed, mask, T, ROWS_OF_17), ON).logps
+        before = forwards.packed_logprobs(model, packed, ON).logps
+        after = forwards.packed_logprobs(model, PackedBatch.of(changed, mask, T, ROWS_OF_17), ON).logps
     others = [b for b in range(ids.shape[0]) if b != first_b]
     assert second_b in others
     assert torch.equal(after[others], before[others])  # bit-identical, including the row's next sequence
@@ -136,7 +137,7 @@ def test_the_use_cache_trap_is_real_and_caught(tokenizer, caplog):
     real = mask[:, -T:].bool()
     with torch.no_grad():
         padded = completion_logprobs(model, ids, mask, T).logps
-        isolated = scoring.packed_logprobs(model, packed, ON).logps
+        isolated = forwards.packed_logprobs(model, packed, ON).logps
         leaked = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=True).logits
     torch.testing.assert_close(isolated[real], padded[real], atol=ATOL, rtol=0)
     leaked_logps = torch.log_softmax(leaked.float(), -1).reshape(-1, leaked.shape[-1])[packed.predictors]
@@ -145,10 +146,10 @@ def test_the_use_cache_trap_is_real_and_caught(tokenizer, caplog):
 
     trapped = AlwaysCaches(model.config)
     trapped.load_state_dict(model.state_dict())
-    with caplog.at_level(logging.WARNING, logger="grpo_trainer.modeling.scoring"):
-        reason = scoring.self_check(trapped, ids, mask, ON)
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer.modeling.forwards"):
+        reason = forwards.self_check(trapped, ids, mask, ON)
         assert reason.startswith("perturbing one packed sequence moved the log-probs")
-        out = scoring.score(trapped, ids, mask, T, ON)
+        out = forwards.score(trapped, ids, mask, T, ON)
     torch.testing.assert_close(out.logps, padded, atol=0, rtol=0)  # scored padded
     assert "AlwaysCaches is scored padded: perturbing one packed sequence" in caplog.text
 
@@ -163,8 +164,8 @@ def test_a_returned_cache_is_refused(tokenizer):
     model = ReturnsCache(model_of_kind("qwen2", tokenizer).config).eval()
     ids, mask, T = variable_batch(tokenizer)
     with pytest.raises(RuntimeError, match="returned a KV cache from a packed forward"):
-        scoring.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON)
-    assert scoring.self_check(model, ids, mask, ON).startswith("the packed forward failed: RuntimeError")
+        forwards.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON)
+    assert forwards.self_check(model, ids, mask, ON).startswith("the packed forward failed: RuntimeError")
 
 
 def test_a_model_whose_mask_ignores_restarting_positions_falls_back(tokenizer, monkeypatch, caplog):
@@ -175,9 +176,9 @@ def test_a_model_whose_mask_ignores_restarting_positions_falls_back(tokenizer, m
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     model = model_of_kind("llama", tokenizer)
     ids, mask, T = variable_batch(tokenizer)
-    with caplog.at_level(logging.WARNING, logger="grpo_trainer.modeling.scoring"):
-        first = scoring.score(model, ids, mask, T, ON, with_entropy=True)
-        second = scoring.score(model, ids, mask, T, ON, with_entropy=True)
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer.modeling.forwards"):
+        first = forwards.score(model, ids, mask, T, ON, with_entropy=True)
+        second = forwards.score(model, ids, mask, T, ON, with_entropy=True)
     padded = completion_logprobs(model, ids, mask, T, with_entropy=True)
     for out in (first, second):
         torch.testing.assert_close(out.logps, padded.logps, atol=0, rtol=0)
@@ -192,9 +193,9 @@ def test_self_check_passes_and_catches_a_leak_in_each_dtype(tokenizer, dtype, mo
 
     model = model_of_kind("qwen2", tokenizer).to(dtype)
     ids, mask, _ = variable_batch(tokenizer, B=8)
-    assert scoring.self_check(model, ids, mask, ON) is None
+    assert forwards.self_check(model, ids, mask, ON) is None
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    assert scoring.self_check(model, ids, mask, ON).startswith("perturbing one packed sequence")
+    assert forwards.self_check(model, ids, mask, ON).startswith("perturbing one packed sequence")
 
 
 def test_self_check_of_a_single_row_packs_it_with_a_copy(tokenizer, monkeypatch):
@@ -202,9 +203,9 @@ def test_self_check_of_a_single_row_packs_it_with_a_copy(tokenizer, monkeypatch)
 
     model = model_of_kind("qwen2", tokenizer)
     ids, mask, _ = variable_batch(tokenizer, B=1)
-    assert scoring.self_check(model, ids, mask, ON) is None
+    assert forwards.self_check(model, ids, mask, ON) is None
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    assert scoring.self_check(model, ids, mask, ON) is not None
+    assert forwards.self_check(model, ids, mask, ON) is not None
 
 
 def test_self_check_runs_with_dropout_off_and_restores_training_modes(tokenizer):
@@ -212,7 +213,7 @@ def test_self_check_runs_with_dropout_off_and_restores_training_modes(tokenizer)
     model.train()
     model.transformer.h[0].eval()  # a module deliberately in eval mode stays so
     ids, mask, _ = variable_batch(tokenizer)
-    assert scoring.self_check(model, ids, mask, ON) is None
+    assert forwards.self_check(model, ids, mask, ON) is None
     assert model.training and model.transformer.h[1].training and not model.transformer.h[0].training
 
 
@@ -227,18 +228,18 @@ def test_score_packs_when_it_saves_tokens_and_checks_once(tokenizer):
     model = model_of_kind("qwen2", tokenizer)
     shapes = _count_forwards(model)
     ids, mask, T = variable_batch(tokenizer)
-    packed = PackedBatch.of(ids, mask, T, PackingSettings(cost=scoring.packing_cost(model)))
-    off = scoring.score(model, ids, mask, T, dataclasses.replace(ON, padding_free=False))
+    packed = PackedBatch.of(ids, mask, T, PackingSettings(cost=forwards.packing_cost(model)))
+    off = forwards.score(model, ids, mask, T, dataclasses.replace(ON, padding_free=False))
     assert shapes == [tuple(ids.shape)]
-    on = scoring.score(model, ids, mask, T, ON)
+    on = forwards.score(model, ids, mask, T, ON)
     # The self-check (padded, packed, packed perturbed; all tokens but the first scored), then the packed forward.
     assert len(shapes) == 1 + 3 + 1 and shapes[-1] == tuple(packed.input_ids.shape)
     real = mask[:, -T:].bool()
     torch.testing.assert_close(on.logps[real], off.logps[real], atol=ATOL, rtol=0)
-    scoring.score(model, ids, mask, T, ON)
+    forwards.score(model, ids, mask, T, ON)
     assert len(shapes) == 6 and shapes[-1] == tuple(packed.input_ids.shape)  # checked once per model
     full = torch.ones_like(mask)  # no padding: nothing to gain, scored padded
-    scoring.score(model, ids, full, T, ON)
+    forwards.score(model, ids, full, T, ON)
     assert shapes[-1] == tuple(ids.shape)
 
 
@@ -247,23 +248,23 @@ def test_refusal_rules(tokenizer):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = model_of_kind("qwen2", tokenizer)
-    assert scoring.refusal(model, scoring.Call()) is None
-    assert "image inputs" in scoring.refusal(model, scoring.Call(model_inputs={"pixel_values": torch.zeros(1)}))
-    assert "auxiliary loss" in scoring.refusal(model, scoring.Call(with_aux_loss=True))
+    assert forwards.refusal(model, forwards.Call()) is None
+    assert "image inputs" in forwards.refusal(model, forwards.Call(model_inputs={"pixel_values": torch.zeros(1)}))
+    assert "auxiliary loss" in forwards.refusal(model, forwards.Call(with_aux_loss=True))
     mrope = model_of_kind("qwen2", tokenizer, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                                  "mrope_section": [2, 3, 3]})
-    assert "3-D rope" in scoring.refusal(mrope, scoring.Call())
+    assert "3-D rope" in forwards.refusal(mrope, forwards.Call())
     AttentionInterface.register("my_attention", sdpa_attention_forward)
     custom = model_of_kind("qwen2", tokenizer)
     custom.set_attn_implementation("my_attention")
-    assert "attention implementation 'my_attention'" in scoring.refusal(custom, scoring.Call())
+    assert "attention implementation 'my_attention'" in forwards.refusal(custom, forwards.Call())
     hybrid = Qwen3NextForCausalLM(Qwen3NextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32,
                                                   num_hidden_layers=2, num_attention_heads=2,
                                                   num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
                                                   moe_intermediate_size=16, shared_expert_intermediate_size=16,
                                                   linear_num_value_heads=2, linear_num_key_heads=1,
                                                   full_attention_interval=2))
-    assert "['linear_attention'] carry a state along the row" in scoring.refusal(hybrid, scoring.Call())
+    assert "['linear_attention'] carry a state along the row" in forwards.refusal(hybrid, forwards.Call())
 
 
 def test_vision_language_models_are_scored_padded(tokenizer):
@@ -271,9 +272,9 @@ def test_vision_language_models_are_scored_padded(tokenizer):
 
     for family in ("qwen2_vl", "gemma3"):
         model, _ = make_tiny_vlm(family)
-        assert "vision-language model" in scoring.refusal(model, scoring.Call())
+        assert "vision-language model" in forwards.refusal(model, forwards.Call())
     # Qwen2-VL's text model on its own still has 3-D rope positions.
-    assert "3-D rope" in scoring.refusal(make_tiny_vlm("qwen2_vl")[0].model.language_model, scoring.Call())
+    assert "3-D rope" in forwards.refusal(make_tiny_vlm("qwen2_vl")[0].model.language_model, forwards.Call())
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "lora"])
@@ -303,7 +304,7 @@ def test_replay_composes_with_packing(tokenizer, kind, monkeypatch):
     padded = completion_logprobs(model, ids, mask, T, with_entropy=True)
     plain = _loss_grads(model, padded, rollout.completion_mask)
     runs[0] = 0
-    ours = scoring.score(model, ids, mask, T, ON, with_entropy=True, known=known, layer_outputs=rollout.layer_outputs)
+    ours = forwards.score(model, ids, mask, T, ON, with_entropy=True, known=known, layer_outputs=rollout.layer_outputs)
     layers = len(lm.get_decoder().layers)
     assert runs[0] == 3 * layers  # the self-check's three forwards, then nothing: every layer replayed
     replayed = _loss_grads(model, ours, rollout.completion_mask)
@@ -325,9 +326,9 @@ def test_known_values_give_the_recomputed_gradients_when_packed(tokenizer):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
         probs = torch.softmax(logits[:, -T - 1:-1].float(), -1)  # [B, T, V]
     packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
-    recomputed = _loss_grads(model, scoring.packed_logprobs(model, packed, ON, with_entropy=True), mask[:, -T:])
+    recomputed = _loss_grads(model, forwards.packed_logprobs(model, packed, ON, with_entropy=True), mask[:, -T:])
     known = (reference.logps, reference.entropy, probs)
-    out = scoring.packed_logprobs(model, packed, ON, with_entropy=True, known=known)
+    out = forwards.packed_logprobs(model, packed, ON, with_entropy=True, known=known)
     real = mask[:, -T:].bool()
     assert torch.equal(out.logps[real], reference.logps[real])  # the known values, returned as they are
     from_known = _loss_grads(model, out, mask[:, -T:])
@@ -341,7 +342,7 @@ def test_every_token_of_a_micro_batch_without_completions_still_runs_the_forward
     model = _model("qwen2", tokenizer, lora=False, checkpointing=False)
     ids, mask, T = variable_batch(tokenizer)
     mask[:, -T:] = 0
-    out = scoring.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON, with_entropy=True)
+    out = forwards.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON, with_entropy=True)
     assert not out.logps.any() and out.logps.requires_grad
     out.logps.sum().backward()
     assert all(p.grad is not None and not p.grad.any() for p in model.model.layers.parameters())
@@ -352,4 +353,4 @@ def test_packing_cost_by_hand(tokenizer):
     q 64x64+64 = 4160, k and v 64x32+32 = 2080 each, o 64x64 = 4096, MLP 3 x 64x128 = 24576, two norms 128:
     37120; two layers 74240 parameters, 2 flops each per token. A pair of tokens in a row: 4 x 2 layers x 64."""
     model = model_of_kind("qwen2", tokenizer)
-    assert scoring.packing_cost(model) == PackingCost(token=2 * 74240, pair=4 * 2 * 64)
+    assert forwards.packing_cost(model) == PackingCost(token=2 * 74240, pair=4 * 2 * 64)
