@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from grpo_trainer.modeling import replay
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, is_fsdp_module, scoring_head
-from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings
+from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
 from grpo_trainer.modeling.unwrap import causal_lm
 
 logger = logging.getLogger(__name__)
@@ -355,10 +355,12 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
     """
     call = Call(with_aux_loss, model_inputs)
     if settings.padding_free and _packing_refused(model, input_ids, attention_mask, settings, call) is None:
-        cost = _costs.get(causal_lm(model)) or _costs.setdefault(causal_lm(model), packing_cost(causal_lm(model)))
-        packed = PackedBatch.of(input_ids, attention_mask, completion_length,
-                                PackingSettings(cost=cost, pad_to_multiple_of=settings.pad_to_multiple_of))
-        if cost.rows(*packed.input_ids.shape) < cost.rows(*input_ids.shape):  # decision 4
+        lm = causal_lm(model)
+        cost = _costs.get(lm) or _costs.setdefault(lm, packing_cost(lm))
+        layout = plan_of(attention_mask, completion_length,
+                         PackingSettings(cost=cost, pad_to_multiple_of=settings.pad_to_multiple_of))
+        if cost.rows(*layout.shape) < cost.rows(*input_ids.shape):  # decision 4
+            packed = PackedBatch.of(input_ids, attention_mask, completion_length, layout=layout)
             return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs)
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)

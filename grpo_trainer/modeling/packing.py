@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "PackingCost", "PackingSettings", "first_fit_decreasing", "plan"]
+__all__ = ["Layout", "PackedBatch", "PackingCost", "PackingSettings", "first_fit_decreasing", "plan", "plan_of"]
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,21 @@ def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]
     [[1, 4], [3, 2], [0]]
     """
     rows: list[list[int]] = []
-    used: list[int] = []
+    room: list[int] = []
+    shortest = min(lengths, default=0)
+    open_rows: list[int] = []  # rows that can still take the shortest sequence, in order (first fit scans these)
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[index]
-        row = next((r for r, filled in enumerate(used) if filled + length <= budget), None)
+        row = next((r for r in open_rows if room[r] >= length), None)
         if row is None:
-            rows.append([index])
-            used.append(length)
-        else:
-            rows[row].append(index)
-            used[row] += length
+            row = len(rows)
+            rows.append([])
+            room.append(budget)
+            open_rows.append(row)
+        rows[row].append(index)
+        room[row] -= length
+        if room[row] < shortest:
+            open_rows.remove(row)
     return rows
 
 
@@ -83,7 +88,7 @@ def _round_up(width: int, multiple: int | None) -> int:
 
 
 # Candidate budgets, in multiples of the longest sequence (and all of them in one row).
-_BUDGET_MULTIPLES = (1, 1.25, 1.5, 2, 3, 4, 6, 8)
+_BUDGET_MULTIPLES = (1, 1.5, 2, 3, 4, 8)
 
 
 def plan(lengths: Sequence[int], settings: PackingSettings) -> tuple[list[list[int]], int]:
@@ -91,9 +96,9 @@ def plan(lengths: Sequence[int], settings: PackingSettings) -> tuple[list[list[i
     whose rows `settings.cost` finds cheapest (ties: fewer rows). A row is as wide as the fullest, rounded up."""
     if not lengths:
         return [[]], _round_up(1, settings.pad_to_multiple_of)
-    longest = max(lengths)
+    longest, total = max(lengths), sum(lengths)
     budgets = [settings.token_budget] if settings.token_budget is not None else \
-        sorted({*(int(longest * m) for m in _BUDGET_MULTIPLES), sum(lengths)})
+        sorted({*(b for b in (int(longest * m) for m in _BUDGET_MULTIPLES) if b < total), total})
     best = None
     for budget in budgets:
         rows = first_fit_decreasing(lengths, max(budget, longest))
@@ -102,6 +107,30 @@ def plan(lengths: Sequence[int], settings: PackingSettings) -> tuple[list[list[i
         if best is None or key < best[0]:
             best = (key, rows, width)
     return best[1], best[2]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which padded rows go into which packed row, and how wide the rows are: cheap to compute, so a caller can
+    weigh it (`PackingCost.rows(*layout.shape)`) before building the `PackedBatch`."""
+
+    rows: list[list[int]]  # padded row indices, per packed row, in order
+    width: int  # W
+    lengths: list[int]  # [B] real tokens of each padded row
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.rows), self.width
+
+
+def plan_of(attention_mask: Tensor, completion_length: int, settings: PackingSettings) -> Layout:
+    """The `plan` of a padded micro-batch's sequences (`attention_mask` `[B, S+T]`), leaving out the rows with no
+    completion token (nothing to score)."""
+    lengths = attention_mask.sum(1).tolist()
+    completions = attention_mask[:, attention_mask.shape[1] - completion_length:].sum(1).tolist()
+    kept = [b for b in range(len(lengths)) if completions[b] > 0]
+    rows, width = plan([lengths[b] for b in kept], settings)
+    return Layout([[kept[i] for i in row] for row in rows], width, lengths)
 
 
 @dataclass(frozen=True)
@@ -126,23 +155,20 @@ class PackedBatch:
 
     @classmethod
     def of(cls, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-           settings: PackingSettings = PackingSettings()) -> PackedBatch:
+           settings: PackingSettings = PackingSettings(), layout: Layout | None = None) -> PackedBatch:
         """Pack `input_ids` `[B, S+T]` (left-padded prompts, right-padded completions; `attention_mask` `[B, S+T]`
-        1 for real tokens) whose last `completion_length` columns are completions."""
+        1 for real tokens) whose last `completion_length` columns are completions, as `layout` says (default: the
+        `plan_of` these masks under `settings`)."""
         B, width = input_ids.shape
         T = completion_length
         device = input_ids.device
         real = attention_mask.bool()  # [B, S+T]
-        completions = real[:, width - T:].sum(1)  # [B]
-        lengths = real.sum(1).tolist()
-        kept = [b for b in range(B) if completions[b] > 0]  # rows with nothing to score are left out
-        rows, W = plan([lengths[b] for b in kept], settings)
-        rows = [[kept[i] for i in row] for row in rows]
+        layout = plan_of(attention_mask, T, settings) if layout is None else layout
+        rows, W, lengths = layout.rows, layout.width, layout.lengths
         used = [sum(lengths[b] for b in row) for row in rows]
         R = len(rows)
         # Each padded row's packed row and first column (-1: not packed).
-        packed_row = torch.full((B,), -1, dtype=torch.long)
-        offset = torch.zeros(B, dtype=torch.long)
+        packed_row, offset = [-1] * B, [0] * B
         sequence_lengths: list[int] = []
         for r, row in enumerate(rows):
             start = 0
@@ -152,7 +178,7 @@ class PackedBatch:
                 sequence_lengths.append(lengths[b])
             if start < W:
                 sequence_lengths.append(W - start)
-        packed_row, offset = packed_row.to(device), offset.to(device)
+        packed_row, offset = torch.tensor(packed_row, device=device), torch.tensor(offset, device=device)
         # Every real token of a kept row: its padded (row, column), its rank k in its sequence, its packed cell.
         real = real & (packed_row >= 0)[:, None]
         rank = real.long().cumsum(1) - 1  # [B, S+T]

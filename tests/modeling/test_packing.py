@@ -15,12 +15,15 @@ def test_first_fit_decreasing_by_hand():
     assert first_fit_decreasing([2, 2, 2], 4) == [[0, 1], [2]]
     assert first_fit_decreasing([7, 1], 4) == [[0], [1]]
     assert first_fit_decreasing([], 4) == []
+    # A row too full for the shortest sequence is no longer scanned, and first fit still finds earlier rows' room:
+    # 6 -> row 0 (room 4); 5 -> row 1 (5); 4 -> row 0 (0, closed); 3 -> row 1 (2); 2 -> row 1 (0); 2 -> row 2.
+    assert first_fit_decreasing([2, 3, 6, 4, 5, 2], 10) == [[2, 3], [4, 1, 0], [5]]
 
 
 def test_plan_weighs_filler_against_dense_attention_by_hand():
-    # Lengths 5, 4, 3. Budgets 5, 6, 7, 10, 12 (1, 1.25, 1.5, 2 x the longest; everything) give rows
-    # [0] [1] [2] (width 5), the same at 6, [0] [1 2] (7), [0 1] [2] (9), [0 1 2] (12).
-    # Cost R x (token x W + pair x W^2). Without a pair cost (varlen attention): 15, 15, 14, 18, 12: one row.
+    # Lengths 5, 4, 3. Budgets 5, 7, 10 (1, 1.5, 2 x the longest; 3 x and more reach the total) and 12 (everything)
+    # give rows [0] [1] [2] (width 5), [0] [1 2] (7), [0 1] [2] (9), [0 1 2] (12).
+    # Cost R x (token x W + pair x W^2). Without a pair cost (varlen attention): 15, 14, 18, 12: one row.
     assert plan([5, 4, 3], PackingSettings(cost=PackingCost(1.0, 0.0))) == ([[0, 1, 2]], 12)
     # With pair = 1: 3 x (5 + 25) = 90, 2 x (7 + 49) = 112, 2 x (9 + 81) = 180, 12 + 144 = 156: rows of 5.
     assert plan([5, 4, 3], PackingSettings(cost=PackingCost(1.0, 1.0))) == ([[0], [1], [2]], 5)
