@@ -15,7 +15,11 @@ Part 2 (unless `--no-trainer`, and only while the time budget lasts): whole trai
 
     PYTHONPATH=. python benchmarks/gpu/packing_gpu.py --json-out benchmarks/results/packing_gpu_<date>.json
 
-Without a CUDA device it prints why and exits 0 with a JSON object saying it was skipped.
+Without a CUDA device it prints why and exits 0 with a JSON object saying it was skipped. `--device cpu` runs part 1
+on the CPU instead (float32, no autocast, CPU seconds; one thread unless `--threads`), as a check of the same code
+at the real shape:
+
+    PYTHONPATH=. python benchmarks/gpu/packing_gpu.py --device cpu --batch 8 --repeats 1 --no-trainer
 """
 
 from __future__ import annotations
@@ -55,31 +59,40 @@ def _batch(tokenizer_vocab: int, opts: argparse.Namespace, device):
     return ids.to(device), mask.to(device), T
 
 
-def _timed(fn, repeats: int) -> tuple[float, object]:
+def _timed(fn, repeats: int, cuda: bool) -> tuple[float, object]:
+    """Median seconds of `repeats` calls after one warm-up: CUDA-synchronised wall seconds, or CPU seconds."""
     import torch
 
     out = fn()  # warm-up (kernel selection, allocator)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter() if cuda else time.process_time()
         out = fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() if cuda else time.process_time()) - started)
     return statistics.median(times), out
 
 
-def _forward_backward(model, run, weights):
-    """One log-prob forward (`run()` -> LogProbs) and the backward of a loss over the completion tokens; returns the
-    log-probs and a flat copy of the gradients."""
+def _precision(cuda: bool):
+    """bf16 autocast on a GPU (as the trainer's bf16=True), float32 on a CPU."""
+    import contextlib
+
     import torch
 
+    return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+
+def _forward_backward(model, run, weights, cuda: bool):
+    """One log-prob forward (`run()` -> LogProbs) and the backward of a loss over the completion tokens (gradients
+    left in `.grad`); returns the log-probs."""
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with _precision(cuda):
         out = run()
     (out.logps * weights).sum().backward()
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    return out.logps.detach(), grads
+    return out.logps.detach()
 
 
 def _case(model, attention: str, ids, mask, T, opts) -> dict:
@@ -89,29 +102,36 @@ def _case(model, attention: str, ids, mask, T, opts) -> dict:
     from grpo_trainer.modeling.logprobs import completion_logprobs
     from grpo_trainer.modeling.packing import PackedBatch, PackingSettings
 
+    cuda = ids.device.type == "cuda"
     model.set_attn_implementation(attention)
     forwards._VERDICTS.clear()
     forwards._costs.clear()
     settings = forwards.ForwardSettings(padding_free=True)
     real = mask[:, -T:].bool()
-    weights = torch.randn(real.shape, device=ids.device, generator=torch.Generator(ids.device).manual_seed(1)) * real
+    weights = torch.randn(real.shape, generator=torch.Generator().manual_seed(1)).to(ids.device) * real
     packed = PackedBatch.of(ids, mask, T, PackingSettings(cost=forwards.packing_cost(model)))
     row = {"attention": attention, "batch": list(ids.shape), "packed_rows": list(packed.input_ids.shape),
            "padding_fraction": 1 - int(mask.sum()) / mask.numel(),
            "filler_fraction": 1 - packed.real_tokens / packed.tokens_computed}
+    logps, padded_grads = {}, None
     for name, run in (("padded", lambda: completion_logprobs(model, ids, mask, T)),
                       ("packed", lambda: forwards.packed_logprobs(model, packed, settings))):
-        torch.cuda.reset_peak_memory_stats()
-        seconds, (logps, grads) = _timed(lambda run=run: _forward_backward(model, run, weights), opts.repeats)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds, logps[name] = _timed(lambda run=run: _forward_backward(model, run, weights, cuda), opts.repeats,
+                                      cuda)
         row[f"{name}_s"] = seconds
-        row[f"{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        row[f"{name}_logps"], row[f"{name}_grads"] = logps, grads
-    difference = (row.pop("packed_logps") - row.pop("padded_logps"))[real].abs()
-    packed_grads, padded_grads = row.pop("packed_grads"), row.pop("padded_grads")
+        row[f"{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        if padded_grads is None:  # one copy of the padded gradients; the packed ones are compared in place
+            padded_grads = [p.grad.clone() for p in model.parameters()]
+    squared = sum(float((p.grad - g).pow(2).sum()) for p, g in zip(model.parameters(), padded_grads))
+    reference = sum(float(g.pow(2).sum()) for g in padded_grads)
+    difference = (logps["packed"] - logps["padded"])[real].abs()
     row.update(packed_over_padded=row["packed_s"] / row["padded_s"], logp_max_abs_diff=float(difference.max()),
-               logp_mean_abs_diff=float(difference.mean()),
-               grad_relative_diff=float((packed_grads - padded_grads).norm() / padded_grads.norm()))
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+               logp_mean_abs_diff=float(difference.mean()), grad_relative_diff=(squared / reference) ** 0.5)
+    del padded_grads
+    model.zero_grad(set_to_none=True)
+    with _precision(cuda):
         row["self_check"] = forwards.self_check(model, ids, mask, settings) or "passed"
     return row
 
@@ -122,16 +142,18 @@ def part_one(opts: argparse.Namespace, model_dir: str) -> list[dict]:
 
     from grpo_trainer.runtime import compat
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    device = torch.device(opts.device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     compat.enable_checkpointing(model)
     model.train()
-    ids, mask, T = _batch(model.config.vocab_size, opts, torch.device("cuda"))
-    attentions = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+    ids, mask, T = _batch(model.config.vocab_size, opts, device)
+    flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    attentions = ["sdpa"] + (["flash_attention_2"] if flash else [])
     rows = []
     for attention in attentions:
         rows.append(_case(model, attention, ids, mask, T, opts))
         print("# " + json.dumps(rows[-1]), flush=True)
-    if len(attentions) == 1:
+    if device.type == "cuda" and not flash:
         print("# flash_attention_2: the flash_attn package is not importable here; SDPA only", flush=True)
     return rows
 
@@ -171,6 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=450.0, help="Stop starting training runs after this.")
     parser.add_argument("--no-trainer", action="store_true", help="Part 1 only.")
     parser.add_argument("--tokenizer", default="auto", help="A tokenizer directory, 'auto' or 'char' (shapes.py).")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: part 1 only, float32, CPU seconds (a check of the same code at the real shape).")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads with --device cpu.")
     parser.add_argument("--json-out", default=None)
     return parser.parse_args(argv)
 
@@ -179,10 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("# no CUDA device: nothing to measure (this benchmark runs on a GPU)")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        print("# no CUDA device: nothing to measure (this benchmark runs on a GPU; --device cpu runs part 1 here)")
         print(json.dumps({"skipped": "no CUDA device"}))
         return
+    if opts.device == "cpu":
+        torch.set_num_threads(opts.threads)
+        opts.no_trainer = True
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     started = time.time()
     from shapes import save_real_model
@@ -190,10 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         models_dir = Path(scratch)
         print("# " + save_real_model(opts.shape, models_dir / opts.shape, opts.tokenizer), flush=True)
-        summary = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                   "forward_backward": part_one(opts, str(models_dir / opts.shape))}
-        torch.cuda.empty_cache()
+        device = torch.cuda.get_device_name(0) if opts.device == "cuda" else f"cpu ({opts.threads} threads)"
+        summary = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]), "device": device,
+                   "torch": torch.__version__, "forward_backward": part_one(opts, str(models_dir / opts.shape))}
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
         if not opts.no_trainer:
             summary["training_steps"] = part_two(opts, models_dir, started + opts.budget_s)
     summary["elapsed_s"] = time.time() - started
