@@ -11,14 +11,16 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
      layers), an attention implementation that has neither transformers' mask functions nor a varlen kernel,
      a forward without `position_ids`, FSDP2 (its LM head must run inside the forward), the MoE router's auxiliary
      loss (it would count the filler tokens), a model whose logits are not its LM head's output;
-   - and once per model (`self_check`), on its first micro-batch: the packed forward's log-probs of every token
-     but each sequence's first (two or more sequences per row) against the padded forward's, with dropout off.
-     Beyond the tolerance of the compute dtype (`TOLERANCES`), or on any error, the model is scored padded from
-     then on, with the reason logged. A model that ignores the mask, lets a cache in (`use_cache`: with a cache,
-     transformers does not look for restarting positions, so packed sequences attend to each other), or
-     re-derives positions fails here.
+   - and once per model (`self_check`), on its first micro-batch, with dropout off, two or more sequences per row:
+     (a) isolation: perturbing each row's first sequence must leave the log-probs of the sequences after it
+     exactly where they were (masked attention weights are exact zeros: any change is a leak, in any dtype);
+     (b) agreement: packed log-probs of every token but each sequence's first equal the padded forward's within the
+     compute dtype's rounding (`TOLERANCES`). On a failure, or any error, the model is scored padded from then on,
+     with the reason logged. A model that ignores the mask, lets a cache in (`use_cache`: with a cache transformers
+     does not look for restarting positions, so packed sequences attend to each other), or re-derives positions
+     fails here.
    Each refusal is logged once per model and reason.
-2. The check runs on every process at the same call, whatever its rows (two forwards more, once), so ZeRO-3's
+2. The check runs on every process at the same call, whatever its rows (three forwards more, once), so ZeRO-3's
    gathered forwards stay in step; afterwards each call is one forward, packed or padded.
 3. On-policy replay (the rollout's layer outputs, `modeling.replay`) composes with packing: each layer's output
    is gathered into the packed layout, and the backward recomputes each layer on packed rows.
