@@ -87,8 +87,8 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
             median, sigma = (float(x) for x in spread.split(","))
             install_lengths(trainer.model, LogNormalLengths(maximum=length, median=median, sigma=sigma),
                             trainer.processing_class.pad_token_id)
-        name = "_rollout" if trainer_name == "ours" else "_generate_single_turn"
-        inner = getattr(trainer, name)
+        owner, name = (trainer.rounds, "rollout") if trainer_name == "ours" else (trainer, "_generate_single_turn")
+        inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
             started = sync_clock()
@@ -97,7 +97,7 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
             finally:
                 generation.append(sync_clock() - started)
 
-        setattr(trainer, name, timed)
+        setattr(owner, name, timed)
         torch.cuda.reset_peak_memory_stats()
         trainer.train()
     history = [row for row in trainer.state.log_history if "reward" in row]
