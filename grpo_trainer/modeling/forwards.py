@@ -74,9 +74,10 @@ class Call:
 # Attention implementations whose masks transformers builds with its mask functions, which detect packed
 # sequences from restarting positions when there is no attention mask and no cache (masking_utils).
 _MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
-# Layer kinds that attend within a window of the sequence; any other (linear attention, Mamba, convolutions)
-# carries a state along the row, across sequences.
-_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+# Layer kinds (`config.layer_types`) that mix tokens only through masked attention, or not at all (NemotronH's
+# "moe" and "mlp" blocks); any other (linear attention, Mamba, short convolutions) carries a state or a window along
+# the row, across sequences.
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "moe", "mlp")
 
 
 def _attention(lm: nn.Module) -> str:
@@ -125,8 +126,9 @@ def _rope_3d(model: nn.Module, call: Call) -> str | None:
 
 def _recurrent_layers(model: nn.Module, call: Call) -> str | None:
     kinds = set(getattr(causal_lm(model).config.get_text_config(), "layer_types", None) or ())
-    if kinds - set(_ATTENTION_LAYERS):
-        return f"layers of kind {sorted(kinds - set(_ATTENTION_LAYERS))} carry a state along the row, across sequences"
+    others = sorted(kinds - set(_ATTENTION_LAYERS))
+    if others:
+        return f"layers of kind {others} carry a state or a convolution along the row, across sequences"
     return None
 
 

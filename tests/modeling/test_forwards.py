@@ -264,7 +264,7 @@ def test_refusal_rules(tokenizer):
                                                   moe_intermediate_size=16, shared_expert_intermediate_size=16,
                                                   linear_num_value_heads=2, linear_num_key_heads=1,
                                                   full_attention_interval=2))
-    assert "['linear_attention'] carry a state along the row" in forwards.refusal(hybrid, forwards.Call())
+    assert "['linear_attention'] carry a state or a convolution" in forwards.refusal(hybrid, forwards.Call())
 
 
 def test_vision_language_models_are_scored_padded(tokenizer):
