@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -90,16 +91,24 @@ def _varlen(lm: nn.Module) -> bool:
     return "flash" in _attention(lm)
 
 
+def _numel(parameter: nn.Parameter) -> int:
+    return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3 partitions to 0 elements: its full size
+
+
 def packing_cost(lm: nn.Module) -> PackingCost:
-    """`lm`'s forward work per token (2 x its decoder layers' parameters; ZeRO-3's partitioned ones at full size)
-    and per pair of tokens in a row (4 x layers x attention width), for `packing.plan`."""
-    layers = lm.get_decoder().layers
-    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in layers.parameters())
+    """`lm`'s forward work per token (2 x its parameters other than the embeddings and the LM head, whose rows the
+    packed and padded forwards look up or project alike; a Mixture-of-Experts model's every expert counted, so its
+    per-token work is overestimated, which only favours packing) and per pair of tokens in a row (4 x layers x
+    attention width), for `packing.plan`."""
+    embeddings = {id(m.weight): m.weight for m in (lm.get_input_embeddings(), lm.get_output_embeddings())
+                  if m is not None}
+    parameters = sum(_numel(p) for p in lm.parameters()) - sum(_numel(w) for w in embeddings.values())
     if _varlen(lm):
         return PackingCost(token=2.0 * parameters, pair=0.0)
     config = lm.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return PackingCost(token=2.0 * parameters, pair=4.0 * len(layers) * config.num_attention_heads * head_dim)
+    width = config.num_attention_heads * head_dim
+    return PackingCost(token=2.0 * parameters, pair=4.0 * config.num_hidden_layers * width)
 
 
 def _images(model: nn.Module, call: Call) -> str | None:
@@ -142,8 +151,6 @@ def _attention_implementation(model: nn.Module, call: Call) -> str | None:
 
 
 def _without_positions(model: nn.Module, call: Call) -> str | None:
-    import inspect
-
     parameters = inspect.signature(causal_lm(model).forward).parameters
     if "position_ids" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         return "its forward takes no position_ids, so positions cannot restart per sequence"

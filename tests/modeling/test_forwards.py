@@ -351,6 +351,24 @@ def test_every_token_of_a_micro_batch_without_completions_still_runs_the_forward
 def test_packing_cost_by_hand(tokenizer):
     """The toy Qwen2 (hidden 64, MLP 128, 2 layers, 4 query heads of 16, 2 key/value heads, q/k/v biases): per layer
     q 64x64+64 = 4160, k and v 64x32+32 = 2080 each, o 64x64 = 4096, MLP 3 x 64x128 = 24576, two norms 128:
-    37120; two layers 74240 parameters, 2 flops each per token. A pair of tokens in a row: 4 x 2 layers x 64."""
+    37120; two layers 74240, the final norm 64: 74304 parameters besides the (tied) embedding, 2 flops each per
+    token. A pair of tokens in a row: 4 x 2 layers x 64."""
     model = model_of_kind("qwen2", tokenizer)
-    assert forwards.packing_cost(model) == PackingCost(token=2 * 74240, pair=4 * 2 * 64)
+    assert forwards.packing_cost(model) == PackingCost(token=2 * 74304, pair=4 * 2 * 64)
+
+
+@pytest.mark.parametrize("kind", ["gpt2_no_dropout", "phi3", "mixtral", "qwen3"])
+def test_other_architectures_train_packed_with_the_padded_gradients(tokenizer, kind):
+    """`score` end to end (self-check, plan, packed forward) on architectures beyond the four above: GPT-2 (learned
+    absolute positions, its layers under `transformer.h`), Phi-3 (fused projections), Mixtral (experts), Qwen3 (q/k
+    norms, a head width other than hidden / heads)."""
+    model = model_of_kind(kind, tokenizer, **({"n_positions": 64} if kind.startswith("gpt2") else {}))
+    model.train()
+    ids, mask, T = variable_batch(tokenizer)
+    padded = _loss_grads(model, completion_logprobs(model, ids, mask, T, with_entropy=True), mask[:, -T:])
+    shapes = _count_forwards(model)
+    ours = forwards.score(model, ids, mask, T, ON, with_entropy=True)
+    assert shapes[-1][0] < ids.shape[0]  # the last forward ran packed rows
+    grads = _loss_grads(model, ours, mask[:, -T:])
+    for name in padded:
+        torch.testing.assert_close(grads[name], padded[name], atol=ATOL, rtol=0, msg=name)
