@@ -151,7 +151,10 @@ def part_one(opts: argparse.Namespace, model_dir: str) -> list[dict]:
     attentions = ["sdpa"] + (["flash_attention_2"] if flash else [])
     rows = []
     for attention in attentions:
-        rows.append(_case(model, attention, ids, mask, T, opts))
+        try:
+            rows.append(_case(model, attention, ids, mask, T, opts))
+        except Exception as error:  # noqa: BLE001 - one attention implementation failing must not stop the others
+            rows.append({"attention": attention, "failed": f"{type(error).__name__}: {error}"})
         print("# " + json.dumps(rows[-1]), flush=True)
     if device.type == "cuda" and not flash:
         print("# flash_attention_2: the flash_attn package is not importable here; SDPA only", flush=True)
