@@ -23,6 +23,18 @@ and one-step memory-only runs at a longer completion length:
     PYTHONPATH=. python benchmarks/bench_vs_trl.py --real --impls ours,trl,floor
     PYTHONPATH=. python benchmarks/bench_vs_trl.py --sizes qwen2.5-0.5b --lengths 64 --betas 0 --peft full \
         --threads 1 --warmup 1 --steps 3 --impls ours,trl,floor --memory-lengths 1024
+
+Completion lengths as real runs have them (a random model never samples EOS, so without this every completion has
+exactly `max_completion_length` tokens and padding never shows): `--length-spread MEDIAN,SIGMA` ends each
+completion with EOS at a seeded log-normal length between 16 and T, in both trainers alike (`cli.toy_lengths`: a
+logits processor added where transformers builds them, which `model.generate` and our rollouts both call; a row's
+length depends only on its prompt, its copy number and the seed). `ours_packed` is ours with `padding_free=True`.
+Each run then also reports the padding fraction of its policy forward's input (1 - real / computed tokens of the
+padded `[B, S+T]` micro-batch; for `ours_packed` also of its packed rows) and the CPU seconds of the policy's
+forward and backward per step (median over the measured steps):
+
+    PYTHONPATH=. python benchmarks/bench_vs_trl.py --sizes qwen2.5-0.5b --lengths 512 --betas 0 --peft full \
+        --threads 1 --warmup 1 --steps 3 --impls ours,ours_packed,trl --length-spread 128,0.6
 """
 
 from __future__ import annotations
@@ -52,7 +64,9 @@ MODEL_SIZES: dict[str, tuple[int, int, int, int]] = {
 }
 PHASES = ("generation", "reference_forward", "policy_forward", "backward", "optimizer", "rewards")
 # "<impl>_blas": the same run with PyTorch's own float32 CPU matmuls (GRPO_TRAINER_ONEDNN=0, `modeling.kernels`).
-IMPLS = ("ours", "trl", "floor", "ours_blas", "floor_blas")
+# "ours_packed": ours with padding_free=True (packed log-prob forwards, `modeling.packing`).
+IMPLS = ("ours", "trl", "floor", "ours_blas", "floor_blas", "ours_packed")
+MIN_SPREAD_LENGTH = 16  # the shortest completion --length-spread draws
 
 
 @dataclass(frozen=True)
@@ -64,11 +78,23 @@ class Case:
     threads: int
     checkpointing: bool = True  # gradient_checkpointing (TRL's default)
     memory_only: bool = False  # one step, no warm-up: peak RSS only
+    spread: str = ""  # "MEDIAN,SIGMA": completion lengths log-normal in [16, T] (`--length-spread`); "": all T
 
     @property
     def name(self) -> str:
         return (f"{self.size}/T{self.max_completion_length}/beta{self.beta:g}/{self.peft}/{self.threads}t"
-                + ("" if self.checkpointing else "/nockpt") + ("/mem" if self.memory_only else ""))
+                + ("" if self.checkpointing else "/nockpt") + ("/mem" if self.memory_only else "")
+                + (f"/spread{self.spread}" if self.spread else ""))
+
+    def lengths(self, seed: int):
+        """The `--length-spread` schedule (`cli.toy_lengths.LogNormalLengths`), or None."""
+        if not self.spread:
+            return None
+        from grpo_trainer.cli.toy_lengths import LogNormalLengths
+
+        median, sigma = (float(x) for x in self.spread.split(","))
+        return LogNormalLengths(maximum=self.max_completion_length, median=median, sigma=sigma,
+                                minimum=MIN_SPREAD_LENGTH, seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------ child side
@@ -90,16 +116,24 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
     rss_after_import = _peak_rss_mb()
 
     class StepClock(TrainerCallback):
+        """Each step's CPU and wall seconds, its share of every instrumented phase (`phases`), and the token counts
+        `_instrument_tokens` adds to its entry of `tokens`."""
+
         def __init__(self) -> None:
             self.cpu: list[float] = []
             self.wall: list[float] = []
+            self.phases: dict[str, float] = {}
+            self.step_phases: list[dict[str, float]] = []
+            self.tokens: list[dict[str, int]] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._cpu, self._wall = time.process_time(), time.perf_counter()
+            self._cpu, self._wall, self._phases = time.process_time(), time.perf_counter(), dict(self.phases)
+            self.tokens.append({"real": 0, "padded": 0, "packed": 0, "packed_real": 0})
 
         def on_step_end(self, args, state, control, **kwargs):
             self.cpu.append(time.process_time() - self._cpu)
             self.wall.append(time.perf_counter() - self._wall)
+            self.step_phases.append({k: v - self._phases.get(k, 0.0) for k, v in self.phases.items()})
 
     peft_config = None
     if case.peft == "lora":
@@ -114,6 +148,7 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
             loss_type="dapo", scale_rewards="group", gradient_checkpointing=case.checkpointing, bf16=False,
             max_steps=warmup + steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
             seed=seed, dataloader_num_workers=0, temperature=1.0,
+            **({"padding_free": True} if impl == "ours_packed" else {}),
         )
         clock = StepClock()
         trainer = GRPOTrainer(model_dir, copy_digits_reward, args=args,
@@ -121,8 +156,15 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
                               processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft_config,
                               callbacks=[clock])
         rss_after_init = _peak_rss_mb()  # model loading's own peak (the same for both trainers)
+        schedule = case.lengths(seed)
+        if schedule is not None:
+            from grpo_trainer.cli.toy_lengths import install_lengths
+
+            install_lengths(trainer.model, schedule, trainer.processing_class.pad_token_id)
+        _instrument_tokens(trainer, impl, clock.tokens)
         phases = _instrument_ours(trainer) if impl.startswith("ours") else _instrument_trl(trainer)
         _instrument_optimizer(phases)
+        clock.phases = phases
         trainer.train()
     history = [row for row in trainer.state.log_history if "reward" in row]
     lengths = [row["completions/mean_length"] for row in history]
@@ -140,7 +182,55 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
     steps_timed = len(clock.cpu)
     result["phases_cpu_s_per_step"] = {k: v / steps_timed for k, v in phases.items()}
     result["step_cpu_s_mean"] = sum(clock.cpu) / steps_timed
+    step_phases = clock.step_phases[measured]
+    result["fwd_bwd_cpu_s"] = statistics.median(p["policy_forward"] + p["backward"] for p in step_phases)
+    result["reference_cpu_s"] = statistics.median(p["reference_forward"] for p in step_phases)
+    steps = clock.tokens[measured]
+    real = sum(s["real"] for s in steps)
+    result["padding_fraction"] = 1 - real / sum(s["padded"] for s in steps)
+    if impl == "ours_packed":
+        packed = sum(s["packed"] for s in steps)
+        result["packed_filler_fraction"] = 1 - sum(s["packed_real"] for s in steps) / packed if packed else None
     return result
+
+
+def _instrument_tokens(trainer, impl: str, steps: list[dict[str, int]]) -> None:
+    """Adds to the current step's entry of `steps`: the real and computed (padded `[B, S+T]`) tokens of the
+    micro-batches the loss sees, and for `ours_packed` the packed rows' tokens (`R x W`) and the real ones in them,
+    of its forwards with gradients."""
+    import torch
+
+    def count(prompt_mask, completion_mask) -> None:
+        steps[-1]["real"] += int(prompt_mask.sum() + completion_mask.sum())
+        steps[-1]["padded"] += prompt_mask.numel() + completion_mask.numel()
+
+    if impl.startswith("ours"):
+        compute_loss = trainer.compute_loss
+
+        def ours(model, inputs, *args, **kwargs):
+            count(inputs.prompt_mask, inputs.completion_mask)
+            return compute_loss(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = ours
+        from grpo_trainer.modeling import forwards
+
+        packed_logprobs = forwards.packed_logprobs
+
+        def packed(model, batch, *args, **kwargs):
+            if torch.is_grad_enabled():
+                steps[-1]["packed"] += batch.tokens_computed
+                steps[-1]["packed_real"] += batch.real_tokens
+            return packed_logprobs(model, batch, *args, **kwargs)
+
+        forwards.packed_logprobs = packed
+    else:
+        compute_loss = trainer._compute_loss
+
+        def trl(model, inputs):
+            count(inputs["prompt_mask"], inputs["completion_mask"])
+            return compute_loss(model, inputs)
+
+        trainer._compute_loss = trl
 
 
 def _instrument_optimizer(totals: dict[str, float]) -> None:
@@ -196,6 +286,11 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
     times: dict[str, list[float]] = {"generation": [], "forward_backward": [], "optimizer": [],
                                      "reference_forward": []}
     tokens = []
+    schedule = case.lengths(seed)
+    if schedule is not None:
+        from grpo_trainer.cli.toy_lengths import install_lengths
+
+        install_lengths(model, schedule, tokenizer.pad_token_id)
     kernels = fast_linears(model)  # the trainer's float32 CPU kernels (a no-op where oneDNN is not the faster)
     kernels.__enter__()
     for step in range(warmup + steps):
@@ -381,7 +476,10 @@ def _trainer_columns(impl: str, runs: list[dict]) -> dict:
                 f"{impl}_peak_rss_mb": max(r["peak_rss_mb"] for r in runs)} if runs else {}
     columns = {f"{impl}_{key}": _median(done, key)
                for key in ("cpu_s_per_step", "wall_s_per_step", "tokens_per_cpu_s", "peak_rss_mb",
-                           "rss_after_import_mb", "rss_after_init_mb", "tokens_per_step")}
+                           "rss_after_import_mb", "rss_after_init_mb", "tokens_per_step", "fwd_bwd_cpu_s",
+                           "reference_cpu_s", "padding_fraction") if key in done[0]}
+    if done[0].get("packed_filler_fraction") is not None:
+        columns[f"{impl}_packed_filler_fraction"] = _median(done, "packed_filler_fraction")
     quarter = max(1, len(done[0]["rewards"]) // 4)  # learning: first vs last quarter of the steps
     columns.update({
         f"{impl}_cpu_s_per_step_runs": [r["cpu_s_per_step"] for r in done],  # each repeat's, for the spread
@@ -418,7 +516,11 @@ def summarise(case: Case, runs: dict[str, list[dict]]) -> dict:
               "rss_ratio": ("ours_peak_rss_mb", "trl_peak_rss_mb"),
               "floor_ratio": ("ours_cpu_s_per_step", "floor_cpu_s"),
               "blas_cpu_ratio": ("ours_blas_cpu_s_per_step", "trl_cpu_s_per_step"),
-              "blas_floor_ratio": ("ours_blas_cpu_s_per_step", "floor_blas_cpu_s")}
+              "blas_floor_ratio": ("ours_blas_cpu_s_per_step", "floor_blas_cpu_s"),
+              "packed_cpu_ratio": ("ours_packed_cpu_s_per_step", "ours_cpu_s_per_step"),
+              "packed_fwd_bwd_ratio": ("ours_packed_fwd_bwd_cpu_s", "ours_fwd_bwd_cpu_s"),
+              "packed_trl_ratio": ("ours_packed_cpu_s_per_step", "trl_cpu_s_per_step"),
+              "packed_rss_ratio": ("ours_packed_peak_rss_mb", "trl_peak_rss_mb")}
     for name, (numerator, denominator) in ratios.items():
         if numerator in row and denominator in row:
             row[name] = row[numerator] / row[denominator]
@@ -460,6 +562,7 @@ def print_table(rows: list[dict]) -> None:
             rest = total - sum(phases.values())
             cells = [f"{v:7.2f}s {100 * v / total:5.1f}%" for v in (*(phases.get(p, 0.0) for p in PHASES), rest)]
             print(f"{r['case']:<40} {impl:<5} {total:7.2f}s " + " ".join(f"{c:>17}" for c in cells))
+    _print_spread([r for r in rows if r.get("spread")])
     floors = [(r, impl) for r in rows for impl in ("floor", "floor_blas") if f"{impl}_parts_cpu_s" in r]
     if floors:
         print("\nThe floor (median of the measured repeats): generation + forward/backward; then with the optimizer "
@@ -471,6 +574,28 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['case']:<40} {impl:<10} {p['generation']:>10.2f} {p['forward_backward']:>8.2f} "
                   f"{p['optimizer']:>9.2f} {p['reference_forward']:>8.2f} {r[impl + '_cpu_s']:>8.2f} "
                   f"{r[impl + '_with_optimizer_cpu_s']:>8.2f} {r[impl + '_with_reference_cpu_s']:>8.2f}")
+
+
+def _print_spread(rows: list[dict]) -> None:
+    """The --length-spread rows: padding, CPU seconds, the policy's forward + backward, peak RSS; their ratios."""
+    if not rows:
+        return
+    print("\nVariable completion lengths (--length-spread): padding fraction of the policy forward's input (filler: "
+          "of ours_packed's packed rows), CPU s per step, CPU s of the policy forward + backward per step (median of "
+          "the measured steps), peak RSS MB:")
+    print(f"{'configuration':<56} {'impl':<11} {'padding':>7} {'filler':>6} {'s/step':>7} {'fwd+bwd':>7} {'RSS MB':>7}")
+    for r in rows:
+        for impl in ("ours", "ours_packed", "trl"):
+            if f"{impl}_cpu_s_per_step" not in r:
+                continue
+            cells = [_cell(r, f"{impl}_{key}", fmt, width) for key, fmt, width in (
+                ("padding_fraction", ".2f", 7), ("packed_filler_fraction", ".2f", 6), ("cpu_s_per_step", ".2f", 7),
+                ("fwd_bwd_cpu_s", ".2f", 7), ("peak_rss_mb", ".0f", 7))]
+            print(f"{r['case']:<56} {impl:<11} " + " ".join(cells))
+        ratios = [f"{label} {_cell(r, key, '.2f', 4)}" for label, key in (
+            ("packed/padded step", "packed_cpu_ratio"), ("fwd+bwd", "packed_fwd_bwd_ratio"),
+            ("packed/TRL step", "packed_trl_ratio"), ("RSS", "packed_rss_ratio"))]
+        print(f"{'':<56} {'ratios':<11} " + ", ".join(ratios))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -488,7 +613,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peft", default="full,lora", help="full and/or lora.")
     parser.add_argument("--threads", default="1,2", help="torch threads per run.")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient_checkpointing=False.")
-    parser.add_argument("--impls", default="ours,trl", help="Comma list of: ours, trl, floor.")
+    parser.add_argument("--length-spread", default="",
+                        help="MEDIAN,SIGMA: completions end with EOS at seeded log-normal lengths in [16, T] in both "
+                             "trainers (e.g. 128,0.6: about half of a micro-batch's tokens padding at T=512); "
+                             "default: every completion T tokens (a random model never samples EOS).")
+    parser.add_argument("--impls", default="ours,trl", help="Comma list of: " + ", ".join(IMPLS) + ".")
     parser.add_argument("--tokenizer", default="auto",
                         help="Real shapes' tokenizer: a directory, 'auto' (the fabricated Qwen tokenizer if found, "
                              "else 'char') or 'char' (the char-level tokenizer padded to Qwen's size).")
@@ -534,8 +663,8 @@ def main(argv: list[str] | None = None) -> None:
     memory = itertools.product(sizes, split(opts.memory_lengths, int), split(opts.betas, float),
                                split(opts.peft, str), split(opts.threads, int))
     checkpointing = not opts.no_checkpointing
-    cases = [Case(*c, checkpointing=checkpointing) for c in grid] + \
-        [Case(*c, checkpointing=checkpointing, memory_only=True) for c in memory]
+    cases = [Case(*c, checkpointing=checkpointing, spread=opts.length_spread) for c in grid] + \
+        [Case(*c, checkpointing=checkpointing, memory_only=True, spread=opts.length_spread) for c in memory]
     load = os.getloadavg()
     print(f"# {len(cases)} configurations x {opts.repeats} repeat(s) x {len(impls)} implementations; "
           f"{opts.warmup} warm-up + {opts.steps} measured steps each (memory-only: 1 step); load average at start "

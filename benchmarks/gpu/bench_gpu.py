@@ -5,6 +5,7 @@ Models: random weights in the public configs of Qwen2.5-0.5B and Qwen2.5-1.5B (`
 real-size tokenizer. Runs, each in its own subprocess (so peak memory is per run), alternating between trainers:
 
     ours/fast        generation_backend="fast" (the default)
+    ours/packed      the same with padding_free=True (packed log-prob forwards)
     ours/generate    generation_backend="generate" (transformers' model.generate)
     ours/vllm        use_vllm=True, vllm_mode="colocate" (only where vLLM is installed)
     trl/generate     TRL's transformers generation
@@ -16,6 +17,9 @@ and the rewards. The last line of stdout is one JSON object (also written to `--
 
     PYTHONPATH=. python benchmarks/gpu/bench_gpu.py --json-out benchmarks/results/gpu_<date>.json
     PYTHONPATH=. python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --runs ours/fast,trl/generate --lengths 256
+
+`--length-spread MEDIAN,SIGMA` ends completions with EOS at seeded log-normal lengths in [16, T] in every run alike
+(`grpo_trainer.cli.toy_lengths`; a random model never samples EOS, so otherwise all completions have T tokens).
 
 Without a CUDA device it prints why and exits with status 0 and a JSON object saying it was skipped.
 """
@@ -36,10 +40,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-RUNS = ("ours/fast", "ours/generate", "ours/vllm", "trl/generate", "trl/vllm")
+RUNS = ("ours/fast", "ours/packed", "ours/generate", "ours/vllm", "trl/generate", "trl/vllm")
 
 
-def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmup: int, batch: int) -> dict:
+def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmup: int, batch: int,
+           spread: str = "") -> dict:
     """One training run on cuda:0; returns its measurements."""
     import torch
     from transformers import AutoTokenizer, TrainerCallback
@@ -69,17 +74,19 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
     settings = dict(per_device_train_batch_size=batch, num_generations=4, max_completion_length=length, beta=beta,
                     learning_rate=1e-6, loss_type="dapo", bf16=True, gradient_checkpointing=True,
                     max_steps=warmup + steps, logging_steps=1, report_to="none", save_strategy="no",
-                    disable_tqdm=True, seed=0, temperature=1.0)
-    if backend == "vllm":
-        settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
-    elif trainer_name == "ours":
-        settings["generation_backend"] = backend
+                    disable_tqdm=True, seed=0, temperature=1.0, **_backend_settings(trainer_name, backend))
     clock = StepClock()
     generation: list[float] = []
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = GRPOTrainer(model_dir, copy_digits_reward, args=GRPOConfig(output_dir=output_dir, **settings),
                               train_dataset=copy_digits_dataset(num_prompts=256, seed=0),
                               processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[clock])
+        if spread:
+            from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
+
+            median, sigma = (float(x) for x in spread.split(","))
+            install_lengths(trainer.model, LogNormalLengths(maximum=length, median=median, sigma=sigma),
+                            trainer.processing_class.pad_token_id)
         owner, name = (trainer.rounds, "rollout") if trainer_name == "ours" else (trainer, "_generate_single_turn")
         inner = getattr(owner, name)
 
@@ -106,6 +113,14 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
             "torch": torch.__version__}
 
 
+def _backend_settings(trainer_name: str, backend: str) -> dict:
+    if backend == "vllm":
+        return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+    if backend == "packed":
+        return {"generation_backend": "fast", "padding_free": True}
+    return {"generation_backend": backend} if trainer_name == "ours" else {}
+
+
 def available(run: str) -> str | None:
     """Why `run` cannot run here, or None."""
     if run.endswith("/vllm") and importlib.util.find_spec("vllm") is None:
@@ -116,7 +131,7 @@ def available(run: str) -> str | None:
 def run_child(run: str, model_dir: str, opts: argparse.Namespace, length: int, beta: float) -> dict:
     command = [sys.executable, __file__, "--child", run, "--model-dir", model_dir, "--lengths", str(length),
                "--betas", str(beta), "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--batch",
-               str(opts.batch)]
+               str(opts.batch), "--length-spread", opts.length_spread]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -141,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default="auto", help="A tokenizer directory, 'auto' or 'char' (shapes.py).")
     parser.add_argument("--models-dir", default=None, help="Keep the saved models here instead of a temporary one.")
     parser.add_argument("--timeout", type=int, default=3600, help="Seconds per child run.")
+    parser.add_argument("--length-spread", default="",
+                        help="MEDIAN,SIGMA: completion lengths log-normal in [16, T] (default: all T).")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if opts.child:
         result = _child(opts.child, opts.model_dir, int(opts.lengths), float(opts.betas), opts.steps, opts.warmup,
-                        opts.batch)
+                        opts.batch, opts.length_spread)
         print("RESULT " + json.dumps(result), flush=True)
         return
     if not torch.cuda.is_available():

@@ -67,6 +67,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.sync_ref_model and args.beta == 0,
          "sync_ref_model=True needs beta > 0: with beta == 0 there is no reference model to sync."),
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
+        (not isinstance(args.padding_free, bool),
+         f"padding_free must be True or False (got {args.padding_free!r})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
          "reward_weights must be numbers, not NaN."),
         (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,

@@ -201,6 +201,11 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "With auto_find_batch_size=True the first setting that fits is applied instead (same global batch and "
         "objective: a smaller per_device_train_batch_size with more gradient_accumulation_steps, checkpointing, a "
         "lower vllm_gpu_memory_utilization).")
+    padding_free: bool = _opt(
+        True, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
+        "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "
+        "it cannot serve are scored padded, by rule or after a once-per-model packed-vs-padded self-check, with "
+        "the reason logged (README, 'Padding-free forwards').")
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 

@@ -44,8 +44,13 @@ from grpo_trainer.modeling.unwrap import causal_lm, output_head
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "LogProbs", "chunk_rows", "chunked_scores", "completion_logprobs",
-           "token_logprobs"]
+__all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "Known", "LogProbs", "ScoringHead", "chunk_rows", "chunked_scores",
+           "completion_logprobs", "scoring_head", "token_logprobs"]
+
+# Values computed under the loss's weights before its forward (the rollout's, on-policy), for the N scored rows:
+# log-probs [N], entropies [N] or None, the tempered softmax ([N, V], or [B, T, V] read at the index) or None, and
+# that index (rows [N], columns [N]) or None. See `_HeadLogProbs`.
+Known = tuple[Tensor, Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]
 
 # The most float32 logits one chunk may hold: fewer rows per chunk where the vocabulary is large.
 LOGITS_CHUNK_BYTES = 2**27
@@ -131,17 +136,19 @@ class _HeadLogProbs(torch.autograd.Function):
     of rows at a time. Saves only the rows' log-sum-exp and entropies `[N]` besides its inputs. Both outputs are
     differentiable (the entropy for the entropy bonus); an output that no loss uses costs nothing in the backward.
 
-    `known` = (logps `[N]`, entropies `[N]` or None, probs `[N, V]` or None): values already computed under the
-    same weights (the rollout's, on-policy); the forward then projects nothing and returns them. The backward
-    takes the tempered softmax from `probs` where given (one V-wide product per chunk fewer), else recomputes the
-    logits and their softmax."""
+    `known` = (logps `[N]`, entropies `[N]` or None, probs or None, probs_index or None): values already computed
+    under the same weights (the rollout's, on-policy); the forward then projects nothing and returns them. The
+    backward takes the tempered softmax from `probs` where given (one V-wide product per chunk fewer), else
+    recomputes the logits and their softmax. `probs` is `[N, V]` (row r for row r), or `[B, T, V]` read at
+    `probs_index` = (rows `[N]`, columns `[N]`): a packed forward's rows are a selection of the padded layout's,
+    and gathering them per chunk spares a copy of the whole softmax."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
-                chunk_size: int, with_entropy: bool, known: tuple[Tensor, Tensor | None] | None = None
-                ) -> tuple[Tensor, Tensor]:
+                chunk_size: int, with_entropy: bool, known: Known | None = None) -> tuple[Tensor, Tensor]:
         N = tokens.shape[0]
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.probs_index = None if known is None else known[3]
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         if known is not None:
             logps = known[0].to(torch.float32, copy=True)
@@ -183,8 +190,8 @@ class _HeadLogProbs(torch.autograd.Function):
             # 1/T scale the rows, so they are applied on the E-wide side of each product, never to a V-wide one.
             scale = (grad_logps[rows] / ctx.temperature).to(weight.dtype)[:, None]  # [n, 1]
             with_entropy_grad = grad_entropies is not None
-            probs, log_probs = _chunk_softmax(h, weight, bias, ctx.temperature, lses, known_probs, rows,
-                                              with_log=with_entropy_grad)
+            probs, log_probs = _chunk_softmax(h, weight, bias, ctx.temperature, lses, known_probs, ctx.probs_index,
+                                              rows, with_log=with_entropy_grad)
             if with_entropy_grad:
                 # dH/dz = -p * (log p + H): the vocab-side term is no longer a row scaling of p, so build it.
                 g, g_h = grad_logps[rows, None], grad_entropies[rows, None]  # [n, 1] each
@@ -208,13 +215,16 @@ class _HeadLogProbs(torch.autograd.Function):
 
 
 def _chunk_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, lses: Tensor | None,
-                   known_probs: Tensor | None, rows: slice, with_log: bool) -> tuple[Tensor, Tensor | None]:
-    """The tempered softmax `[n, V]` float32 of one chunk, from the rollout's (`known_probs`), from the saved
-    log-sum-exp, or recomputed; with `with_log` also p * log p `[n, V]` (0 where p = 0), for the entropy's gradient."""
+                   known_probs: Tensor | None, probs_index: tuple[Tensor, Tensor] | None, rows: slice, with_log: bool
+                   ) -> tuple[Tensor, Tensor | None]:
+    """The tempered softmax `[n, V]` float32 of one chunk, from the rollout's (`known_probs`, read at `probs_index`
+    when given), from the saved log-sum-exp, or recomputed; with `with_log` also p * log p `[n, V]` (0 where p = 0),
+    for the entropy's gradient."""
     if known_probs is not None:
+        chunk = known_probs[rows] if probs_index is None else known_probs[probs_index[0][rows], probs_index[1][rows]]
         if not with_log:
-            return known_probs[rows], None
-        probs = known_probs[rows].float()
+            return chunk, None
+        probs = chunk.float()
         return probs, torch.special.xlogy(probs, probs)
     logits = _chunk_logits(h, weight, bias, temperature)  # [n, V]
     log_p = torch.log_softmax(logits, dim=-1) if lses is None else logits.sub_(lses[rows, None])
@@ -389,33 +399,59 @@ def completion_logprobs(
     if with_aux_loss and aux_loss is None:
         raise ValueError(f"{type(model).__name__} returned no aux_loss for output_router_logits=True; the router "
                          "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
-    head, lm = output_head(model), causal_lm(model)
-    chunk_size = chunk_rows(chunk_size, out.logits.shape[-1])
-    transform = LogitTransform.of(getattr(lm, "config", None))
-    if not _head_reproduces_logits(lm, out.logits[:, -1], out.hidden_states[-1][:, -1], head, transform):
+    scorer = scoring_head(model, out, chunk_size)
+    if scorer is None:
         logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(
-            model, input_ids, attention_mask, completion_length, temperature, chunk_size, with_entropy, extra)
+            model, input_ids, attention_mask, completion_length, temperature,
+            chunk_rows(chunk_size, out.logits.shape[-1]), with_entropy, extra)
         return LogProbs(logps_t, entropies_t, aux_loss)
     # Position t predicts token t+1: the hidden states S-1 .. S+T-2 score completion tokens S .. S+T-1.
     hidden = out.hidden_states[-1][:, -completion_length - 1 : -1]  # [B, T, H]
     tokens = input_ids[:, -completion_length:]  # [B, T]
-    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)  # [B*T, H], [B*T]
+    known = None if known_logps is None else (
+        known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
+        None if known_probs is None else known_probs.reshape(-1, known_probs.shape[-1]), None)
+    logps_t, entropies_t = scorer.score(hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1), temperature,
+                                        with_entropy, known)  # [B*T] each
     shape = tokens.shape
-    if not transform.identity:
-        head = _TransformedHead(head, transform)  # through the checkpointed per-chunk path below
-    elif _is_plain_linear(head):
-        known = None
-        if known_logps is not None and (known_entropy is not None or not with_entropy):
-            known = (known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
-                     None if known_probs is None else known_probs.reshape(-1, known_probs.shape[-1]))
-        precision = contextlib.nullcontext()
-        if type(head) is Float32Head:  # as its forward computes: float32 hidden states, float32 weight, no autocast
-            flat_hidden = flat_hidden.float()
-            precision = torch.autocast(flat_hidden.device.type, enabled=False)
-        with precision:
-            logps_t, entropies_t = _HeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens,
-                                                       temperature, chunk_size, with_entropy, known)
-        return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
-    logps_t, entropies_t = chunked_scores(functools.partial(_head_logprobs, head), flat_hidden, flat_tokens,
-                                          temperature, chunk_size)
     return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
+
+
+@dataclass(frozen=True)
+class ScoringHead:
+    """A causal LM's LM head (and the transform its logits get), ready to score final hidden states."""
+
+    head: nn.Module
+    transform: LogitTransform
+    chunk_size: int  # rows per chunk (`chunk_rows`)
+
+    def score(self, hidden: Tensor, tokens: Tensor, temperature: float, with_entropy: bool,
+              known: Known | None = None) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropies `[N]` float32 of `tokens` `[N]` given the final hidden states `[N, H]` that
+        predict them (entropies empty unless `with_entropy`). `known`: see `_HeadLogProbs`; used by a plain head
+        only, and only when it holds every value asked for (any other case recomputes)."""
+        head = self.head
+        if not self.transform.identity:
+            head = _TransformedHead(head, self.transform)  # through the checkpointed per-chunk path below
+        elif _is_plain_linear(head):
+            if known is not None and with_entropy and known[1] is None:
+                known = None
+            precision = contextlib.nullcontext()
+            if type(head) is Float32Head:  # as its forward computes: float32 hidden states and weight, no autocast
+                hidden = hidden.float()
+                precision = torch.autocast(hidden.device.type, enabled=False)
+            with precision:
+                return _HeadLogProbs.apply(hidden, head.weight, head.bias, tokens, temperature, self.chunk_size,
+                                           with_entropy, known)
+        return chunked_scores(functools.partial(_head_logprobs, head), hidden, tokens, temperature, self.chunk_size)
+
+
+def scoring_head(model: nn.Module, out: Any, chunk_size: int) -> ScoringHead | None:
+    """The head that scores `model`'s final hidden states, given one forward's output `out` (called with
+    `logits_to_keep=1, output_hidden_states=True`); None when the model's logits are not what that head gives
+    (`_head_reproduces_logits`), so they must come from the model's own logits."""
+    head, lm = output_head(model), causal_lm(model)
+    transform = LogitTransform.of(getattr(lm, "config", None))
+    if not _head_reproduces_logits(lm, out.logits[:, -1], out.hidden_states[-1][:, -1], head, transform):
+        return None
+    return ScoringHead(head, transform, chunk_rows(chunk_size, out.logits.shape[-1]))

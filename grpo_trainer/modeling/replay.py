@@ -53,31 +53,40 @@ class _Replayed(torch.autograd.Function):
         return None, x.grad, None
 
 
-def _replay(known: Tensor, checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-    """A stand-in for a layer's `_gradient_checkpointing_func(function, hidden_states)`."""
+def _replay(known: Tensor, checkpoint: Callable[..., Any], layout: tuple[Tensor, Tensor] | None
+            ) -> Callable[..., Any]:
+    """A stand-in for a layer's `_gradient_checkpointing_func(function, hidden_states)`; `known` `[B, N, E]`, read
+    at `layout` (see `replayed_layers`) when given."""
+    shape = known.shape if layout is None else (*layout[0].shape, known.shape[-1])
 
     def run(function: Callable[[Tensor], Tensor], hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or hidden.shape != known.shape or torch.is_autocast_enabled(hidden.device.type):
+        if args or kwargs or hidden.shape != shape or torch.is_autocast_enabled(hidden.device.type):
             return checkpoint(function, hidden, *args, **kwargs)  # not the call this was made for: plain path
         # A frozen embedding (LoRA) gives an input without grad; the layer's parameters still need the backward.
         hidden = hidden if hidden.requires_grad else hidden.detach().requires_grad_()
-        return _Replayed.apply(function, hidden, known.to(hidden.dtype))
+        values = known if layout is None else known[layout]  # packed: [R, W, E] gathered from [B, N, E]
+        return _Replayed.apply(function, hidden, values.to(hidden.dtype))
 
     return run
 
 
 @contextlib.contextmanager
-def replayed_layers(layers: nn.ModuleList, outputs: Tensor) -> Iterator[None]:
+def replayed_layers(layers: nn.ModuleList, outputs: Tensor, layout: tuple[Tensor, Tensor] | None = None
+                    ) -> Iterator[None]:
     """Within this context each checkpointed layer of `layers` returns `outputs[:, l]` (`[B, L, N, E]`, the
     rows and columns of the input about to run) instead of computing it. Layers that are not checkpointed (no
-    activation checkpointing, or eval mode) compute as usual."""
+    activation checkpointing, or eval mode) compute as usual.
+
+    `layout` = (rows `[R, W]`, columns `[R, W]`): the forward runs on another arrangement of the same tokens (a
+    packed forward, `modeling.packing`), whose position (r, w) holds the token at (rows[r, w], columns[r, w]) of
+    `outputs`; each layer's output is gathered into it (a copy per layer, as the unpacked path's clone)."""
     saved = []
     try:
         for index, layer in enumerate(layers):
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
             if checkpoint is not None:
                 saved.append((layer, checkpoint))
-                layer._gradient_checkpointing_func = _replay(outputs[:, index], checkpoint)
+                layer._gradient_checkpointing_func = _replay(outputs[:, index], checkpoint, layout)
         yield
     finally:
         for layer, checkpoint in saved:

@@ -172,7 +172,7 @@ class GRPOTrainer(Trainer):
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
         scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
-                                  args.beta)
+                                  args.beta, args.padding_free, args.pad_to_multiple_of)
         self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
         self.objective = GRPOLoss(LossPartSettings(typed.loss_settings(args), args.gradient_accumulation_steps,
                                               args.max_completion_length, args.top_entropy_quantile,

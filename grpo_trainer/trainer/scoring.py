@@ -8,7 +8,8 @@ Decisions:
    for the current ones after an update), reference ones only when beta != 0 (under PEFT: the policy with its
    adapter disabled).
 2. On-policy the rollout's values stand in for the policy forward's (`modeling.logprobs`, `known`), and its layer
-   outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`).
+   outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`). Every forward goes through
+   `modeling.forwards.score`, which runs it packed (`padding_free`) where the model allows, else padded.
 3. With beta == 0, no entropy mask, no entropy bonus and no auxiliary loss, a completion whose advantage is exactly 0
    adds 0 to the loss and to its gradient whatever its log-probs, so only the other rows run forward and backward
    (`policy_logps`); skipped rows keep their place in every loss normaliser, with log-probs equal to the old ones (a
@@ -19,7 +20,6 @@ Shapes: `B` completions, `T` completion tokens.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,9 +27,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from grpo_trainer.modeling import replay
-from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs
-from grpo_trainer.modeling.unwrap import causal_lm
+from grpo_trainer.modeling import forwards
+from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.rollout import multimodal
 from grpo_trainer.runtime import models
 from grpo_trainer.trainer.round import Round
@@ -44,6 +43,8 @@ class ScoringSettings:
     chunk_size: int = 1024  # `logprob_chunk_size`: LM-head rows projected at once
     rows_per_forward: int = 8  # `per_device_train_batch_size`: rows per no-grad forward
     beta: float = 0.0
+    padding_free: bool = True  # packed forwards where the model allows (`modeling.forwards`)
+    pad_to_multiple_of: int | None = None  # packed rows' width rounded up to a multiple of this
 
 
 class PolicyLogProbs(NamedTuple):
@@ -58,6 +59,8 @@ class PolicyScorer:
 
     def __init__(self, settings: ScoringSettings, schedule: Schedule, ref_model: nn.Module | None) -> None:
         self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
+        self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
+                                                settings.pad_to_multiple_of)
 
     def logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False,
               with_aux_loss: bool = False) -> LogProbs:
@@ -68,13 +71,9 @@ class PolicyScorer:
         width = inputs.completion_ids.shape[1]
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
-        replayed = contextlib.nullcontext()
-        if policy and inputs.layer_outputs is not None and model.training:
-            replayed = replay.replayed_layers(causal_lm(model).get_decoder().layers, inputs.layer_outputs)
-        with replayed:
-            return completion_logprobs(model, input_ids, attention_mask, width, self.settings.temperature,
-                                       self.settings.chunk_size, with_entropy, *known,
-                                       with_aux_loss=with_aux_loss, model_inputs=images)
+        replayed = inputs.layer_outputs if policy and model.training else None
+        return forwards.score(model, input_ids, attention_mask, width, self.forward, with_entropy, known,
+                              with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed)
 
     def no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
         """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward."""

@@ -52,6 +52,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"loss_type": "vespo", "use_vllm": True}, "VESPO loss requires `vllm_importance_sampling_mode` to be either "
                                                "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
+    ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:

@@ -48,6 +48,12 @@ MODES = {
                   ("--ddp-backend", "gloo", "--no-ds3-gather")),
     "fsdp2": Mode("fsdp2.yaml", "FSDP", "FSDPModule", env=CPU),
     "lora_ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--lora",), env=CPU, lora=True),
+    # padding_free: packed log-prob forwards (the 1-process reference runs padded).
+    "ddp_packed": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--padding-free",), env=CPU),
+    "zero2_packed": Mode("deepspeed_zero2.yaml", "DEEPSPEED", "DeepSpeedEngine",
+                         ("--ddp-backend", "gloo", "--padding-free")),
+    "zero3_packed": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
+                         ("--ddp-backend", "gloo", "--no-ds3-gather", "--padding-free")),
 }
 
 

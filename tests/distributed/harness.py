@@ -175,8 +175,22 @@ def _probe_generation(trainer, zero3: bool) -> dict:
     return out
 
 
+def _count_packed_forwards() -> list[int]:
+    """Counts this process's packed log-prob forwards (`padding_free`), the self-check's included."""
+    from grpo_trainer.modeling import forwards
+
+    count, packed_logprobs = [0], forwards.packed_logprobs
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return packed_logprobs(*args, **kwargs)
+
+    forwards.packed_logprobs = counted
+    return count
+
+
 def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
-        ds3_gather: bool = True, per_device_batch: int | None = None) -> dict:
+        ds3_gather: bool = True, per_device_batch: int | None = None, padding_free: bool = False) -> dict:
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from transformers import set_seed
@@ -195,7 +209,8 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
         seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
-        generation_backend="generate")  # RowSeededSampling stands in for generate_rollout (model.generate)
+        # RowSeededSampling stands in for generate_rollout (model.generate)
+        generation_backend="generate", padding_free=padding_free)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -217,6 +232,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         log(logs, start_time)
 
     trainer.log = log_and_record
+    packed_forwards = _count_packed_forwards()
 
     start = time.perf_counter()
     with RowSeededSampling():
@@ -232,7 +248,8 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     trainer.save_model(str(out_dir / "saved"))
     reward_model = trainer.reward_funcs[1].model
     mine = {"rank": state.process_index, "rounds": recorder.rounds, "flushes": flushes, "local_metrics": local_metrics,
-            "digest": parameter_digest(params), "sharding": sharding, "probe": probe}
+            "digest": parameter_digest(params), "sharding": sharding, "probe": probe,
+            "packed_forwards": packed_forwards[0]}
     every = gather_object([mine])
     if state.is_main_process:
         torch.save(params, out_dir / "params.pt")
@@ -262,6 +279,7 @@ def main() -> None:
     parser.add_argument("--ddp-backend", default=None)
     parser.add_argument("--no-ds3-gather", action="store_true")
     parser.add_argument("--per-device-batch", type=int, default=None)
+    parser.add_argument("--padding-free", action="store_true")
     cli = parser.parse_args()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (2-3 min on 2 cores) the
@@ -270,7 +288,7 @@ def main() -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
-        per_device_batch=cli.per_device_batch)
+        per_device_batch=cli.per_device_batch, padding_free=cli.padding_free)
     leave_cleanly()
 
 

@@ -187,6 +187,17 @@ def test_lora_ddp_trains_only_the_adapter(run_mode, model_dir):
     assert all(v.abs().max() > 0 for k, v in params.items() if "lora_B" in k)
 
 
+@pytest.mark.parametrize("name", [name for name in MODES if name.endswith("_packed")])
+def test_packed_modes_ran_packed_forwards_on_every_process(name, run_mode):
+    """padding_free: each process passed the self-check of the policy and of the reference model (two packed
+    forwards each) and packed micro-batches' log-prob forwards (of 3 steps x 2 micro-steps x policy and reference;
+    a micro-batch of equally long sequences gains nothing and runs padded), while the weights match the padded
+    1-process run (test_weights_match_single_process_run)."""
+    result, _ = run_mode(name)
+    assert all(rank["packed_forwards"] >= 2 * 2 + 2 for rank in result["ranks"]), \
+        [rank["packed_forwards"] for rank in result["ranks"]]
+
+
 def test_backends_agree_with_each_other(run_mode):
     params = {name: _params(run_mode(name)[1]) for name in FULL_MODES}
     first = FULL_MODES[0]

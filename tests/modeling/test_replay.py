@@ -97,9 +97,10 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
     slice of the layer outputs and of the sampling distributions (rows, then `Round.trimmed`'s columns) gives the
     loss and gradients of the plain forward; also on a real checkpoint's layout, whose tied head's gradient
     reaches the embedding through the replayed softmax."""
+    # padding_free=False: layer runs are counted per forward (packing's replay: tests/modeling/test_forwards.py).
     model = None if kind == "tiny" else model_of_kind(kind, tokenizer)  # both: 2 layers
     trainer = checkpointing_trainer(tmp_path, tokenizer, toy_dataset, model=model, beta=beta,
-                                    gradient_accumulation_steps=2, per_device_train_batch_size=4)
+                                    gradient_accumulation_steps=2, per_device_train_batch_size=4, padding_free=False)
     batch = [toy_dataset[i // 4] for i in range(8)]
     batch[4:] = [{**toy_dataset[0], "prompt": "c 1:"}] * 4  # a shorter prompt: its micro-batch trims left columns
     torch.manual_seed(0)

@@ -80,7 +80,9 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
     """beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its gradient, so only the
     other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens, dr_grpo's B * T,
     dapo's window). With num_iterations = 2 the round carries old log-probs, used as the skipped rows' values."""
-    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, loss_type=loss_type, num_iterations=num_iterations)
+    # padding_free=False: the rows of each forward are counted (packed forwards have other shapes).
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, loss_type=loss_type, num_iterations=num_iterations,
+                       padding_free=False)
     model = trainer.model
     inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset),
                                  advantages=torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75]))
@@ -110,7 +112,7 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
 @pytest.mark.parametrize("setting", [{"beta": 0.1}, {"entropy_coef": 0.1}, {"use_adaptive_entropy": True}])
 def test_zero_advantage_rows_are_not_skipped_with_a_kl_term_or_an_entropy_bonus(tmp_path, tokenizer, toy_dataset,
                                                                                 setting):
-    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, **setting)
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, padding_free=False, **setting)  # rows counted
     inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset), advantages=torch.zeros(8))
     rows_seen = []  # the KL term and the entropy still have a gradient on every row
     trainer.model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
