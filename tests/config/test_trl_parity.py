@@ -21,6 +21,7 @@ OURS_ONLY = {
     "reward_model_batch_size": "reward models score in micro-batches",
     "logprob_chunk_size": "completion tokens per LM-head chunk",
     "max_nonfinite_steps": "the non-finite-loss guard",
+    "vllm_sync_check_interval": "how often the vLLM weight-sync self-check runs (docs/VLLM.md)",
     # Legacy names (config/legacy.py): removed from TRL's GRPOConfig or transformers' TrainingArguments, still in
     # recipes; each warns and maps to its replacement, or warns that it has no effect.
     "vllm_device": "legacy (TRL < 0.18), no effect: vLLM's devices follow the launch",

@@ -52,6 +52,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"loss_type": "vespo", "use_vllm": True}, "VESPO loss requires `vllm_importance_sampling_mode` to be either "
                                                "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
+    ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:

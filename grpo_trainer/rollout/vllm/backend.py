@@ -18,6 +18,7 @@ Decisions:
 5. Engine settings follow TRL: `max_num_seqs` = per_device_train_batch_size x vllm_tensor_parallel_size x
    steps_per_generation; on CPU the KV cache holds that many sequences of the longest expected prompt plus
    `max_completion_length` (and at least one `vllm_max_model_length` sequence).
+6. The weight-sync check (`sync_check`) runs on the first rollout sampled after a scheduled push.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import VLLM, Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout
-from grpo_trainer.rollout.vllm import checks, sampling
+from grpo_trainer.rollout.vllm import checks, sampling, sync_check
 
 __all__ = ["VLLMBackend"]
 
@@ -55,8 +56,9 @@ class VLLMBackend(RolloutBackend):
         self.mode = args.vllm_mode
         sampling.check_generation_kwargs(args.generation_kwargs)
         self.is_main = PartialState().is_main_process
-        self.client = self.engine = self.weights = None
+        self.client = self.engine = self.weights = self.policy = None
         self.loaded: int | None = None
+        self.schedule = sync_check.SyncSchedule(args.vllm_sync_check_interval)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 
@@ -145,10 +147,11 @@ class VLLMBackend(RolloutBackend):
         from grpo_trainer.modeling.export import inference_weights
 
         if self.engine is not None:
-            self.engine.load_weights(inference_weights(model))
+            unreached = self.engine.load_weights(inference_weights(model))
         else:
-            self.weights.push(model)
-        self.loaded = version
+            unreached = self._shared(self.weights.push(model))
+        self.loaded, self.policy = version, model
+        self.schedule.pushed(unreached)
 
     def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                  capture: Capture = KEEP_NOTHING) -> Rollout:
@@ -162,7 +165,96 @@ class VLLMBackend(RolloutBackend):
             completions = self.engine.generate(runs, settings)
         else:
             completions = self._generate_on_server(runs, settings)
-        return sampling.to_rollout(prompts, completions, config)
+        out = sampling.to_rollout(prompts, completions, config)
+        if self.schedule.due:
+            self.schedule.due = False
+            self.schedule.checks += 1
+            self._check_sync(model, out)
+        return out
+
+    # ------------------------------------------------------------------------------------- weight-sync check
+
+    def _check_sync(self, model: nn.Module, out: Rollout) -> None:
+        """The weight-sync check on the rollout the engine just sampled (`sync_check`); WeightSyncError on every
+        process when it fails."""
+        import torch
+        from accelerate.utils import gather
+
+        from grpo_trainer.modeling.logprobs import completion_logprobs
+
+        rows = sync_check.probe_rows(out, sync_check.PROBE_ROWS)
+        sequences = sync_check.probe_sequences(out, rows)
+        scores = self.engine.score(sequences) if self.engine is not None else self._score_on_server(sequences)
+        mask = out.completion_mask[rows]  # [k, T]
+        engine = sync_check.engine_completion_logps(scores, mask.sum(1).tolist(), mask.shape[1]).to(mask.device)
+        ids = torch.cat([out.prompt_ids[rows], out.completion_ids[rows]], 1)
+        attention = torch.cat([out.prompt_mask[rows], mask], 1)
+        with torch.no_grad():
+            trainer = completion_logprobs(model, ids, attention, mask.shape[1], 1.0).logps
+        gap, tokens = sync_check.logp_gap(engine, trainer, mask)
+        gaps = gather(torch.stack([gap, tokens.float()]).reshape(1, 2))  # [processes, 2]; decision 4
+        worst = int(gaps[:, 0].argmax())
+        dtype = self._policy_dtype()
+        tolerance = sync_check.logp_tolerance(dtype)
+        self.schedule.gaps.append((float(gaps[worst, 0]), int(gaps[worst, 1])))
+        if float(gaps[worst, 0]) <= tolerance:
+            return
+        diagnosis = self._diagnose()
+        raise sync_check.WeightSyncError(sync_check.failure_message(
+            float(gaps[worst, 0]), tolerance, int(gaps[worst, 1]), self.schedule.pushes, self.loaded,
+            str(dtype).removeprefix("torch."), diagnosis))
+
+    def _policy_dtype(self) -> Any:
+        return next(p.dtype for p in causal_lm(self.policy).parameters() if p.is_floating_point())
+
+    def _score_on_server(self, sequences: list[list[int]]) -> list[list[float | None]]:
+        """Every process's sequences scored by the main process; this process's scores."""
+        from accelerate import PartialState
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([sequences])
+        scores = failure = None
+        if self.is_main:
+            try:
+                scores = self.client.score([s for part in everyone for s in part])
+            except Exception as exc:  # noqa: BLE001  (raised on every process below)
+                failure = exc
+        scores, failure = self._shared((scores, failure))
+        if failure is not None:
+            raise failure
+        start = sum(len(part) for part in everyone[:PartialState().process_index])
+        return scores[start:start + len(sequences)]
+
+    def _diagnose(self) -> sync_check.Diagnosis:
+        """Decision 3 of `sync_check`: the engine's weights under checkpoint names against the policy's."""
+        import json
+
+        from grpo_trainer.modeling.export import inference_weight_metadata, inference_weights
+        from grpo_trainer.rollout.vllm.inspection import digest
+
+        metadata = json.dumps([[n, list(s), str(d).removeprefix("torch.")]
+                               for n, d, s in inference_weight_metadata(self.policy)])
+        answer = reason = None
+        if self.engine is not None:
+            answer = self.engine.inspect("grpo_checkpoint_digests", metadata)
+        elif self.is_main:
+            if self.client.inspection:
+                answer = self.client.inspect("grpo_checkpoint_digests", metadata)
+            else:
+                reason = (f"the server at {self.client.url} has no weight inspection; start it with `grpo-train "
+                          "vllm-serve` to have the differing parameters named.")
+        answer, reason = self._shared((answer, reason))
+        if answer is None:
+            return sync_check.Diagnosis(available=False, reason=reason or "")
+        import torch
+
+        dtype = getattr(torch, answer["dtype"])
+        wanted = answer["digests"]
+        expected = {name: digest(tensor.to(dtype)) for name, tensor in inference_weights(self.policy)
+                    if name in wanted}  # every process iterates: the gathers are collectives
+        return sync_check.Diagnosis(
+            available=True, compared=len(expected), differing=sync_check.differing_weights(expected, wanted),
+            unmapped=answer["unmapped"], uncompared=answer["uncompared"], unreached=self.schedule.unreached)
 
     def _generate_on_server(self, runs: list[tuple[list[int], int]], settings: dict) -> list[sampling.Completion]:
         """Every process's runs answered by the main process; this process's completions (decision 2)."""

@@ -24,6 +24,8 @@ Decisions:
 7. The engine lives as long as the process: vLLM's shutdown destroys the default process group, which the trainer
    shares under the external launcher. At exit it is shut down while that group still exists; after the script
    ended it (`accelerator.end_training()`), vLLM's cleanup is skipped instead of failing on destroyed groups.
+8. The engine's workers carry `inspection.WorkerInspection`: a push reports the engine parameters it did not
+   reach, and the weight-sync check can read the weights back (`inspect`) and score token sequences (`score`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.unwrap import causal_lm
+from grpo_trainer.rollout.vllm.inspection import EXTENSION
 from grpo_trainer.rollout.vllm.sampling import Completion
 
 __all__ = ["ColocateEngine", "EngineSettings", "kv_cache_bytes"]
@@ -119,6 +122,7 @@ class ColocateEngine:
             "logprobs_mode": "processed_logprobs",  # the distribution sampled from, after temperature and filters
             "generation_config": "vllm",  # the checkpoint's sampling defaults never leak into a request
             "enable_sleep_mode": settings.enable_sleep_mode,
+            "worker_extension_cls": EXTENSION,  # decision 8
         }
         if settings.cpu:
             kwargs["enforce_eager"] = True
@@ -159,13 +163,36 @@ class ColocateEngine:
             [list(range(i, i + size)) for i in range(0, world, size)])
         return group
 
-    def load_weights(self, weights: Iterator[tuple[str, Tensor]]) -> None:
-        """Replace the engine's weights by `weights` (checkpoint names, every tensor of the model; decisions 2, 5)."""
+    def load_weights(self, weights: Iterator[tuple[str, Tensor]]) -> list[str] | None:
+        """Replace the engine's weights by `weights` (checkpoint names, every tensor of the model; decisions 2, 5);
+        the engine parameters the push did not reach (decision 8)."""
         if self.settings.enable_sleep_mode:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        unreached = self.llm.collective_rpc("grpo_reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+        return unreached[0]
+
+    def inspect(self, method: str, *args: str) -> object:
+        """The first worker's answer to a `WorkerInspection` method (decision 8)."""
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float | None]]:
+        """The engine's log-prob of each token of each sequence after its first (raw, temperature 1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.tp_group is not None:  # one engine: every rank scores the group's sequences
+            group = [None] * torch.distributed.get_world_size(self.tp_group)
+            torch.distributed.all_gather_object(group, list(sequences), group=self.tp_group)
+            offset = sum(len(s) for s in group[:torch.distributed.get_rank(self.tp_group)])
+            local, sequences = len(sequences), [s for part in group for s in part]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
+        scores = [[None if entry is None else entry[ids[i + 1]].logprob
+                   for i, entry in enumerate(output.prompt_logprobs[1:])]
+                  for ids, output in zip(sequences, outputs)]
+        return scores[offset:offset + local] if self.tp_group is not None else scores
 
     def generate(self, runs: Sequence[tuple[list[int], int]], settings: dict[str, Any]) -> list[Completion]:
         """One completion per row: `runs` are (prompt ids, rows) requests; returns them in row order."""

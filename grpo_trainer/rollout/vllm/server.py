@@ -17,6 +17,9 @@ Decisions:
      `/dev/shm` when available), then asks the server to reload from it through `/collective_rpc`
      (`reload_weights`); the shards are deleted afterwards. The trainer holds at most one shard (`SHARD_BYTES`).
    Either way every process iterates the weights (gathering is a collective), and the prefix cache is reset.
+4. A server started by `grpo-train vllm-serve` carries `inspection.WorkerInspection` in its workers (reached through
+   `/collective_rpc`): a file push then reports the engine parameters it did not reach, and the weight-sync check
+   can read the weights back. Any other vLLM server still trains; only those two things are unavailable.
 """
 
 from __future__ import annotations
@@ -84,6 +87,23 @@ class ServerClient:
                                "vllm-serve` sets it).")
         self.config = self._checked(response)["vllm_config"]
         self.nccl = None
+        self.inspection = self._rpc_status("grpo_inspection_version") == 200  # decision 4
+
+    def _rpc_status(self, method: str) -> int:
+        return self.session.post(f"{self.url}/collective_rpc", json={"method": method}).status_code
+
+    def inspect(self, method: str, *args: str) -> object:
+        """The first worker's answer to a `WorkerInspection` method (decision 4)."""
+        return self._post("/collective_rpc", {"method": method, "args": list(args)})["results"][0]
+
+    def score(self, sequences: Sequence[list[int]]) -> list[list[float | None]]:
+        """The server's log-prob of each token of each sequence after its first (raw, temperature 1)."""
+        payload = {"model": self.model, "prompt": list(sequences), "max_tokens": 1, "prompt_logprobs": 0,
+                   "temperature": 1.0, "return_token_ids": True}
+        choices = self._post("/v1/completions", payload)["choices"]
+        return [[None if entry is None else _logprob_of(entry, ids[i + 1])
+                 for i, entry in enumerate(choice["prompt_logprobs"][1:])]
+                for ids, choice in zip(sequences, choices)]
 
     def _checked(self, response: Any) -> Any:
         if response.status_code != 200:
@@ -150,8 +170,11 @@ class ServerWeights:
         return NCCLTrainerWeightTransferEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(self.client.url),
                                                             source=source)
 
-    def push(self, model: nn.Module) -> None:
-        """Send the weights of `model` (the unwrapped policy); every process calls it."""
+    def push(self, model: nn.Module) -> list[str] | None:
+        """Send the weights of `model` (the unwrapped policy); every process calls it. The main process returns the
+        engine parameters the push did not reach, when the server can tell (the file transfer to a server with
+        `inspection.WorkerInspection`), else None."""
+        unreached = None
         if self.transfer == "nccl":
             if self.nccl is None:
                 self.nccl = self._open_nccl(model)
@@ -161,12 +184,22 @@ class ServerWeights:
                 pass
         else:
             folder = _write_shards(inference_weights(model))
+            method = "grpo_reload_weights" if self.client.inspection else "reload_weights"
             try:
-                self.client._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+                answer = self.client._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": folder}})
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+            if self.client.inspection and answer is not None:
+                unreached = answer["results"][0]
         if self.client is not None:
             self.client._post("/reset_prefix_cache")
+        return unreached
+
+
+def _logprob_of(entry: dict, token: int) -> float | None:
+    """A prompt log-prob entry of vLLM's OpenAI server ({token id: {"logprob": ...}}, keys as strings) for `token`."""
+    value = entry.get(str(token), entry.get(f"token_id:{token}"))
+    return None if value is None else value["logprob"]
 
 
 def _write_shards(weights: Iterator[tuple[str, Tensor]]) -> str:
