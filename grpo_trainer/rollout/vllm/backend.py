@@ -227,13 +227,10 @@ class VLLMBackend(RolloutBackend):
 
     def _diagnose(self) -> sync_check.Diagnosis:
         """Decision 3 of `sync_check`: the engine's weights under checkpoint names against the policy's."""
-        import json
-
         from grpo_trainer.modeling.export import inference_weight_metadata, inference_weights
-        from grpo_trainer.rollout.vllm.inspection import digest
+        from grpo_trainer.rollout.vllm.inspection import digest, encode_metadata
 
-        metadata = json.dumps([[n, list(s), str(d).removeprefix("torch.")]
-                               for n, d, s in inference_weight_metadata(self.policy)])
+        metadata = encode_metadata(inference_weight_metadata(self.policy))
         answer = reason = None
         if self.engine is not None:
             answer = self.engine.inspect("grpo_checkpoint_digests", metadata)

@@ -34,11 +34,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["EXTENSION", "WorkerInspection", "digest", "digests_agree"]
+__all__ = ["EXTENSION", "WorkerInspection", "checkpoint_view", "digest", "digests_agree", "encode_metadata"]
 
 EXTENSION = "grpo_trainer.rollout.vllm.inspection.WorkerInspection"  # vLLM's `worker_extension_cls`
 DIGEST_RTOL = 1e-7  # float64 sums of identical values differ only by summation order (~1e-12 relative)
 _SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
+
+
+def encode_metadata(metadata: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> str:
+    """`export.inference_weight_metadata`'s (name, dtype, shape) triples as the JSON the worker methods take."""
+    return json.dumps([[name, list(shape), str(dtype).removeprefix("torch.")] for name, dtype, shape in metadata])
 
 
 def digest(tensor: Tensor) -> list[float]:
