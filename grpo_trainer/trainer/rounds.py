@@ -147,8 +147,9 @@ class RoundsMixin:
         backend = rollout.serving(self.rollout_backend, prompts)
         if backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
             backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
-            config = make_generation_config(self.args, unwrap.causal_lm(self.model).generation_config,
-                                            self._tokenizer, max_new_tokens)
+            lm = unwrap.causal_lm(self.model)
+            config = make_generation_config(self.args, lm.generation_config, self._tokenizer, max_new_tokens,
+                                            suppress_tokens=self._suppressed(lm))
             out = backend.generate(self.model, prompts, config, plan)
             return capture.drop_unusable(out, config, self.args.temperature)
         with distributed.unwrapped_for_generation(self.model_wrapped, self.accelerator,

@@ -13,12 +13,18 @@ Decisions:
    with the step as version), so gradient accumulation and the micro-steps of one round push nothing. An engine
    that slept with its weights discarded (sleep mode) gets them again whatever the version.
 4. Capabilities: the engine's own log-probs (`engine_logps`, vLLM's processed log-probs: the distribution it sampled
-   from, after temperature and filtering) and its own weights; no replay tensors, no stop strings (vLLM would
-   need its own detokenised text), no images. Logits processors: only those vLLM's sampling parameters express.
+   from, after temperature and filtering), its own weights and images (decision 7); no replay tensors, no stop
+   strings (vLLM would need its own detokenised text). Logits processors: only those vLLM's sampling parameters
+   express.
 5. Engine settings follow TRL: `max_num_seqs` = per_device_train_batch_size x vllm_tensor_parallel_size x
    steps_per_generation; on CPU the KV cache holds that many sequences of the longest expected prompt plus
    `max_completion_length` (and at least one `vllm_max_model_length` sequence).
 6. The weight-sync check (`sync_check`) runs on the first rollout sampled after a scheduled push.
+7. Images, as TRL sends them: each image row goes to vLLM as its prompt with the image placeholders unexpanded
+   (`multimodal.unexpanded_ids`) and its images, and the prompt vLLM expands must be the trainer's
+   (`sampling.check_engine_prompts`). A family whose expansion cannot be undone falls back to `model.generate`
+   for its image rounds (`image_support`, named in the log); a family vLLM cannot load at all is refused when the
+   trainer is built (`checks.check_architecture`).
 """
 
 from __future__ import annotations
@@ -42,11 +48,16 @@ logger = logging.getLogger(__name__)
 _DEFAULT_PROMPT_TOKENS = 512  # the KV cache's allowance per sequence when max_prompt_length is None (CPU)
 
 
+def _has_images(prompts: PromptBatch) -> bool:
+    return prompts.image_lists is not None and any(prompts.image_lists)
+
+
 @register_backend(VLLM)
 class VLLMBackend(RolloutBackend):
     """Rollouts from vLLM, colocated or on a server (decision 2)."""
 
-    capabilities = Capabilities(logits_processors=False, multi_turn=True, engine_logps=True, own_weights=True)
+    capabilities = Capabilities(logits_processors=False, multi_turn=True, images=True, engine_logps=True,
+                                own_weights=True)
 
     def __init__(self, args: Any) -> None:
         from accelerate import PartialState
@@ -56,7 +67,8 @@ class VLLMBackend(RolloutBackend):
         self.mode = args.vllm_mode
         sampling.check_generation_kwargs(args.generation_kwargs)
         self.is_main = PartialState().is_main_process
-        self.client = self.engine = self.weights = self.policy = None
+        self.client = self.engine = self.weights = self.policy = self.processor = None
+        self._engine_ids: tuple[PromptBatch, dict[int, list[int]]] | None = None  # decision 7, per prompt batch
         self.loaded: int | None = None
         self.schedule = sync_check.SyncSchedule(args.vllm_sync_check_interval)
         if self.mode == "server":
@@ -108,14 +120,21 @@ class VLLMBackend(RolloutBackend):
                 return
         else:
             config = causal_lm(model).config
+        if self.mode == "colocate":  # a server loads its own model
+            names = [type(causal_lm(model)).__name__] if not isinstance(model, str) else []
+            checks.check_architecture(names + list(getattr(config, "architectures", None) or []))
         checks.check_head_dim(config, self.cpu)
 
     # -------------------------------------------------------------------------------------------- engine
 
     def start(self, model: nn.Module, processing_class: Any) -> None:
         from grpo_trainer.modeling.export import check_exportable
+        from grpo_trainer.rollout.multimodal import image_placeholder, is_processor
 
         check_exportable(model)
+        self.family = getattr(causal_lm(model).config, "model_type", type(causal_lm(model)).__name__)
+        if is_processor(processing_class):  # decision 7
+            self.processor, self.placeholder = processing_class, image_placeholder(processing_class)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerWeights
 
@@ -160,37 +179,77 @@ class VLLMBackend(RolloutBackend):
                                "first (the trainer does both).")
         settings = sampling.sampling_settings(config, prompts.ids.shape[1], self.args.generation_kwargs,
                                               self.args.vllm_structured_outputs_regex)
-        runs = sampling.prompt_runs(prompts, greedy=settings["temperature"] == 0)
+        greedy = settings["temperature"] == 0
+        with_images = _has_images(prompts)
+        requests = sampling.prompt_runs(prompts, greedy, self.engine_ids(prompts) if with_images else None)
         if self.engine is not None:
-            completions = self.engine.generate(runs, settings)
+            completions, seen = self.engine.generate(requests, settings)
         else:
-            completions = self._generate_on_server(runs, settings)
+            completions, seen = self._generate_on_server(requests, settings)
+        if with_images:
+            sampling.check_engine_prompts(prompts, greedy, seen, self.family)
         out = sampling.to_rollout(prompts, completions, config)
         if self.schedule.due:
             self.schedule.due = False
             self.schedule.checks += 1
-            self._check_sync(model, out)
+            self._check_sync(model, prompts, out)
         return out
+
+    # ------------------------------------------------------------------------------------------------ images
+
+    def engine_ids(self, prompts: PromptBatch) -> dict[int, list[int]]:
+        """Each image row's prompt ids with their image placeholders unexpanded (decision 7), computed once per
+        prompt batch; ValueError when the processor's expansion cannot be found in a row."""
+        from grpo_trainer.rollout.multimodal import unexpanded_ids
+
+        if self._engine_ids is None or self._engine_ids[0] is not prompts:
+            ids = {row: unexpanded_ids(self.processor, self.placeholder, sampling.row_ids(prompts, row),
+                                       prompts.image_lists[row])
+                   for row, _ in sampling.run_starts(prompts) if prompts.image_lists[row]}
+            self._engine_ids = (prompts, ids)
+        return self._engine_ids[1]
+
+    def image_support(self, prompts: PromptBatch) -> str | None:
+        """None when vLLM takes these image prompts (decision 7); else why not, the same on every process."""
+        from accelerate.utils import gather_object
+
+        reason = None
+        if self.processor is None:
+            reason = "the prompts hold images but the trainer has no processor"
+        else:
+            try:
+                self.engine_ids(prompts)
+            except ValueError as exc:
+                reason = str(exc)
+        reasons = [r for r in gather_object([reason]) if r is not None]
+        if not reasons:
+            return None
+        return (f"vLLM cannot be given this {self.family} model's image prompts ({reasons[0]}); rounds with images "
+                "run on model.generate, text-only rounds on vLLM.")
 
     # ------------------------------------------------------------------------------------- weight-sync check
 
-    def _check_sync(self, model: nn.Module, out: Rollout) -> None:
+    def _check_sync(self, model: nn.Module, prompts: PromptBatch, out: Rollout) -> None:
         """The weight-sync check on the rollout the engine just sampled (`sync_check`); WeightSyncError on every
         process when it fails."""
         import torch
         from accelerate.utils import gather
 
         from grpo_trainer.modeling.logprobs import completion_logprobs
+        from grpo_trainer.rollout.multimodal import forward_inputs
 
         rows = sync_check.probe_rows(out, sync_check.PROBE_ROWS)
-        sequences = sync_check.probe_sequences(out, rows)
-        scores = self.engine.score(sequences) if self.engine is not None else self._score_on_server(sequences)
+        completions = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids[rows], out.completion_mask[rows])]
+        requests = self._probe_requests(prompts, rows.tolist(), completions)
+        scores = self.engine.score(requests) if self.engine is not None else self._score_on_server(requests)
         mask = out.completion_mask[rows]  # [k, T]
         engine = sync_check.engine_completion_logps(scores, mask.sum(1).tolist(), mask.shape[1]).to(mask.device)
         ids = torch.cat([out.prompt_ids[rows], out.completion_ids[rows]], 1)
         attention = torch.cat([out.prompt_mask[rows], mask], 1)
+        images = None if prompts.images is None else prompts.images.select_rows(rows)
         with torch.no_grad():
-            trainer = completion_logprobs(model, ids, attention, mask.shape[1], 1.0).logps
+            trainer = completion_logprobs(model, ids, attention, mask.shape[1], 1.0,
+                                          model_inputs=forward_inputs(model, images, mask.shape[1])).logps
         gap, tokens = sync_check.logp_gap(engine, trainer, mask)
         gaps = gather(torch.stack([gap, tokens.float()]).reshape(1, 2))  # [processes, 2]; decision 4
         worst = int(gaps[:, 0].argmax())
@@ -204,26 +263,38 @@ class VLLMBackend(RolloutBackend):
             float(gaps[worst, 0]), tolerance, int(gaps[worst, 1]), self.schedule.pushes, self.loaded,
             str(dtype).removeprefix("torch."), diagnosis))
 
+    def _probe_requests(self, prompts: PromptBatch, rows: list[int], completions: list[list[int]]
+                        ) -> list[sampling.Request]:
+        """The probed rows as requests to score: prompt (as the engine takes it) and completion tokens, images."""
+        engine_ids = self.engine_ids(prompts) if _has_images(prompts) else {}
+        requests = []
+        for row, completion in zip(rows, completions):
+            images = prompts.image_lists[row] if prompts.image_lists is not None else None
+            start = next(s for s, n in sampling.run_starts(prompts) if s <= row < s + n)
+            prompt = engine_ids[start] if images else sampling.row_ids(prompts, row)
+            requests.append(sampling.Request(prompt + completion, 1, images or None))
+        return requests
+
     def _policy_dtype(self) -> Any:
         return next(p.dtype for p in causal_lm(self.policy).parameters() if p.is_floating_point())
 
-    def _score_on_server(self, sequences: list[list[int]]) -> list[list[float | None]]:
-        """Every process's sequences scored by the main process; this process's scores."""
+    def _score_on_server(self, requests: list[sampling.Request]) -> list[list[float | None]]:
+        """Every process's requests scored by the main process; this process's scores."""
         from accelerate import PartialState
         from accelerate.utils import gather_object
 
-        everyone = gather_object([sequences])
+        everyone = gather_object([requests])
         scores = failure = None
         if self.is_main:
             try:
-                scores = self.client.score([s for part in everyone for s in part])
+                scores = self.client.score([r for part in everyone for r in part])
             except Exception as exc:  # noqa: BLE001  (raised on every process below)
                 failure = exc
         scores, failure = self._shared((scores, failure))
         if failure is not None:
             raise failure
         start = sum(len(part) for part in everyone[:PartialState().process_index])
-        return scores[start:start + len(sequences)]
+        return scores[start:start + len(requests)]
 
     def _diagnose(self) -> sync_check.Diagnosis:
         """Decision 3 of `sync_check`: the engine's weights under checkpoint names against the policy's."""
@@ -253,21 +324,26 @@ class VLLMBackend(RolloutBackend):
             available=True, compared=len(expected), differing=sync_check.differing_weights(expected, wanted),
             unmapped=answer["unmapped"], uncompared=answer["uncompared"], unreached=self.schedule.unreached)
 
-    def _generate_on_server(self, runs: list[tuple[list[int], int]], settings: dict) -> list[sampling.Completion]:
-        """Every process's runs answered by the main process; this process's completions (decision 2)."""
+    def _generate_on_server(self, requests: list[sampling.Request], settings: dict
+                            ) -> tuple[list[sampling.Completion], list[list[int] | None]]:
+        """Every process's requests answered by the main process; this process's completions, and its requests'
+        prompts as the server expanded them (decision 2)."""
         from accelerate import PartialState
         from accelerate.utils import gather_object
 
-        all_runs = gather_object([runs])  # one list of runs per process
-        completions = failure = None
+        everyone = gather_object([requests])  # one list of requests per process
+        answer = failure = None
         if self.is_main:
             try:
-                completions = self.client.generate([r for p in all_runs for r in p], settings)
+                answer = self.client.generate([r for part in everyone for r in part], settings)
             except Exception as exc:  # noqa: BLE001  (raised on every process below, so none waits forever)
                 failure = exc
-        completions, failure = self._shared((completions, failure))
+        answer, failure = self._shared((answer, failure))
         if failure is not None:
             raise failure
-        rows = [sum(n for _, n in process_runs) for process_runs in all_runs]
-        start = sum(rows[:PartialState().process_index])
-        return completions[start:start + rows[PartialState().process_index]]
+        completions, seen = answer
+        me = PartialState().process_index
+        rows = [sum(r.n for r in part) for part in everyone]
+        first_request = sum(len(part) for part in everyone[:me])
+        return (completions[sum(rows[:me]):sum(rows[:me]) + rows[me]],
+                seen[first_request:first_request + len(requests)])

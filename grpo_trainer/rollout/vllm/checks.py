@@ -15,6 +15,9 @@ Decisions:
 3. Platform limits of vLLM's CPU build are checked up front instead of failing inside the engine: no sleep mode,
    and attention only for the head sizes its kernels implement (a head_dim of 16 loads, then crashes at the first
    generation).
+4. A model whose vLLM class cannot even be imported here (vision-language families whose vLLM code imports
+   torchvision, absent from the CPU environment) is refused by its architecture's name with vLLM's reason, before
+   anything loads, instead of the engine's "failed to be inspected".
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "UNTESTED_OPT_IN", "check_head_dim",
-           "check_installed", "check_sleep_mode", "check_version", "head_dim", "on_cpu", "installed_version"]
+__all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "UNTESTED_OPT_IN", "check_architecture",
+           "check_head_dim", "check_installed", "check_sleep_mode", "check_version", "head_dim", "installed_version",
+           "on_cpu", "unloadable_architecture"]
 
 # [lowest, first unsupported): the versions whose engine, worker and server APIs this package was verified with;
 # setup.cfg's `vllm` extra states the same range (tests/rollout/vllm/test_vllm_checks.py holds them together).
@@ -106,6 +110,34 @@ def check_sleep_mode(enabled: bool, cpu: bool) -> None:
         raise ValueError(f"vllm_enable_sleep_mode=True: vLLM's sleep mode is not supported on this platform "
                          f"({current_platform.device_type or 'unknown'}), so the engine could not free its memory "
                          "during training. Set vllm_enable_sleep_mode=False.")
+
+
+def unloadable_architecture(architectures: list[str]) -> str | None:
+    """Why vLLM cannot import the model class of one of `architectures` on this installation (decision 4), or None
+    (also for an architecture vLLM does not list: it may still serve it through transformers)."""
+    from vllm.model_executor.models import registry
+
+    for architecture in architectures:
+        entry = getattr(registry, "_VLLM_MODELS", {}).get(architecture)
+        if entry is None:
+            continue
+        try:
+            importlib.import_module(f"vllm.model_executor.models.{entry[0]}")
+        except Exception as exc:  # noqa: BLE001  (whatever the import raises is the reason to report)
+            return f"{architecture}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def check_architecture(architectures: list[str]) -> None:
+    """ValueError naming the architecture when vLLM cannot load its model class here (decision 4)."""
+    reason = unloadable_architecture(architectures)
+    if reason is None:
+        return
+    hint = (" vLLM's code for this family needs torchvision; without a GPU, install torchvision's CPU build next to "
+            "torch's (`pip install torchvision --index-url https://download.pytorch.org/whl/cpu`)."
+            if "torchvision" in reason else "")
+    raise ValueError(f"vLLM cannot load this model on this installation ({reason}), so use_vllm=True cannot serve "
+                     f"it.{hint} Or train it with use_vllm=False.")
 
 
 def head_dim(config: Any) -> int:

@@ -31,6 +31,7 @@ Decisions:
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import random
 import tempfile
@@ -43,8 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.unwrap import causal_lm
+from grpo_trainer.rollout.multimodal import is_processor
 from grpo_trainer.rollout.vllm.inspection import EXTENSION
-from grpo_trainer.rollout.vllm.sampling import Completion
+from grpo_trainer.rollout.vllm.sampling import Completion, Request
 
 __all__ = ["ColocateEngine", "EngineSettings", "kv_cache_bytes"]
 
@@ -83,10 +85,15 @@ def _model_folder(model: nn.Module, processing_class: Any, trust_remote_code: bo
     if trust_remote_code and path:
         return path, "auto"
     folder = tempfile.mkdtemp(prefix="grpo-vllm-model-")
-    lm.config.save_pretrained(folder)
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(folder)
+    config = copy.deepcopy(lm.config)
+    if not getattr(config, "architectures", None):  # a model built from a config: vLLM picks its class by this name
+        config.architectures = [type(lm).__name__]
+    config.save_pretrained(folder)
+    # A vision-language model's processor (its image processor and chat template too): vLLM processes the images.
+    owner = processing_class if is_processor(processing_class) else getattr(processing_class, "tokenizer",
+                                                                               processing_class)
+    if hasattr(owner, "save_pretrained"):
+        owner.save_pretrained(folder)
     return folder, "dummy"
 
 
@@ -177,52 +184,59 @@ class ColocateEngine:
         """The first worker's answer to a `WorkerInspection` method (decision 8)."""
         return self.llm.collective_rpc(method, args=args)[0]
 
-    def score(self, sequences: Sequence[list[int]]) -> list[list[float | None]]:
-        """The engine's log-prob of each token of each sequence after its first (raw, temperature 1)."""
-        from vllm import SamplingParams
+    def _group_requests(self, requests: Sequence[Request], extra: Any = None) -> tuple[list[Request], Any, slice]:
+        """Every rank's requests when `vllm_tensor_parallel_size` ranks share one engine (they must all serve the same
+        requests), rank 0's `extra`, and this rank's slice of them (decision 2)."""
+        if self.tp_group is None:
+            return list(requests), extra, slice(0, len(requests))
+        group = [None] * torch.distributed.get_world_size(self.tp_group)
+        torch.distributed.all_gather_object(group, (list(requests), extra), group=self.tp_group)
+        offset = sum(len(r) for r, _ in group[:torch.distributed.get_rank(self.tp_group)])
+        return [r for part, _ in group for r in part], group[0][1], slice(offset, offset + len(requests))
+
+    @staticmethod
+    def _prompt(request: Request) -> Any:
         from vllm.inputs import TokensPrompt
 
-        if self.tp_group is not None:  # one engine: every rank scores the group's sequences
-            group = [None] * torch.distributed.get_world_size(self.tp_group)
-            torch.distributed.all_gather_object(group, list(sequences), group=self.tp_group)
-            offset = sum(len(s) for s in group[:torch.distributed.get_rank(self.tp_group)])
-            local, sequences = len(sequences), [s for part in group for s in part]
+        prompt = TokensPrompt(prompt_token_ids=request.ids)
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        return prompt
+
+    def score(self, requests: Sequence[Request]) -> list[list[float | None]]:
+        """The engine's log-prob of each token after the first of each request's prompt, as the engine expanded it
+        (raw, temperature 1)."""
+        from vllm import SamplingParams
+
+        requests, _, mine = self._group_requests(requests)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
-        scores = [[None if entry is None else entry[ids[i + 1]].logprob
-                   for i, entry in enumerate(output.prompt_logprobs[1:])]
-                  for ids, output in zip(sequences, outputs)]
-        return scores[offset:offset + local] if self.tp_group is not None else scores
+        outputs = self.llm.generate([self._prompt(r) for r in requests], params, use_tqdm=False)[mine]
+        return [[None if entry is None else entry[output.prompt_token_ids[i + 1]].logprob
+                 for i, entry in enumerate(output.prompt_logprobs[1:])] for output in outputs]
 
-    def generate(self, runs: Sequence[tuple[list[int], int]], settings: dict[str, Any]) -> list[Completion]:
-        """One completion per row: `runs` are (prompt ids, rows) requests; returns them in row order."""
+    def generate(self, requests: Sequence[Request], settings: dict[str, Any]
+                 ) -> tuple[list[Completion], list[list[int]]]:
+        """One completion per row, in row order, for `requests` (each `n` rows), and each request's prompt as the
+        engine expanded it."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
 
         settings = dict(settings)
         if isinstance(settings.get("structured_outputs"), dict):
             settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
-        local = len(runs)
         seed = settings.pop("seed", None)
-        if self.tp_group is not None:  # one engine: every rank serves the group's prompts with the same seeds
-            group_runs = [None] * torch.distributed.get_world_size(self.tp_group)
-            if seed is None:
-                seed = int(torch.randint(2**31 - 1, ()))
-            torch.distributed.all_gather_object(group_runs, (list(runs), seed), group=self.tp_group)
-            seed = group_runs[0][1]
-            offset = sum(len(r) for r, _ in group_runs[:torch.distributed.get_rank(self.tp_group)])
-            runs = [run for r, _ in group_runs for run in r]
-        params = [SamplingParams(n=n, seed=None if seed is None else (seed + i) % 2**31, **settings)
-                  for i, (_, n) in enumerate(runs)]
+        if self.tp_group is not None and seed is None:  # one engine: the same seeds on every rank of the group
+            seed = int(torch.randint(2**31 - 1, ()))
+        requests, seed, mine = self._group_requests(requests, seed)
+        params = [SamplingParams(n=r.n, seed=None if seed is None else (seed + i) % 2**31, **settings)
+                  for i, r in enumerate(requests)]
         if self.settings.enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in runs], params, use_tqdm=False)
+        outputs = self.llm.generate([self._prompt(r) for r in requests], params, use_tqdm=False)[mine]
         if self.settings.enable_sleep_mode:
             self.llm.sleep(level=2)
             self.weights_asleep = True
-        if self.tp_group is not None:
-            outputs = outputs[offset:offset + local]
-        return [(list(c.token_ids), [None if c.logprobs is None else c.logprobs[i][t].logprob
-                                     for i, t in enumerate(c.token_ids)])
-                for output in outputs for c in output.outputs]
+        completions = [(list(c.token_ids), [None if c.logprobs is None else c.logprobs[i][t].logprob
+                                            for i, t in enumerate(c.token_ids)])
+                       for output in outputs for c in output.outputs]
+        return completions, [list(output.prompt_token_ids) for output in outputs]
