@@ -6,7 +6,7 @@
 #   bash scripts/test_floor.sh                 # builds or updates .venv-floor, then runs pytest -q
 #   bash scripts/test_floor.sh tests/config    # extra arguments go to pytest
 #
-# Idempotent: a re-run reuses the venv. Exits with pytest's status (5, no tests collected, counts as success).
+# Idempotent: a re-run reuses the venv. Exits with pytest's status (5, no tests collected, is a failure).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,7 +32,6 @@ fi
 "$VENV/bin/python" -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
-    echo "pytest collected no tests (exit 5); treating as success"
-    exit 0
+    echo "pytest collected no tests (exit 5): a suite that runs nothing fails the run" >&2
 fi
 exit "$rc"
