@@ -167,6 +167,7 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
 
     from grpo_trainer import GRPOConfig
     from grpo_trainer.cli.toy import copy_digits_dataset
+    from grpo_trainer.config.settings import sampling_settings
     from grpo_trainer.modeling.logprobs import completion_logprobs
     from grpo_trainer.rollout.capture import KEEP_NOTHING
     from grpo_trainer.rollout.fast.backend import FastBackend
@@ -189,7 +190,8 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
                           bf16=False, report_to="none", temperature=1.0)
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
-    config = make_generation_config(args, model.generation_config, tokenizer, case.max_completion_length)
+    config = make_generation_config(sampling_settings(args), model.generation_config, tokenizer,
+                                    case.max_completion_length)
     rows = copy_digits_dataset(num_prompts=64, seed=seed)["prompt"]
     times: dict[str, list[float]] = {"generation": [], "forward_backward": [], "optimizer": [],
                                      "reference_forward": []}
@@ -260,14 +262,12 @@ def _timed(fn, phase, totals, phase_fn=None):
 
 def _instrument_ours(trainer) -> dict[str, float]:
     """Wrap our trainer's stages with CPU-time accumulators (whole run, warm-up included)."""
-    from grpo_trainer.trainer import grpo_trainer as trainer_module
-
     totals = dict.fromkeys(PHASES, 0.0)
-    trainer._rollout = _timed(trainer._rollout, "generation", totals)
-    trainer._micro_batch = _timed(trainer._micro_batch, "reference_forward", totals)
+    trainer.rounds.rollout = _timed(trainer.rounds.rollout, "generation", totals)
+    trainer.scorer.prepare = _timed(trainer.scorer.prepare, "reference_forward", totals)
     trainer.compute_loss = _timed(trainer.compute_loss, "policy_forward", totals)
     trainer.accelerator.backward = _timed(trainer.accelerator.backward, "backward", totals)
-    trainer_module.rewards.score_completions = _timed(trainer_module.rewards.score_completions, "rewards", totals)
+    trainer.reward_sources.score = _timed(trainer.reward_sources.score, "rewards", totals)
     return totals
 
 

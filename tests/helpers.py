@@ -77,8 +77,9 @@ def greedy_config(tokenizer, **overrides) -> GenerationConfig:
 
 
 def fast_rollout(model, prompts: PromptBatch, config: GenerationConfig, **capture) -> Rollout:
-    """The fast backend's rollout, keeping the replay tensors named in `capture` (`layer_outputs`, `probs`)."""
-    return FastBackend().generate(model, prompts, config, Capture(**capture))
+    """The fast backend's rollout, keeping the replay tensors named in `capture` (`layer_outputs`, `probs`); on CUDA
+    through its decoder (which the backend's default leaves to `generate` there)."""
+    return FastBackend(cuda="decoder").generate(model, prompts, config, Capture(**capture))
 
 
 def assert_same_rollout(fast: Rollout, reference: Rollout) -> None:

@@ -16,13 +16,14 @@ ALLOWED: dict[str, set[str]] = {
     "algorithms": set(),
     "data": set(),
     "modeling": {"algorithms"},
-    "config": {"algorithms", "runtime", "modeling"},
+    "config": {"algorithms", "data", "modeling", "rewards", "rollout", "runtime"},
     "rewards": {"algorithms", "data"},
     "runtime": {"algorithms", "modeling"},
     "reporting": {"algorithms"},
     "rollout": {"algorithms", "data", "modeling", "runtime"},
     "trainer": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime"},
     "cli": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime", "trainer"},
+    "experimental": {"config", "trainer"},
 }
 # Top-level modules: the public API (`__init__`) and the seeds' public path for estimators (`advantage`).
 TOP_LEVEL = {"__init__.py": None, "advantage.py": {"algorithms"}}
@@ -80,3 +81,45 @@ def test_the_advantage_alias_exports_the_estimators():
     assert public.GRPOAdvantage is advantage.GRPOAdvantage and set(public.__all__) == set(advantage.__all__)
     for _, imported in _imported_subpackages(PACKAGE / "advantage.py"):
         assert imported in TOP_LEVEL["advantage.py"]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the grpo_trainer modules it imports anywhere in its source (function level and `TYPE_CHECKING`
+    blocks included; `from package import module` counts as importing that module)."""
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name_of(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("grpo_trainer"):
+                edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("grpo_trainer")}
+        graph[name] = {edge for edge in edges if edge in modules and edge != name}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle between modules, not even one hidden behind `TYPE_CHECKING` or inside a function."""
+    graph, cycles = _module_graph(), []
+    state: dict[str, str] = {}  # "visiting" or "done"
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "visiting"
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "visiting":
+                cycles.append(" -> ".join(path[path.index(imported):] + [module, imported]) if imported in path
+                              else f"{module} -> {imported}")
+            elif imported not in state:
+                visit(imported, path + [module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

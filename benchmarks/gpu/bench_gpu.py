@@ -80,8 +80,8 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
         trainer = GRPOTrainer(model_dir, copy_digits_reward, args=GRPOConfig(output_dir=output_dir, **settings),
                               train_dataset=copy_digits_dataset(num_prompts=256, seed=0),
                               processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[clock])
-        name = "_rollout" if trainer_name == "ours" else "_generate_single_turn"
-        inner = getattr(trainer, name)
+        owner, name = (trainer.rounds, "rollout") if trainer_name == "ours" else (trainer, "_generate_single_turn")
+        inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
             started = sync_clock()
@@ -90,7 +90,7 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
             finally:
                 generation.append(sync_clock() - started)
 
-        setattr(trainer, name, timed)
+        setattr(owner, name, timed)
         torch.cuda.reset_peak_memory_stats()
         trainer.train()
     history = [row for row in trainer.state.log_history if "reward" in row]

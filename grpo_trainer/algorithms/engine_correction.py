@@ -24,13 +24,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["CROSS_PROCESS", "IS_MODES", "engine_importance_ratio", "engine_log_ratio", "engine_mismatch_metrics"]
+__all__ = ["CROSS_PROCESS", "IS_MODES", "EngineCorrection", "engine_importance_ratio", "engine_log_ratio",
+           "engine_mismatch_metrics"]
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass(frozen=True)
+class EngineCorrection:
+    """The correction's settings (TRL's `vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`)."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
 
 
 def _is_sequence_mode(mode: str) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -45,6 +46,8 @@ from grpo_trainer.algorithms.surrogates import (
 __all__ = [
     "AGGREGATIONS",
     "LOSS_TYPES",
+    "LossBatch",
+    "LossSettings",
     "SEQUENCE_METRICS",
     "SURROGATES",
     "LossNorm",
@@ -56,6 +59,7 @@ __all__ = [
     "log_importance_ratio",
     "nanmax",
     "nanmin",
+    "objective_loss",
     "policy_loss",
     "sapo_surrogate",
     "vespo_surrogate",
@@ -195,6 +199,37 @@ def _per_sequence(x: Tensor, mask: Tensor) -> Tensor:
     return x.squeeze(-1) if x.shape[-1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The objective's fixed choices for a run (built once from the config; `policy_loss`'s keyword arguments)."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    kl_bias_correction: bool = False
+    params: SurrogateParams = _DEFAULT_PARAMS
+    importance_sampling_level: ImportanceLevel = "token"
+    off_policy_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {sorted(LOSS_TYPES)}.")
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """One micro-batch's tensors the objective reads besides the current log-probs (shapes as in `policy_loss`)."""
+
+    advantages: Tensor  # [B] or [B, T]
+    mask: Tensor  # [B, T]
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+    sampling_logps: Tensor | None = None
+    engine_ratio: Tensor | None = None
+    entropy_mask: Tensor | None = None
+    entropy: Tensor | None = None
+    entropy_coef: float | None = None
+
+
 def policy_loss(
     logps: Tensor,
     advantages: Tensor,
@@ -215,41 +250,53 @@ def policy_loss(
     entropy_coef: float | None = None,
     engine_ratio: Tensor | None = None,
 ) -> LossOutput:
+    """`objective_loss` with its settings and tensors given as keywords (the form the algorithm tests use)."""
+    settings = LossSettings(loss_type, beta, kl_bias_correction, params, importance_sampling_level,
+                            off_policy_threshold)
+    batch = LossBatch(advantages, mask, old_logps, ref_logps, sampling_logps, engine_ratio, entropy_mask, entropy,
+                      entropy_coef)
+    return objective_loss(logps, batch, settings, norm)
+
+
+def objective_loss(logps: Tensor, batch: LossBatch, settings: LossSettings, norm: LossNorm) -> LossOutput:
     """The GRPO objective for one micro-batch.
 
     Args:
         logps: `[B, T]` log pi_theta of the completion tokens (differentiable).
-        advantages: `[B]` (one per completion) or `[B, T]`.
-        mask: `[B, T]` 1 for completion tokens in the loss.
-        old_logps / ref_logps: `[B, T]` or None (on-policy / no KL term).
-        kl_bias_correction: multiply each token's KL by the (differentiable) importance ratio rho, token- or
+        batch.advantages: `[B]` (one per completion) or `[B, T]`.
+        batch.mask: `[B, T]` 1 for completion tokens in the loss.
+        batch.old_logps / batch.ref_logps: `[B, T]` or None (on-policy / no KL term).
+        settings.kl_bias_correction: multiply each token's KL by the (differentiable) importance ratio rho, token- or
             sequence-level as `importance_sampling_level` says (DeepSeek-V3.2, arXiv:2512.02556): the KL term's
             gradient becomes the unbiased reverse-KL gradient under samples from pi_old. On-policy rho is 1 in
             value, so only the gradient changes: d(rho * k3)/d logp = k3 + d k3/d logp.
-        params: the surrogates' hyperparameters.
-        off_policy_threshold: drop negative-advantage completions that drifted further than this from the
-            sampling policy (`masks.off_policy_mask`); `sampling_logps` `[B, T]` are that policy's log-probs
+        settings.params: the surrogates' hyperparameters.
+        settings.off_policy_threshold: drop negative-advantage completions that drifted further than this from the
+            sampling policy (`masks.off_policy_mask`); `batch.sampling_logps` `[B, T]` are that policy's log-probs
             (default: `old_logps`, else the current ones, detached).
-        entropy_mask: `[B, T]` the high-entropy tokens (`masks.high_entropy_mask`); the surrogate trains on them only.
-        entropy / entropy_coef: `[B, T]` differentiable per-token entropy and the bonus coefficient; with a
-            coefficient (0 included) the loss gets - c * `entropy.entropy_bonus` and the metric `policy_loss`.
-        engine_ratio: `[B, T]` an inference engine's importance weight (`engine_correction`), applied by the
+        batch.entropy_mask: `[B, T]` the high-entropy tokens (`masks.high_entropy_mask`); the surrogate trains on them
+            only.
+        batch.entropy / batch.entropy_coef: `[B, T]` differentiable per-token entropy and the bonus coefficient; with
+            a coefficient (0 included) the loss gets - c * `entropy.entropy_bonus` and the metric `policy_loss`.
+        batch.engine_ratio: `[B, T]` an inference engine's importance weight (`engine_correction`), applied by the
             surrogate (`surrogates`, decision 3); the KL term is not weighted, as in TRL.
     Returns: the loss; detached metrics under TRL's names (`kl`, the surrogate's, `policy_loss`); and per-completion
     values for `SEQUENCE_METRICS`.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(LOSS_TYPES)}.")
-    surrogate_name, aggregation_name = LOSS_TYPES[loss_type]
-    mask = mask.to(logps.dtype)
+    advantages, old_logps, ref_logps = batch.advantages, batch.old_logps, batch.ref_logps
+    entropy_mask, entropy, entropy_coef = batch.entropy_mask, batch.entropy, batch.entropy_coef
+    level, params, beta = settings.importance_sampling_level, settings.params, settings.beta
+    surrogate_name, aggregation_name = LOSS_TYPES[settings.loss_type]
+    mask = batch.mask.to(logps.dtype)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # [B, 1] or [B, T]
     token_log_ratio = log_importance_ratio(logps, old_logps, mask, "token")
-    log_ratio = log_importance_ratio(logps, old_logps, mask, importance_sampling_level)
-    per_token, flags = SURROGATES[surrogate_name](log_ratio, token_log_ratio, adv, logps, mask, params, engine_ratio)
-    if off_policy_threshold is not None:
-        sampling = sampling_logps if sampling_logps is not None else old_logps
+    log_ratio = log_importance_ratio(logps, old_logps, mask, level)
+    per_token, flags = SURROGATES[surrogate_name](log_ratio, token_log_ratio, adv, logps, mask, params,
+                                                  batch.engine_ratio)
+    if settings.off_policy_threshold is not None:
+        sampling = batch.sampling_logps if batch.sampling_logps is not None else old_logps
         sampling = logps.detach() if sampling is None else sampling
-        per_token = per_token * off_policy_mask(adv, logps, sampling, mask, off_policy_threshold)
+        per_token = per_token * off_policy_mask(adv, logps, sampling, mask, settings.off_policy_threshold)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
     metrics: dict[str, Tensor] = {}
@@ -257,7 +304,7 @@ def policy_loss(
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps (the reference model's log-probs).")
         kl = kl_k3(logps, ref_logps)
-        if kl_bias_correction:
+        if settings.kl_bias_correction:
             kl = kl * torch.exp(log_ratio)  # [B, T] (token ratios) or [B, T] * [B, 1] (sequence ratios)
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)

@@ -189,7 +189,8 @@ def _check_exists(path: str, what: str) -> None:
 
 def load_rewards(script_args: ScriptArguments, config: GRPOConfig) -> list:
     try:
-        funcs = [reward_library.get_reward_func(spec, config) for spec in script_args.reward_funcs or []]
+        funcs = [reward_library.get_reward_func(spec, config.max_completion_length)
+                 for spec in script_args.reward_funcs or []]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if script_args.reward_model_name_or_path:
@@ -310,7 +311,7 @@ def prepare(argv: list[str]) -> tuple[ScriptArguments, GRPOConfig, list, Any, An
     eval_dataset = load_eval_dataset(script_args, config)
     check_columns(reward_funcs, dataset, script_args)
     try:
-        check_reward_setup(reward_funcs, config, None)
+        check_reward_setup(reward_funcs, config.reward_weights, None)
         check_dataset(dataset, "train_dataset", None)
         check_dataset(eval_dataset, "eval_dataset", None)
     except ValueError as exc:

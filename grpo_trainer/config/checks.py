@@ -72,6 +72,13 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,
          f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
          f"{sorted(MULTI_OBJECTIVE_AGGREGATIONS)}."),
+        (not isinstance(args.async_rollouts, int) or args.async_rollouts < 0,
+         f"async_rollouts must be an integer >= 0 (got {args.async_rollouts!r}); 0 is synchronous, 1 samples one "
+         "round ahead."),
+        (args.async_correction not in ("recompute", "behaviour"),
+         f"async_correction must be 'recompute' or 'behaviour' (got {args.async_correction!r})."),
+        (args.async_rollout_timeout is not None and args.async_rollout_timeout <= 0,
+         f"async_rollout_timeout must be > 0 seconds, or None for no limit (got {args.async_rollout_timeout})."),
         (args.vllm_mode not in ("colocate", "server"),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
         (args.vllm_importance_sampling_mode not in IS_MODES,

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 from torch.utils.data import IterableDataset
-from transformers import ProcessorMixin
+from transformers import ProcessorMixin, TrainingArguments
 
 __all__ = ["check_dataset", "check_enough_prompts", "eval_datasets", "is_conversational", "prepare_for_streaming"]
 
@@ -163,8 +163,8 @@ def eval_datasets(eval_dataset: Any) -> Iterator[tuple[str, Any]]:
         yield "eval", eval_dataset
 
 
-def prepare_for_streaming(train_dataset: Any, eval_dataset: Any, args: Any) -> None:
-    """Loader settings (on `args`, a GRPOConfig) for streamed datasets, which have no length and no index.
+def prepare_for_streaming(train_dataset: Any, eval_dataset: Any, args: TrainingArguments) -> None:
+    """Loader settings (on `args`, the Trainer's arguments) for streamed datasets, which have no length and no index.
 
     Their rows are dicts of Python objects that only the process reading them can collate, so every process reads
     its own share: accelerate's `dispatch_batches` must be off (refused when set to True). A streamed train set

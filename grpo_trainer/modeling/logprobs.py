@@ -103,7 +103,8 @@ def chunked_scores(score: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor
     for start in range(0, tokens.numel(), chunk_size):
         args = (rows[start:start + chunk_size], tokens[start:start + chunk_size], temperature)
         if torch.is_grad_enabled() and rows.requires_grad:
-            chosen, entropy = checkpoint(score, *args, use_reentrant=False)
+            # no randomness to replay: leave torch's generator alone (a producer thread may be drawing from it)
+            chosen, entropy = checkpoint(score, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             chosen, entropy = score(*args)
         logps.append(chosen)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS
 
-__all__ = ["adapter_settings", "base_model_id", "estimator_name", "grpo_settings", "merge_adapter_copy",
+__all__ = ["RunCard", "adapter_settings", "base_model_id", "estimator_name", "grpo_settings", "merge_adapter_copy",
            "render_model_card", "save_merged_model", "write_model_card"]
 
 LIBRARY_TAGS = ["grpo_trainer", "grpo", "reinforcement-learning"]
@@ -72,11 +73,24 @@ def estimator_name(advantage_fn: Any, configured: str | None = None) -> str:
     return getattr(advantage_fn, "__name__", None) or type(advantage_fn).__name__
 
 
-def grpo_settings(args: Any, advantage_fn: Any) -> dict[str, Any]:
-    """The settings a reader needs to reproduce the run's objective: `{field: value}`."""
-    settings: dict[str, Any] = {"advantage_estimator": estimator_name(advantage_fn, args.advantage_estimator)}
-    settings.update({name: getattr(args, name) for name in CARD_FIELDS})
+def grpo_settings(fields: dict[str, Any], advantage_fn: Any, configured_estimator: str | None = None
+                  ) -> dict[str, Any]:
+    """The settings a reader needs to reproduce the run's objective: `{field: value}` (`fields`: the config's
+    values of `CARD_FIELDS`)."""
+    settings: dict[str, Any] = {"advantage_estimator": estimator_name(advantage_fn, configured_estimator)}
+    settings.update({name: fields[name] for name in CARD_FIELDS})
     return settings
+
+
+@dataclass(frozen=True)
+class RunCard:
+    """What a run's model card says beyond the model itself (built by the trainer from its config)."""
+
+    output_dir: str
+    repo_id: str | None  # `hub_model_id`
+    settings: dict[str, Any]  # `grpo_settings`
+    reward_names: tuple[str, ...]
+    reward_weights: tuple[float, ...] | None
 
 
 def adapter_settings(model: nn.Module) -> dict[str, Any] | None:
@@ -149,19 +163,17 @@ def _version(package: str) -> str | None:
     return getattr(module, "__version__", None)
 
 
-def write_model_card(trainer: Any, folder: str, model: nn.Module | None = None, model_name: str | None = None,
+def write_model_card(run: RunCard, folder: str, model: nn.Module, model_name: str | None = None,
                      dataset_name: str | None = None, tags: str | list[str] | None = None) -> str:
-    """Render the card for `trainer`'s run (and `model`, default the trainer's) into `folder`/README.md."""
-    model = trainer.accelerator.unwrap_model(trainer.model) if model is None else model
-    args = trainer.args
-    repo_id = getattr(trainer, "hub_model_id", None) or args.hub_model_id
-    model_name = model_name or (repo_id or os.path.basename(os.path.abspath(args.output_dir))).split("/")[-1]
+    """Render the card of `run` and `model` (the unwrapped policy, or a merged copy) into `folder`/README.md."""
+    model_name = model_name or (run.repo_id or os.path.basename(os.path.abspath(run.output_dir))).split("/")[-1]
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     tags += [t for t in getattr(model, "model_tags", None) or [] if t not in tags]
     adapter = adapter_settings(model)
-    card = render_model_card(model_name=model_name, repo=repo_id or model_name, base_model=base_model_id(model),
-                             is_adapter=adapter is not None, settings=grpo_settings(args, trainer.advantage_fn),
-                             reward_names=list(trainer.reward_names), reward_weights=args.reward_weights,
+    card = render_model_card(model_name=model_name, repo=run.repo_id or model_name, base_model=base_model_id(model),
+                             is_adapter=adapter is not None, settings=run.settings,
+                             reward_names=list(run.reward_names),
+                             reward_weights=None if run.reward_weights is None else list(run.reward_weights),
                              adapter=adapter, tags=tags, dataset_name=dataset_name)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "README.md")
@@ -182,13 +194,13 @@ def merge_adapter_copy(model: nn.Module) -> nn.Module:
     return merged
 
 
-def save_merged_model(trainer: Any, output_dir: str) -> str:
-    """Merge the trainer's adapter into a copy of the base model and save it as a full model (+ tokenizer, card)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
+def save_merged_model(model: nn.Module, processing_class: Any, run: RunCard, output_dir: str, should_save: bool
+                      ) -> str:
+    """Merge `model`'s adapter into a copy of the base model and save it as a full model (+ tokenizer, card)."""
     merged = merge_adapter_copy(model)
-    if trainer.args.should_save:
+    if should_save:
         merged.save_pretrained(output_dir)
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(output_dir)
-        write_model_card(trainer, output_dir, model=merged)
+        if processing_class is not None:
+            processing_class.save_pretrained(output_dir)
+        write_model_card(run, output_dir, model=merged)
     return output_dir

@@ -18,14 +18,16 @@ Decisions:
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grpo_trainer.algorithms.advantage import as_reward_vector, group_std, nanstd
 
-__all__ = ["completion_length_metrics", "pass_at_k", "reward_metrics", "tool_metrics", "window_means",
+__all__ = ["MetricsWindow", "completion_length_metrics", "pass_at_k", "reward_metrics", "tool_metrics", "window_means",
            "window_totals", "zero_std_fraction"]
 
 
@@ -85,6 +87,49 @@ def tool_metrics(calls: Tensor, failures: Tensor, rollouts: Tensor) -> dict[str,
     of calls that failed (0 without calls)."""
     return {"tools/call_frequency": calls / rollouts,
             "tools/failure_frequency": failures / calls if calls > 0 else torch.zeros_like(calls, dtype=torch.float)}
+
+
+class MetricsWindow:
+    """Each mode's metric values since the last log (`windows` is TRL's `trainer._metrics`: mode -> name -> values)."""
+
+    def __init__(self) -> None:
+        self.windows: dict[str, dict[str, list]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # logged as the window's extreme over every process: the largest value, or with `add_min` (stored negated)
+        # the smallest
+        self.maxima: dict[str, dict[str, float]] = {"train": {}, "eval": {}}
+        self.negated: set[str] = set()
+
+    def __getitem__(self, mode: str) -> dict[str, list]:
+        return self.windows[mode]
+
+    def add(self, mode: str, key: str, value: Any) -> None:
+        self.windows[mode][key].append(value)
+
+    def set(self, mode: str, key: str, value: Any) -> None:
+        """A running total's latest value (logged as is, not averaged over the window)."""
+        self.windows[mode][key] = [value]
+
+    def add_max(self, mode: str, key: str, value: float) -> None:
+        """A value whose window maximum (over every process) is logged."""
+        self.maxima[mode][key] = max(float(value), self.maxima[mode].get(key, -math.inf))
+
+    def add_min(self, mode: str, key: str, value: float) -> None:
+        """A value whose window minimum (over every process) is logged."""
+        self.negated.add(key)
+        self.add_max(mode, key, -float(value))
+
+    def extremes(self, mode: str, reduce_max: Any) -> dict[str, float]:
+        """Each extreme's value over the window and every process; `reduce_max`: a `[K]` tensor's element-wise
+        maximum over processes."""
+        maxima = self.maxima[mode]
+        if not maxima:
+            return {}
+        largest = reduce_max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()
+        return {key: -value if key in self.negated else value for key, value in zip(maxima, largest)}
+
+    def clear(self, mode: str) -> None:
+        self.windows[mode].clear()
+        self.maxima[mode].clear()
 
 
 def window_totals(window: dict[str, list]) -> tuple[list[str], Tensor]:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 __all__ = ["RunLogCallback", "plot_metrics", "read_metrics", "reward_rise"]
 
@@ -34,7 +33,7 @@ class RunLogCallback(TrainerCallback):
                  plot_name: str | None = "metrics.png") -> None:
         self.output_dir, self.filename, self.plot_name = output_dir, filename, plot_name
 
-    def _path(self, args: Any, name: str) -> str:
+    def _path(self, args: TrainingArguments, name: str) -> str:
         return os.path.join(self.output_dir or args.output_dir, name)
 
     def on_train_begin(self, args, state, control, **kwargs):

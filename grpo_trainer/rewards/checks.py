@@ -18,8 +18,8 @@ def as_processing_classes(reward_processing_classes: Any, count: int) -> list:
     return [reward_processing_classes]
 
 
-def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing_classes: Any,
-                       environment_rewards: int = 0) -> None:
+def check_reward_setup(reward_funcs: Sequence[Any], reward_weights: Sequence[float] | None,
+                       reward_processing_classes: Any, environment_rewards: int = 0) -> None:
     """Reward functions, their weights and processing classes must line up; `environment_rewards` counts the
     rewards environments own (`get_reward`), which need no reward function and take no weight."""
     if len(reward_funcs) + environment_rewards == 0:
@@ -30,14 +30,11 @@ def check_reward_setup(reward_funcs: Sequence[Any], args: Any, reward_processing
         if not (callable(func) or isinstance(func, str)):
             raise ValueError(f"reward_funcs[{i}] is a {type(func).__name__}; each reward must be a callable, a "
                              "reward model (nn.Module) or a model id/path string.")
-    if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights has {len(args.reward_weights)} entries but there are {len(reward_funcs)} "
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights has {len(reward_weights)} entries but there are {len(reward_funcs)} "
                          "reward functions; give one weight per reward function.")
     processing_classes = as_processing_classes(reward_processing_classes, len(reward_funcs))
     if len(processing_classes) != len(reward_funcs):
         raise ValueError(f"The number of reward processing classes ({len(processing_classes)}) must match the number "
                          f"of reward functions ({len(reward_funcs)}): give a list with one per reward function (None "
                          "for reward functions and for reward models that load their own tokenizer).")
-    if args.advantage_estimator == "rloo" and args.num_generations < 2:
-        raise ValueError("advantage_estimator='rloo' needs num_generations >= 2: the leave-one-out baseline "
-                         "averages the other completions of the prompt.")

@@ -105,25 +105,26 @@ def copy_digits_reward(completions: list, answer: list[str], **kwargs) -> list[f
     return rewards
 
 
-def _soft_overlong(args: Any) -> RewardFunc:
+def _soft_overlong(max_completion_length: int) -> RewardFunc:
     # DAPO eq. 13: no penalty up to L_max - L_cache tokens, then linear down to -1 at L_max. DAPO's cache is
     # 4k of a 20k budget; a quarter of the budget keeps the band wide enough for short runs.
     from trl.rewards import get_soft_overlong_punishment
 
-    return get_soft_overlong_punishment(args.max_completion_length, max(1, args.max_completion_length // 4))
+    return get_soft_overlong_punishment(max_completion_length, max(1, max_completion_length // 4))
 
 
-REWARD_FUNCS: dict[str, Callable[[Any], RewardFunc]] = {
-    "accuracy": lambda args: accuracy_reward,
-    "think_format": lambda args: think_format_reward,
-    "think_answer_format": lambda args: think_answer_format_reward,
-    "length_penalty": lambda args: length_penalty(args.max_completion_length),
+# name -> a factory taking the run's `max_completion_length` (what the length-aware rewards need)
+REWARD_FUNCS: dict[str, Callable[[int], RewardFunc]] = {
+    "accuracy": lambda length: accuracy_reward,
+    "think_format": lambda length: think_format_reward,
+    "think_answer_format": lambda length: think_answer_format_reward,
+    "length_penalty": length_penalty,
     "soft_overlong": _soft_overlong,
-    "copy_digits": lambda args: copy_digits_reward,
+    "copy_digits": lambda length: copy_digits_reward,
     # open-r1's names (decision 4)
-    "format": lambda args: strict_format_reward,
-    "tag_count": lambda args: tag_count_reward,
-    "reasoning_steps": lambda args: reasoning_steps_reward,
+    "format": lambda length: strict_format_reward,
+    "tag_count": lambda length: tag_count_reward,
+    "reasoning_steps": lambda length: reasoning_steps_reward,
     "soft_overlong_punishment": _soft_overlong,
 }
 
@@ -144,10 +145,11 @@ def _load_module(name: str) -> Any:
         raise ValueError(f"cannot import module {name!r} for a reward function ({exc}).") from None
 
 
-def get_reward_func(spec: str, args: Any) -> RewardFunc:
-    """A reward by registry name, or `module:function` / `file.py:function` for user code."""
+def get_reward_func(spec: str, max_completion_length: int) -> RewardFunc:
+    """A reward by registry name (length-aware ones use `max_completion_length`), or `module:function` /
+    `file.py:function` for user code."""
     if spec in REWARD_FUNCS:
-        return REWARD_FUNCS[spec](args)
+        return REWARD_FUNCS[spec](max_completion_length)
     if ":" not in spec:
         raise ValueError(f"unknown reward function {spec!r}; choose one of {sorted(REWARD_FUNCS)} or give "
                          "'module:function' / 'path/to/file.py:function' for your own.")

@@ -36,7 +36,6 @@ Shapes: `B` rows, `S` prompt columns, `T` completion columns, `U` entries of an 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,11 +45,10 @@ from transformers import ProcessorMixin
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import count_images, prompt_images, with_images
 from grpo_trainer.modeling.unwrap import causal_lm
-from grpo_trainer.rollout.types import PromptBatch
+from grpo_trainer.rollout.types import ImageInputs, PromptBatch
 
-__all__ = ["ImageInputs", "check_processor_setup", "forward_inputs", "image_placeholder", "image_token_ids",
-           "is_processor", "protected_columns", "split_fields", "text_tokenizer", "tokenize_with_processor",
-           "truncate_keeping", "unexpanded_ids"]
+__all__ = ["forward_inputs", "image_placeholder", "image_token_ids", "is_processor", "protected_columns",
+           "split_fields", "text_tokenizer", "tokenize_with_processor", "truncate_keeping", "unexpanded_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,59 +60,6 @@ def is_processor(processing_class: Any) -> bool:
 def text_tokenizer(processing_class: Any) -> Any:
     """The tokenizer of a processor, or the tokenizer itself."""
     return processing_class.tokenizer if is_processor(processing_class) else processing_class
-
-
-def _index(index: slice | Tensor, rows: int, device: torch.device) -> Tensor:
-    return torch.arange(rows, device=device)[index] if isinstance(index, slice) else index.to(device)
-
-
-@dataclass
-class ImageInputs:
-    """The model inputs a processor returned beside the prompt ids, for `B` rows (decision 1)."""
-
-    token_fields: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, S], aligned with the prompt ids
-    image_fields: dict[str, Tensor] = field(default_factory=dict)  # name -> [U, ...]
-    units: dict[str, Tensor] = field(default_factory=dict)  # name -> [B] long: entries of that image field per row
-
-    def select_rows(self, index: slice | Tensor) -> ImageInputs:
-        """The inputs of rows `index` (a slice or a `[b]` index tensor, in any order)."""
-        token_fields = {k: v[index] for k, v in self.token_fields.items()}
-        image_fields, units = {}, {}
-        for name, value in self.image_fields.items():
-            counts = self.units[name]  # [B]
-            rows = _index(index, counts.shape[0], counts.device)  # [b]
-            starts = counts.cumsum(0) - counts  # [B] first entry of each row
-            kept = counts[rows]  # [b]
-            # entry e of the selection belongs to kept row r and is starts[r] + (e - first entry of r in selection)
-            offsets = torch.repeat_interleave(starts[rows] - (kept.cumsum(0) - kept), kept)
-            entries = offsets + torch.arange(int(kept.sum()), device=counts.device)
-            image_fields[name] = value[entries.to(value.device)]
-            units[name] = kept
-        return ImageInputs(token_fields, image_fields, units)
-
-    def select_columns(self, columns: slice) -> ImageInputs:
-        """The token fields' prompt `columns` (trimming padding); image fields unchanged."""
-        return ImageInputs({k: v[:, columns] for k, v in self.token_fields.items()}, self.image_fields, self.units)
-
-    def pad_columns(self, widths: tuple[int, int]) -> ImageInputs:
-        """Token fields padded with zeros by `(left, right)` prompt columns."""
-        padded = {k: nn.functional.pad(v, widths) for k, v in self.token_fields.items()}
-        return ImageInputs(padded, self.image_fields, self.units)
-
-    def to(self, device: torch.device | str) -> ImageInputs:
-        return ImageInputs({k: v.to(device) for k, v in self.token_fields.items()},
-                           {k: v.to(device) for k, v in self.image_fields.items()},
-                           {k: v.to(device) for k, v in self.units.items()})
-
-    def model_inputs(self, completion_width: int = 0) -> dict[str, Tensor]:
-        """Keyword arguments for the model: token fields over `S + completion_width` columns (zeros over the
-        completion), and the image fields."""
-        inputs = {k: nn.functional.pad(v, (0, completion_width)) for k, v in self.token_fields.items()}
-        return {**inputs, **self.image_fields}
-
-    @property
-    def has_images(self) -> bool:
-        return any(value.shape[0] > 0 for value in self.image_fields.values())
 
 
 def _units(name: str, value: Tensor, images_per_row: Tensor, patches_per_row: Tensor | None) -> Tensor:
@@ -305,17 +250,3 @@ def image_token_ids(model: nn.Module) -> list[int]:
     config = causal_lm(model).config
     ids = [getattr(config, name, None) for name in ("image_token_id", "video_token_id")]
     return sorted({i for i in ids if isinstance(i, int)})
-
-
-def check_processor_setup(args: Any, processing_class: Any) -> None:
-    """TRL's set-up for a vision-language model's processor, before any model loads: the continuous-batching
-    engine is refused (it takes no image inputs), and DDP looks for unused parameters unless set (a round without
-    images leaves the vision tower without gradients; reentrant checkpointing cannot look, so it is left alone)."""
-    if not is_processor(processing_class):
-        return
-    if args.use_transformers_continuous_batching or args.use_transformers_paged:
-        raise ValueError("`use_transformers_continuous_batching` does not support multimodal models. Use "
-                         "generation_backend='generate' (or 'fast', whose rounds with images run on generate).")
-    reentrant = (args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
-    if args.ddp_find_unused_parameters is None and not reentrant:
-        args.ddp_find_unused_parameters = True

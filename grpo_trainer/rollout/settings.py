@@ -1,4 +1,5 @@
-"""Sampling settings for every backend, from a `GRPOConfig`: one `transformers.GenerationConfig`.
+"""Sampling settings for every backend: `SamplingSettings` (built once from a `GRPOConfig` by `config.settings`) and
+the `transformers.GenerationConfig` a rollout uses; `PromptSettings`, how prompts are tokenised.
 
 Decisions:
 
@@ -11,11 +12,35 @@ Decisions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import GenerationConfig
 
-__all__ = ["eos_token_ids", "make_generation_config", "max_new_tokens"]
+__all__ = ["PromptSettings", "SamplingSettings", "eos_token_ids", "make_generation_config", "max_new_tokens"]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The config's sampling fields (decision 1)."""
+
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    cache_implementation: str | None = None
+    generation_kwargs: dict = field(default_factory=dict)  # override the named fields, as in TRL
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """How prompts are tokenised (`rollout.prompts.tokenize_prompts`)."""
+
+    max_prompt_length: int | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    pad_to_multiple_of: int | None = None
 
 
 def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> list[int]:
@@ -30,20 +55,22 @@ def eos_token_ids(tokenizer: Any, generation_config: GenerationConfig | None) ->
     return sorted(ids)
 
 
-def make_generation_config(args: Any, model_config: GenerationConfig | None, tokenizer: Any,
-                           max_new: int, suppress_tokens: list[int] | None = None) -> GenerationConfig:
-    """Sampling settings from a GRPOConfig; `generation_kwargs` override the named fields. `suppress_tokens`:
-    ids never sampled (a vision-language model's image placeholders)."""
+def make_generation_config(sampling: SamplingSettings, model_config: GenerationConfig | None, tokenizer: Any,
+                           max_new: int | None = None, suppress_tokens: list[int] | None = None) -> GenerationConfig:
+    """The rollout's `GenerationConfig`; `generation_kwargs` override the named fields. `max_new`: new tokens
+    (default `max_completion_length`); `suppress_tokens`: ids never sampled (a vision-language model's image
+    placeholders)."""
     settings = {
-        "do_sample": True, "max_new_tokens": max_new, "temperature": args.temperature, "top_p": args.top_p,
-        "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+        "do_sample": True, "max_new_tokens": max_new or sampling.max_completion_length,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+        "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
         "eos_token_id": eos_token_ids(tokenizer, model_config), "pad_token_id": tokenizer.pad_token_id,
-        "cache_implementation": args.cache_implementation, "disable_compile": True,
+        "cache_implementation": sampling.cache_implementation, "disable_compile": True,
         "bos_token_id": getattr(model_config, "bos_token_id", None),
     }
     if suppress_tokens:
         settings["suppress_tokens"] = suppress_tokens
-    return GenerationConfig(**{**settings, **(args.generation_kwargs or {})})
+    return GenerationConfig(**{**settings, **(sampling.generation_kwargs or {})})
 
 
 def max_new_tokens(config: GenerationConfig, prompt_length: int) -> int:

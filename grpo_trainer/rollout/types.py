@@ -1,5 +1,9 @@
-"""The objects that cross the rollout boundary: the prompts going in (`PromptBatch`), the completions coming out
-(`Rollout`), and the completion mask every backend builds the same way.
+"""The objects that cross the rollout boundary: the prompts going in (`PromptBatch`, with a vision-language model's
+`ImageInputs`), the completions coming out (`Rollout`), and the completion mask every backend builds the same way.
+
+`ImageInputs` (built by `rollout.multimodal`) holds the model inputs a processor returned beside the prompt ids: token
+fields aligned with the prompt columns, image fields with their own leading axis (`U` entries: images or patches),
+and how many entries of each image field every row owns, so rows can be selected and columns trimmed.
 
 Shapes: `B` rows (each prompt already repeated G times), `S` prompt tokens, `T` completion tokens, `L` decoder
 layers, `E` hidden size, `V` vocabulary.
@@ -7,16 +11,65 @@ layers, `E` hidden size, `V` vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from grpo_trainer.rollout.multimodal import ImageInputs
+__all__ = ["ImageInputs", "PromptBatch", "Rollout", "completion_mask"]
 
-__all__ = ["PromptBatch", "Rollout", "completion_mask"]
+
+def _index(index: slice | Tensor, rows: int, device: torch.device) -> Tensor:
+    return torch.arange(rows, device=device)[index] if isinstance(index, slice) else index.to(device)
+
+
+@dataclass
+class ImageInputs:
+    """The model inputs a processor returned beside the prompt ids, for `B` rows (`rollout.multimodal`, decision 1)."""
+
+    token_fields: dict[str, Tensor] = field(default_factory=dict)  # name -> [B, S], aligned with the prompt ids
+    image_fields: dict[str, Tensor] = field(default_factory=dict)  # name -> [U, ...]
+    units: dict[str, Tensor] = field(default_factory=dict)  # name -> [B] long: entries of that image field per row
+
+    def select_rows(self, index: slice | Tensor) -> ImageInputs:
+        """The inputs of rows `index` (a slice or a `[b]` index tensor, in any order)."""
+        token_fields = {k: v[index] for k, v in self.token_fields.items()}
+        image_fields, units = {}, {}
+        for name, value in self.image_fields.items():
+            counts = self.units[name]  # [B]
+            rows = _index(index, counts.shape[0], counts.device)  # [b]
+            starts = counts.cumsum(0) - counts  # [B] first entry of each row
+            kept = counts[rows]  # [b]
+            # entry e of the selection belongs to kept row r and is starts[r] + (e - first entry of r in selection)
+            offsets = torch.repeat_interleave(starts[rows] - (kept.cumsum(0) - kept), kept)
+            entries = offsets + torch.arange(int(kept.sum()), device=counts.device)
+            image_fields[name] = value[entries.to(value.device)]
+            units[name] = kept
+        return ImageInputs(token_fields, image_fields, units)
+
+    def select_columns(self, columns: slice) -> ImageInputs:
+        """The token fields' prompt `columns` (trimming padding); image fields unchanged."""
+        return ImageInputs({k: v[:, columns] for k, v in self.token_fields.items()}, self.image_fields, self.units)
+
+    def pad_columns(self, widths: tuple[int, int]) -> ImageInputs:
+        """Token fields padded with zeros by `(left, right)` prompt columns."""
+        padded = {k: nn.functional.pad(v, widths) for k, v in self.token_fields.items()}
+        return ImageInputs(padded, self.image_fields, self.units)
+
+    def to(self, device: torch.device | str) -> ImageInputs:
+        return ImageInputs({k: v.to(device) for k, v in self.token_fields.items()},
+                           {k: v.to(device) for k, v in self.image_fields.items()},
+                           {k: v.to(device) for k, v in self.units.items()})
+
+    def model_inputs(self, completion_width: int = 0) -> dict[str, Tensor]:
+        """Keyword arguments for the model: token fields over `S + completion_width` columns (zeros over the
+        completion), and the image fields."""
+        inputs = {k: nn.functional.pad(v, (0, completion_width)) for k, v in self.token_fields.items()}
+        return {**inputs, **self.image_fields}
+
+    @property
+    def has_images(self) -> bool:
+        return any(value.shape[0] > 0 for value in self.image_fields.values())
 
 
 @dataclass

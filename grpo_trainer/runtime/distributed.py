@@ -69,32 +69,34 @@ def check_processes(accelerator: Accelerator) -> None:
         f"train together (and might still exit 0). Fix: {fix}. See docs/DISTRIBUTED.md.")
 
 
-def enable_fsdp2_on_cpu(trainer: object) -> None:
+def enable_fsdp2_on_cpu(accelerator: Accelerator, fsdp_plugin_args: dict | None) -> None:
     """Turn a CPU run that `accelerate launch` started with an FSDP2 config from DDP into FSDP2.
 
-    Call it right after the trainer creates its accelerator, before any model is prepared.
+    Call it right after the trainer creates its accelerator, before any model is prepared. `fsdp_plugin_args`:
+    `TrainingArguments.fsdp_plugin_args` (from `fsdp=`/`fsdp_config=`), else the FSDP_* variables `accelerate
+    launch` exports are read.
     """
     from accelerate.state import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    # TrainingArguments(fsdp=..., fsdp_config=...) if given, else the FSDP_* variables `accelerate launch` exports
-    plugin = FullyShardedDataParallelPlugin(**(getattr(trainer.args, "fsdp_plugin_args", None) or {}))
+    plugin = FullyShardedDataParallelPlugin(**(fsdp_plugin_args or {}))
     if plugin.fsdp_version != 2:
         raise RuntimeError("FSDP1 cannot run without a GPU (accelerate refuses a CPU device); set "
                            "fsdp_version: 2 in the accelerate config, or use DDP or DeepSpeed on CPU.")
-    state = trainer.accelerator.state
+    state = accelerator.state
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # read by `accelerator.distributed_type`
-    trainer.is_fsdp_enabled = True
 
 
-def prepare_backend(trainer: object) -> None:
-    """Refuse silent non-distributed launches; run FSDP2 on CPU when it was asked for. Trainer hook."""
-    accelerator = trainer.accelerator
-    if _fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        enable_fsdp2_on_cpu(trainer)
+def prepare_backend(accelerator: Accelerator, fsdp_plugin_args: dict | None) -> bool:
+    """Refuse silent non-distributed launches; run FSDP2 on CPU when it was asked for. Whether FSDP2 was switched on
+    here (the trainer then sets its `is_fsdp_enabled`)."""
+    switched = _fsdp_requested() and accelerator.distributed_type == DistributedType.MULTI_CPU
+    if switched:
+        enable_fsdp2_on_cpu(accelerator, fsdp_plugin_args)
     check_processes(accelerator)
+    return switched
 
 
 def full_parameters(model: nn.Module) -> dict[str, Tensor]:

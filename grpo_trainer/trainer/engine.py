@@ -17,24 +17,26 @@ Shapes: `B` rows, `T` completion tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from torch import Tensor
 
-from grpo_trainer.algorithms.engine_correction import engine_importance_ratio, engine_mismatch_metrics
+from grpo_trainer.algorithms.engine_correction import (
+    EngineCorrection,
+    engine_importance_ratio,
+    engine_mismatch_metrics,
+)
 from grpo_trainer.trainer.round import Round
 
 __all__ = ["apply_engine_correction"]
 
 
-def apply_engine_correction(round_: Round, old_logps: Tensor, args: Any, on_policy: bool
+def apply_engine_correction(round_: Round, old_logps: Tensor, correction: EngineCorrection, on_policy: bool
                             ) -> tuple[Round, dict[str, Tensor]]:
     """`round_` with its engine importance weights (and, off-policy, `old_logps` `[B, T]` kept as its old
     log-probs), and this process's `sampling/*` metric values."""
-    mode, mask = args.vllm_importance_sampling_mode, round_.loss_mask.float()  # TRL: completion x tool mask
+    mode, mask = correction.mode, round_.loss_mask.float()  # TRL: completion x tool mask
     engine = round_.engine_logps
-    ratio = engine_importance_ratio(old_logps, engine, mask, mode, args.vllm_importance_sampling_clip_min,
-                                    args.vllm_importance_sampling_clip_max)
+    ratio = engine_importance_ratio(old_logps, engine, mask, mode, correction.clip_min, correction.clip_max)
     values = engine_mismatch_metrics(old_logps, engine, ratio, mask, mode)
     corrected = dataclasses.replace(round_, engine_ratio=ratio.expand_as(mask).contiguous(),
                                     old_logps=None if on_policy else old_logps)

@@ -2,38 +2,37 @@
 
 What this trainer does, and how it differs from the papers and from TRL:
 
-1. One generation round serves `steps_per_generation x num_iterations` micro-steps. The sampler repeats each
-   prompt G times inside one round, in the same order on every process; rewards are gathered across processes
+1. One generation round serves `steps_per_generation x num_iterations` micro-steps (`schedule`). The sampler repeats
+   each prompt G times inside one round, in the same order on every process; rewards are gathered across processes
    before advantages are computed, so a group may span processes, and each process keeps its slice.
 2. Advantages come from a pluggable estimator (`advantage_estimator`: a registry name, an `Advantage`, or any
    callable with its signature). RLOO is `advantage_estimator="rloo"`, not a second trainer. Missing rewards
    (None) are left out of the baselines.
-3. Loss = surrogate then aggregation (+ beta * k3 KL), chosen by `loss_type` (see `losses`). The loss already
-   includes gradient-accumulation scaling (`loss_is_scaled_for_ga = True`).
-4. Old log-probs are needed only when a rollout is used after an optimizer step (`num_iterations > 1`, or
-   more micro-steps per round than per optimizer step); otherwise the ratio is exp(logp - logp.detach()). A
-   rollout backend with the `sampling_logps` capability returns each token's log-prob and entropy under the
-   weights that sampled it: they are the old log-probs, and on-policy they are the current values too, so the
-   loss forward skips the LM-head projection (its backward still recomputes the logits exactly). What a rollout
-   keeps for the loss is decided in `rollout.capture`. An inference engine's log-probs (vLLM, `engine_logps`) are
-   never stand-ins: they enter through the importance-sampling correction only (`trainer.engine`), and the
-   engine gets the policy's weights whenever the optimizer step changed (`sync_weights`).
+3. Loss = surrogate then aggregation (+ beta * k3 KL), chosen by `loss_type` (see `algorithms.losses`). The loss
+   already includes gradient-accumulation scaling (`loss_is_scaled_for_ga = True`).
+4. Old log-probs are needed only when a rollout is used after an optimizer step; otherwise the ratio is
+   exp(logp - logp.detach()). A rollout backend with the `sampling_logps` capability returns each token's log-prob
+   and entropy under the sampling weights: they are the old log-probs, and on-policy the current values too, so the
+   loss forward skips the LM-head projection (`trainer.scoring`). An inference engine's log-probs (vLLM) enter
+   through the importance-sampling correction only (`trainer.engine`).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
-6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion
-   once, before any forward pass (`round`), and log-probs never materialise float32 `[B, T, V]` logits
-   (`modeling.logprobs`).
+6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion once,
+   and log-probs never materialise float32 `[B, T, V]` logits (`modeling.logprobs`).
 
-The class is assembled by concern: this module holds the constructor, set-up and data loading; `trainer.rounds`
-the generation round (rollout, scoring, micro-batches), `trainer.loss` the loss and the guarded step,
-`trainer.lifecycle` training, checkpoints and resume, logging, saving and the Hub.
+The trainer wires owned parts and keeps `Trainer`'s hooks thin (ARCHITECTURE.md): `RoundBuilder` (prompts ->
+rollout -> rewards -> advantages -> `Round`), `RoundBuffer` (which micro-batch each micro-step trains on),
+`PolicyScorer` (log-prob forwards), `GRPOLoss` (`objective`), `NonFiniteGuard`, and the run's checkpoint state
+(`lifecycle`), metrics window and model card.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections import defaultdict
+import os
+import time
 from typing import Any
 
 import torch
@@ -41,63 +40,44 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
 from grpo_trainer import rollout
-from grpo_trainer.algorithms import surrogates
+from grpo_trainer.algorithms import masks, surrogates
 from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
-from grpo_trainer.algorithms.entropy import EntropyControl
 from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
-from grpo_trainer.data.checks import (
-    check_dataset,
-    check_enough_prompts,
-    eval_datasets,
-    prepare_for_streaming,
-)
-from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
-from grpo_trainer.modeling import unwrap
-from grpo_trainer.reporting import completions_hub
+from grpo_trainer.data.sampler import RepeatSampler, RoundSource, repeat_iterable
+from grpo_trainer.modeling import kernels
+from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
-from grpo_trainer.reporting.reward_logs import RewardLogs
+from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rewards import scoring as rewards
-from grpo_trainer.rewards.checks import as_processing_classes, check_reward_setup
+from grpo_trainer.rewards.checks import check_reward_setup
+from grpo_trainer.rewards.sources import ADVANTAGE_EPS
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
-from grpo_trainer.runtime import distributed, interrupts, models
-from grpo_trainer.trainer.lifecycle import LifecycleMixin
-from grpo_trainer.trainer.loss import LossMixin
+from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
+from grpo_trainer.trainer import lifecycle, setup
+from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard
+from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings, ProducerPacing
 from grpo_trainer.trainer.round import Round
-from grpo_trainer.trainer.rounds import ADVANTAGE_EPS, RoundsMixin
+from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
+from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
+from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
 
 __all__ = ["GRPOTrainer"]
 
 logger = logging.getLogger(__name__)
 
 
-
-def _check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
-                  peft_config: Any, prompt_optional: bool = False) -> None:
-    """Datasets and the options that depend on them, before any model is loaded. `prompt_optional`: environments
-    write the prompts (`rollout.multiturn`)."""
-    check_dataset(train_dataset, "train_dataset", processing_class, prompt_optional=prompt_optional)
-    check_enough_prompts(train_dataset, "train_dataset", args.generation_batch_size, args.num_generations)
-    for name, dataset in eval_datasets(eval_dataset):
-        check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
-                      prompt_optional=prompt_optional)
-    prepare_for_streaming(train_dataset, eval_dataset, args)
-    if args.use_liger_kernel:
-        args.liger_kernel_config = models.liger_kernel_config(args.liger_kernel_config)
-    if args.sync_ref_model and (peft_config is not None or unwrap.is_peft_model(model)):
-        raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
-                         "model, which never changes. Set sync_ref_model=False.")
-
-
 def _identity(features: list[dict]) -> list[dict]:
     return features
 
 
-class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
+class GRPOTrainer(Trainer):
     """Group Relative Policy Optimization (Shao et al. 2024) through `transformers.Trainer`.
 
     Same constructor as `trl.GRPOTrainer`; `reward_funcs` takes callables (TRL's contract), reward models or
@@ -133,158 +113,117 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
             logger.warning(message)
         reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
-        # Environments first: the rewards they own count as reward sources (rollout.multiturn.environments).
-        environments = multiturn.Environments.of(environment_factory, tools)
+        environments = multiturn.Environments.of(environment_factory, tools)  # `setup`, decision 2
         owned_rewards = environments.reward_funcs if environments else []
-        check_reward_setup(reward_funcs, args, reward_processing_classes, environment_rewards=len(owned_rewards))
-        processing_class = self._load_processing_class(model, processing_class, args)
+        check_reward_setup(reward_funcs, args.reward_weights, reward_processing_classes,
+                           environment_rewards=len(owned_rewards))
+        processing_class = setup.load_processing_class(model, processing_class, args)
         # The text tokenizer (a processor's own): a plain attribute under TRL's name, which code written against
         # TRL reads and assigns.
         self._tokenizer = multimodal.text_tokenizer(processing_class)
-        self.rollout_backend = rollout.select(args)
-        multimodal.check_processor_setup(args, processing_class)
-        self.rollout_backend.check_model(model, args.trust_remote_code)
-        train_dataset = self._set_up_multi_turn(processing_class, args, tools, environments, rollout_func,
-                                                train_dataset)
-        _check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
-                      prompt_optional=environments is not None)
-        self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
-        self._surrogate_params = surrogates.SurrogateParams(
-            args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.delta,
-            args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos, args.vespo_lambda_pos,
-            args.vespo_k_neg, args.vespo_lambda_neg)
-        self._entropy = EntropyControl(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target,
-                                       args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
-        self._entropy_window: Tensor | None = None  # [sum, tokens] of the current accumulation window
-
-        model = self._build_models(model, args, peft_config, quantization_config)
+        backend = rollout.select(args)
+        setup.check_processor_setup(args, processing_class)
+        backend.check_model(model, args.trust_remote_code)
+        self._multi_turn = setup.multi_turn_of(processing_class, args, tools, environments, rollout_func,
+                                               backend.capabilities.multi_turn)
+        # TRL's attributes: every tool, the rollout_func, each environment's tools and pool
+        self.tools = self._multi_turn.tools if self._multi_turn is not None else []
+        self.rollout_func = rollout_func
+        if environments is not None:
+            self._env_tools, self._environment_pool = environments.tools, environments.pools
+        if train_dataset is None:
+            train_dataset = multiturn.placeholder_dataset(environments, args.max_steps,
+                                                          args.generation_batch_size // args.num_generations)
         if self._multi_turn is not None:
-            self._multi_turn.attach_model(eos_token_ids(processing_class, model.generation_config),
-                                          getattr(model.config, "max_position_embeddings", None))
-        self.reward_funcs, self.reward_names = self._build_rewards(reward_funcs, reward_processing_classes, args)
-        # Environment-owned rewards come after `reward_funcs`, each with weight 1 (TRL).
-        self.reward_weights = torch.tensor((args.reward_weights or [1.0] * len(self.reward_funcs))
-                                           + [1.0] * len(owned_rewards))
-        self.reward_funcs += owned_rewards
-        self.reward_names += [func.__name__ for func in owned_rewards]
-        self.reward_processing_classes += [None] * len(owned_rewards)
+            self._multi_turn.check_dataset(train_dataset, "train_dataset")
+        setup.check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
+                           prompt_optional=environments is not None)
+        setup.check_async(args, backend, train_dataset, rollout_func)
+        self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+        policy = setup.build_policy(model, args, peft_config, quantization_config)
+        setup.check_async_model(policy.model, args, in_process=not backend.capabilities.own_weights)
+        self.ref_model, self.router_aux_loss_coef = policy.ref_model, policy.router_aux_loss_coef
+        if self._multi_turn is not None:
+            self._multi_turn.attach_model(eos_token_ids(processing_class, policy.model.generation_config),
+                                          getattr(policy.model.config, "max_position_embeddings", None))
+        self.reward_sources = setup.build_reward_sources(reward_funcs, reward_processing_classes, args, owned_rewards)
 
-        super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
+        super().__init__(model=policy.model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self._prepare_auxiliary_models()
         self._signal_stop = interrupts.SignalStop(args.signal_grace_period)
         self.add_callback(self._signal_stop)
-        self.rollout_backend.start(self.model, processing_class)  # an inference engine (vLLM) starts here
-        self._buffer: list[Round] | None = None
-        self._micro_step = 0
-        self._nonfinite_in_a_row = self._nonfinite_since_log = 0
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._completions = CompletionLog(args.output_dir, self.reward_names, args.num_completions_to_print,
-                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
-        self._reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
-        self._step_time, self._micro_steps_timed = 0.0, 0
+        self._build_parts(args, backend, processing_class)
+        backend.start(self.model, processing_class)  # an inference engine (vLLM) starts here
         self._completions_upload = None
         if args.log_completions and args.log_completions_hub_repo and self.accelerator.is_main_process:
             self._completions_upload = completions_hub.start_upload(
-                args.log_completions_hub_repo, self._completions.directory, args.hub_private_repo, args.hub_token,
+                args.log_completions_hub_repo, self.completions.directory, args.hub_private_repo, args.hub_token,
                 args.hub_model_id)
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
-    # ----------------------------------------------------------------------------------------------- set-up
+    def _build_parts(self, args: GRPOConfig, backend: rollout.RolloutBackend, processing_class: Any) -> None:
+        """The owned parts (module docstring), once the accelerator and the prepared models exist."""
+        schedule = Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
+                            args.async_rollouts)
+        self.metrics = MetricsWindow()
+        self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
+                                         args.generation_batch_size, args.log_unique_prompts, args.report_to)
+        scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
+                                  args.beta)
+        self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
+        self.objective = GRPOLoss(LossPartSettings(typed.loss_settings(args), args.gradient_accumulation_steps,
+                                              args.max_completion_length, args.top_entropy_quantile,
+                                              self.router_aux_loss_coef),
+                             self.scorer, typed.entropy_control(args), self.accelerator, self.metrics)
+        self.rounds = RoundBuilder(
+            settings=RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
+                                   args.num_generations_eval or args.num_generations,
+                                   args.mask_truncated_completions, args.log_completions, args.log_multimodal),
+            schedule=schedule, processing_class=processing_class, backend=backend, rewards=self.reward_sources,
+            estimator=self.advantage_fn, accelerator=self.accelerator, metrics_window=self.metrics,
+            completions=self.completions,
+            score=self.scorer.no_grad_logps, engine_correction=typed.engine_correction(args),
+            multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
+            else None)
+        self.buffer = RoundBuffer(schedule)
+        self.async_rounds = self._async_rounds(args, backend, schedule) if args.async_rollouts else None
+        self.guard = NonFiniteGuard(args.max_nonfinite_steps)
+        self._step_time, self._micro_steps_timed, self._saving_stuck = 0.0, 0, False
+
+    def _async_rounds(self, args: GRPOConfig, backend: rollout.RolloutBackend, schedule: Schedule) -> AsyncRounds:
+        """Asynchronous rollouts (`trainer.producer`, docs/ASYNC.md)."""
+        source = RoundSource(self.train_dataset, args.num_generations,
+                             args.generation_batch_size // args.num_generations, args.shuffle_dataset, args.seed,
+                             self.accelerator.process_index, self.accelerator.num_processes)
+
+        def view(version: int) -> PolicyView:  # the bare model; grad mode (per thread) keeps checkpointing out
+            return PolicyView(self.model, lambda: contextlib.nullcontext(self.accelerator.unwrap_model(self.model)),
+                              version, plain_single_process=False)
+
+        def push() -> None:
+            backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
+
+        # each process its own sampling seeds, as `set_seed(..., device_specific=True)` gives the synchronous path
+        seed = args.seed + self.accelerator.process_index
+        rounds = AsyncRounds(AsyncSettings(args.async_rollouts, seed, args.async_rollout_timeout),
+                             args.async_correction, self.rounds, self.scorer, source, schedule, view,
+                             push if backend.capabilities.own_weights else None, self.metrics)
+        self._pacing = ProducerPacing(rounds, self.buffer, self._signal_stop)
+        self.add_callback(self._pacing)
+        return rounds
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        distributed.prepare_backend(self)  # FSDP2 on CPU; refuse a launch whose processes would not sync
-
-    @staticmethod
-    def _load_processing_class(model: str | nn.Module, processing_class: Any, args: GRPOConfig) -> Any:
-        """The given tokenizer or processor, else the model's own (its processor for a vision-language model; left
-        padding and truncation), with a pad token. A model id whose code is untrusted is refused first: loading
-        its tokenizer may already run that code."""
-        kwargs = models.init_kwargs(args.model_init_kwargs, args.trust_remote_code)
-        trust, revision = kwargs["trust_remote_code"], kwargs.get("revision") if isinstance(model, str) else None
-        if isinstance(model, str):
-            models.check_remote_code(model, trust, revision)
-        if processing_class is None:
-            model_id = model if isinstance(model, str) else model.config._name_or_path
-            processing_class = models.load_processing_class(model_id, trust, revision, padding_side="left",
-                                                            truncation_side="left")
-        tokenizer = multimodal.text_tokenizer(processing_class)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return processing_class
-
-    def _set_up_multi_turn(self, processing_class: Any, args: GRPOConfig, tools: list | None,
-                           environments: multiturn.Environments | None, rollout_func: Any, train_dataset: Any) -> Any:
-        """`self._multi_turn` (None for single-turn runs) and TRL's attributes for it; the train dataset (a
-        placeholder when an environment owns the data), its prompts checked for tools."""
-        self._multi_turn = multiturn.MultiTurn(processing_class, args, tools, environments) \
-            if tools or environments or rollout_func else None
-        # TRL's attributes: every tool, the rollout_func, the latest round's environments, each one's tools and pool
-        self.tools, self.rollout_func, self.environments = [], rollout_func, None
-        if self._multi_turn is not None:
-            self.tools = self._multi_turn.tools
-            if self.tools and not self.rollout_backend.capabilities.multi_turn:
-                raise ValueError(f"generation_backend={args.generation_backend!r} cannot continue a rollout after a "
-                                 "tool's result (its capabilities say multi_turn=False); choose another backend.")
-        if environments is not None:
-            self._env_tools, self._environment_pool = environments.tools, environments.pools
-        if train_dataset is None:
-            train_dataset = multiturn.placeholder_dataset(environments, args)
-        if self._multi_turn is not None:
-            self._multi_turn.check_dataset(train_dataset, "train_dataset")
-        return train_dataset
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        """TRL's name for `reward_names`: each reward source's metric name."""
-        return self.reward_names
-
-    def _build_models(self, model: str | nn.Module, args: GRPOConfig, peft_config: Any,
-                      quantization_config: Any) -> nn.Module:
-        """The policy (loaded, adapter-wrapped, head cast as asked) and `self.ref_model`; resolves the MoE router's
-        auxiliary loss (`self.router_aux_loss_coef`, `self.aux_loss_enabled`, TRL's names)."""
-        model = models.load_policy(model, args.model_init_kwargs, quantization_config, args.trust_remote_code)
-        if peft_config is not None:
-            set_seed(args.seed)  # the adapter's random init must follow `seed`, like the rest of the run
-            model = models.wrap_peft(model, peft_config, args.gradient_checkpointing)
-        models.check_adapter(model)
-        if args.disable_dropout:
-            models.disable_dropout(model)
-        self.router_aux_loss_coef = models.router_aux_loss_coef(model, args.router_aux_loss_coef)
-        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
-        if args.cast_lm_head_to_fp32:
-            models.cast_lm_head_to_fp32(model)
-        self.ref_model = models.make_reference_model(model, args.beta, args.model_init_kwargs,
-                                                          args.trust_remote_code)
-        if args.cast_lm_head_to_fp32 and self.ref_model is not None:
-            models.cast_lm_head_to_fp32(self.ref_model)  # a copy of the policy already has it; a reloaded one not
-        return model
-
-    def _build_rewards(self, funcs: list, processing_classes: Any, args: GRPOConfig) -> tuple[list, list[str]]:
-        """Every reward as a callable with the reward-function contract; reward models are loaded here.
-        `self.reward_processing_classes`: each reward's tokenizer (None for reward functions), as in TRL."""
-        batch_size = args.reward_model_batch_size or args.per_device_train_batch_size
-        built, self.reward_processing_classes = [], []
-        for func, tokenizer in zip(funcs, as_processing_classes(processing_classes, len(funcs))):
-            if isinstance(func, str):
-                func, loaded_tokenizer = models.load_reward_model(func, args.model_init_kwargs, args.trust_remote_code)
-                tokenizer = tokenizer or loaded_tokenizer
-            if isinstance(func, nn.Module):
-                if tokenizer is None:
-                    tokenizer = models.load_tokenizer(func.config._name_or_path, args.trust_remote_code)
-                func = rewards.RewardModel(func, tokenizer, batch_size)
-            built.append(func)
-            self.reward_processing_classes.append(tokenizer)
-        return built, [rewards.reward_name(f) for f in built]
+        # FSDP2 on CPU; refuse a launch whose processes would not sync
+        if distributed.prepare_backend(self.accelerator, getattr(self.args, "fsdp_plugin_args", None)):
+            self.is_fsdp_enabled = True
 
     def _prepare_auxiliary_models(self) -> None:
         """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
-        deepspeed = self.is_deepspeed_enabled
-
         def prepare(module: nn.Module, shard_under_fsdp: bool = False) -> nn.Module:
-            if deepspeed:
+            if self.is_deepspeed_enabled:
                 return prepare_deepspeed(module, self.accelerator)
             if shard_under_fsdp and self.is_fsdp_enabled:
                 return prepare_fsdp(module, self.accelerator)
@@ -297,11 +236,64 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
                 from trl import SyncRefModelCallback
 
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
-        for func in self.reward_funcs:
+        for func in self.reward_sources.funcs:
             if isinstance(func, rewards.RewardModel):
                 func.model = prepare(func.model)
 
-    # -------------------------------------------------------------------------------------------- sampling
+    # -------------------------------------------------------------------------------- TRL's attributes
+
+    reward_funcs = property(lambda self: self.reward_sources.funcs)
+    reward_names = property(lambda self: self.reward_sources.names)
+    reward_func_names = reward_names  # TRL's name: each reward source's metric name
+    reward_weights = property(lambda self: self.reward_sources.weights)
+    reward_processing_classes = property(lambda self: self.reward_sources.processing_classes)
+    _metrics = property(lambda self: self.metrics.windows)
+    _logs = property(lambda self: self.completions.columns())  # TRL's completions table layout
+    environments = property(lambda self: self._multi_turn.last_environments if self._multi_turn else None)
+    aux_loss_enabled = property(lambda self: self.router_aux_loss_coef != 0.0)
+
+    @property
+    def rollout_backend(self) -> rollout.RolloutBackend:
+        return self.rounds.backend
+
+    @rollout_backend.setter
+    def rollout_backend(self, backend: rollout.RolloutBackend) -> None:
+        self.rounds.backend = backend
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (TRL's attribute; adaptive control changes it each step)."""
+        return self.objective.entropy.coef
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        self.objective.entropy.coef = value
+
+    def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
+        """TRL's method (`GRPOLoss.high_entropy_mask`)."""
+        return self.objective.high_entropy_mask(entropies, mask, threshold)
+
+    @staticmethod
+    def get_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,
+                            mask: Tensor, off_policy_threshold: float) -> Tensor:
+        """TRL's static method: DeepSeek-V3.2's off-policy sequence mask `[B, 1]` (`masks.off_policy_mask`)."""
+        return masks.off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                     off_policy_threshold)
+
+    @staticmethod
+    def get_gamma_weights(advantages: Tensor, log_ratio_per_token: Tensor, mask: Tensor,
+                          importance_sampling_ratio: Tensor | None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                          k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+        """TRL's static method: VESPO's sequence weights phi(w) `[B, 1]` (`surrogates.gamma_weights`)."""
+        return surrogates.gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos,
+                                        lambda_pos, k_neg, lambda_neg)
+
+    def _generate(self, prompts: list) -> multiturn.RolloutFuncOutput:
+        """The user's `rollout_func(prompts, trainer)` on this process's prompts, its output checked (TRL's name
+        for this seam)."""
+        return multiturn.call_rollout_func(self.rollout_func, prompts, self)
+
+    # -------------------------------------------------------------------------------- data
 
     def get_train_dataloader(self):
         # One dataloader batch is one local generation round (steps_per_generation micro-batches).
@@ -309,8 +301,7 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
         if isinstance(dataset, IterableDataset):  # no sampler: repeat the stream the way RepeatSampler would
             dataset = repeat_iterable(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
                                       args.num_iterations * args.steps_per_generation)
-        return self._get_dataloader(dataset, "Training",
-                                    self._train_batch_size * self.args.steps_per_generation,
+        return self._get_dataloader(dataset, "Training", self._train_batch_size * self.args.steps_per_generation,
                                     sampler_fn=self._get_train_sampler, is_training=True)
 
     def _get_train_sampler(self, dataset: Any = None) -> RepeatSampler:
@@ -335,14 +326,208 @@ class GRPOTrainer(RoundsMixin, LossMixin, LifecycleMixin, Trainer):
         self.accelerator.dataloader_config.dispatch_batches = False
         workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
         try:
-            return super().get_eval_dataloader(repeat_iterable(dataset, self._num_generations("eval"), 1, 1))
+            return super().get_eval_dataloader(repeat_iterable(dataset, self.rounds.num_generations("eval"), 1, 1))
         finally:
             self.args.dataloader_num_workers = workers
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
-        G = self._num_generations("eval")
-        return RepeatSampler(eval_dataset, mini_repeat_count=G, shuffle=False, seed=self.args.seed)
+        return RepeatSampler(eval_dataset, mini_repeat_count=self.rounds.num_generations("eval"), shuffle=False,
+                             seed=self.args.seed)
 
-    def _num_generations(self, mode: str) -> int:
-        return (self.args.num_generations_eval or self.args.num_generations) if mode == "eval" \
-            else self.args.num_generations
+    # -------------------------------------------------------------------------------- rounds and the loss
+
+    def _policy_view(self) -> PolicyView:
+        plain = self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled and not self.is_fsdp_enabled
+        return PolicyView(self.model, lambda: distributed.unwrapped_for_generation(
+            self.model_wrapped, self.accelerator, self.args.ds3_gather_for_generation), self.state.global_step, plain)
+
+    def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
+        """One round from this process's dataset rows (`RoundBuilder.build`)."""
+        return self.rounds.build(batch, mode, self._policy_view(), self.state)
+
+    def _prepare_inputs(self, generation_batch: list[dict]) -> Round:
+        """Generate once per round; serve the round's micro-batches on the following micro-steps."""
+        if not self.model.training:
+            if self.async_rounds is not None:
+                self.async_rounds.producer.drain()  # the backend (and torch's generator) are the main thread's now
+            return self.scorer.prepare(self._generate_and_score(generation_batch, "eval"), "eval", self.model)
+
+        def make_round() -> list[Round]:
+            with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
+                if self.async_rounds is not None:
+                    return self.async_rounds.prepared_round(self.buffer.micro_step, generation_batch, self.model,
+                                                            self.state)
+                round_ = self._generate_and_score(generation_batch, "train")
+            return [self.scorer.prepare(part, "train", self.model)
+                    for part in round_.split(self.args.steps_per_generation)]
+
+        return self.buffer.next(make_round)
+
+    def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Tensor:
+        loss = self.objective(model, inputs, "train" if model.training else "eval", self.accelerator.sync_gradients)
+        return (loss, None) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        """The Trainer's step, then `NonFiniteGuard`: a non-finite loss or gradient drops this step's gradients."""
+        started = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
+        self._record_step_time(time.perf_counter() - started)
+        return loss if self.guard.check(loss, model, self.state.global_step) else loss.new_zeros(())
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.mean().detach(), None, None
+
+    def _record_step_time(self, seconds: float) -> None:
+        """TRL's `step_time`: seconds spent in `training_step` over the micro-steps of one optimizer step."""
+        self._step_time += seconds
+        self._micro_steps_timed += 1
+        if self._micro_steps_timed >= self.current_gradient_accumulation_steps:
+            self.metrics.add("train", "step_time", self._step_time)
+            self._step_time, self._micro_steps_timed = 0.0, 0
+
+    # -------------------------------------------------------------------------------- the run, checkpoints, logs
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+        """`Trainer.train`, holding output_dir's lock (`runtime.run_lock`). `resume_from_checkpoint=True` picks the
+        newest checkpoint that verifies, a path must verify (`runtime.checkpoints`); SIGTERM or SIGINT saves a
+        checkpoint and stops (`runtime.interrupts`)."""
+        with run_lock.hold(self.args.output_dir, self.accelerator, self.args.ignore_output_dir_lock):
+            resume_from_checkpoint = distributed.decided_by_main(
+                self.accelerator, lambda: checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir))
+            # A save from the watchdog thread is safe only alone: collectives would wait on the stuck processes.
+            save_last_step = self._save_last_step if self.accelerator.num_processes == 1 else None
+            # Large float32 CPU linears through the faster library (`modeling.kernels`); engines that shard or hook
+            # the weights (DeepSpeed, FSDP) keep their own.
+            plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+            with self._signal_stop.handling(save_last_step), \
+                    kernels.fast_linears(*(self.model, self.ref_model) if plain else ()):
+                try:
+                    output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+                finally:
+                    if self.async_rounds is not None:  # nothing is left running (`trainer.producer`, decision 4)
+                        self.async_rounds.close()
+        if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
+            self._completions_upload.push_now()
+        return output
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        state = self.buffer.state_dict()
+        if self.async_rounds is not None and self._saving_stuck:  # `trainer.producer`, decision 5
+            state = self._pacing.stuck_state()
+        elif self.async_rounds is not None:  # the rounds sampled ahead
+            self.async_rounds.producer.drain()
+            state["producer"] = self.async_rounds.producer.state_dict()
+        lifecycle.save_run_state(output_dir, self.accelerator.process_index, state, self.objective.entropy,
+                                 self.args.should_save)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None:
+            state = lifecycle.load_run_state(checkpoint, self.accelerator.process_index, self.accelerator.device,
+                                             self.objective.entropy)
+            if state is not None:
+                self.buffer.load_state_dict(state)
+                if self.async_rounds is not None and "producer" in state:
+                    self.async_rounds.producer.load_state_dict(state["producer"])
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, written completely or not at all (`runtime.checkpoints`): a manifest last, the
+        partial folder removed and a clear error if the save fails. Older checkpoints are rotated out
+        (`save_total_limit`) only once the new one is complete."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            with checkpoints.save_guard(folder, self.args.should_save, self.accelerator.wait_for_everyone):
+                super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_last_step(self) -> None:
+        """Called from the signal watchdog while the main thread is stuck in a rollout or reward function that
+        began before any micro-step of the current step: the model and optimizer hold the last finished step."""
+        if self.state.global_step > 0 and not checkpoints.is_saved(self.args.output_dir, self.state.global_step):
+            self._saving_stuck = True  # a producer job may be the stuck call: save the rounds it finished
+            try:
+                self._save_checkpoint(self.model, trial=None)
+            finally:
+                self._saving_stuck = False
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        # Private Trainer hook: it checks max_steps only after a step, so a run resumed at or past max_steps would
+        # train one step more.
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Private Trainer hook: a model that saves its weights under other names (a VLM) is read back with its own
+        # name mapping; every other checkpoint loads as the Trainer loads it (`checkpoints.load_renamed_weights`).
+        target = model if model is not None else self.model
+        if self.is_fsdp_enabled or not checkpoints.load_renamed_weights(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        if mode == "train":  # skipped micro-steps since the last log, summed over processes below
+            self.metrics.set(mode, "nonfinite_steps", self.guard.take_count() * self.accelerator.num_processes)
+        keys, local = metrics.window_totals(self.metrics[mode])  # the same keys on every process
+        device = self.accelerator.device
+        local = local.to(device, torch.float32 if device.type == "mps" else torch.float64)  # MPS has no float64
+        reduced = self.accelerator.reduce(local, "sum").cpu() if keys else local
+        logs.update({prefix + k: v for k, v in metrics.window_means(keys, reduced).items()})
+        extremes = self.metrics.extremes(mode, lambda values: self.accelerator.reduce(  # the same keys everywhere
+            values.to(device, torch.float32 if device.type == "mps" else torch.float64), "max").cpu())
+        logs.update({prefix + k: v for k, v in extremes.items()})
+        # `logs` is updated in place: `evaluate()` returns this same dict, so it carries our metrics too
+        super().log(logs, start_time)
+        self.metrics.clear(mode)
+        if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
+            self.completions.flush(self.state.global_step)
+
+    # -------------------------------------------------------------------------------- saving and the Hub
+
+    def _run_card(self) -> hub.RunCard:
+        args = self.args
+        fields = {name: getattr(args, name) for name in hub.CARD_FIELDS}
+        return hub.RunCard(args.output_dir, getattr(self, "hub_model_id", None) or args.hub_model_id,
+                           hub.grpo_settings(fields, self.advantage_fn, args.advantage_estimator),
+                           tuple(self.reward_names),
+                           None if args.reward_weights is None else tuple(args.reward_weights))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (only the adapter and tokenizer for a PeftModel), then the run's model card: every
+        `save_model` and every checkpoint folder gets a README.md."""
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            hub.write_model_card(self._run_card(), output_dir or self.args.output_dir,
+                                 self.accelerator.unwrap_model(self.model))
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Write `output_dir/README.md` (`push_to_hub` calls this before uploading `output_dir`)."""
+        if self.is_world_process_zero():
+            hub.write_model_card(self._run_card(), self.args.output_dir, self.accelerator.unwrap_model(self.model),
+                                 model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies a checkpoint's weights into output_dir and uploads output_dir; the card goes with them.
+        if self.is_world_process_zero():
+            self.create_model_card()
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def save_merged_model(self, output_dir: str) -> str:
+        """Save the policy with its adapter merged in, as a full model (+ tokenizer and card) loadable without
+        peft. The trained adapter model itself is left as it is (the merge happens on a copy)."""
+        return hub.save_merged_model(self.accelerator.unwrap_model(self.model), self.processing_class,
+                                     self._run_card(), output_dir, self.args.should_save)
+

@@ -9,8 +9,8 @@ Decisions:
    groups no longer need to stay together), and each micro-batch is trimmed to its own longest prompt and
    completion once, before any forward pass: a micro-batch of short completions does not pay for the round's
    longest one.
-3. A field may also hold an object with its own row and column selection (`select_rows`, `select_columns`,
-   `pad_columns`): a vision-language model's image inputs (`rollout.multimodal.ImageInputs`), whose image tensors
+3. A field may also hold an `ImageInputs` (`rollout.types`), which selects its own rows and columns (`select_rows`,
+   `select_columns`, `pad_columns`): a vision-language model's image inputs, whose image tensors
    do not have one entry per row, and whose token fields span the prompt columns.
 4. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
    prompt and completion widths are padded once to multiples of it (`padded`), and every trim keeps multiples:
@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from grpo_trainer.rollout.types import ImageInputs, Rollout
 
 __all__ = ["Round"]
 
@@ -64,7 +66,7 @@ class Round:
     sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
     # A vision-language model's image inputs for these rows (decision 3); None for text prompts.
-    images: Any = _columns(_PROMPT)
+    images: ImageInputs | None = _columns(_PROMPT)
     # An inference engine's log-probs of the sampled tokens (never the trainer's values), and the importance weight
     # correcting for its sampler (`algorithms.engine_correction`, broadcast over a completion's tokens in the
     # sequence modes); None without an engine or without the correction.
@@ -72,6 +74,19 @@ class Round:
     engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
     # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
+
+    @classmethod
+    def from_rollout(cls, out: Rollout, images: ImageInputs | None, advantages: Tensor, loss_mask: Tensor,
+                     window_tokens: Tensor, pad_to_multiple_of: int | None, pad_token_id: int) -> Round:
+        """A round from a rollout `out` of prompts with `images`: its tokens, masks and sampler values, with the
+        round's advantages `[B]`, its loss mask `[B, T]` (the completion mask after every loss mask but the tools'),
+        and its normaliser; padded as decision 4 says."""
+        return cls(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                   completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
+                   window_tokens=window_tokens, sampling_logps=out.sampling_logps,
+                   sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
+                   layer_outputs=out.layer_outputs, images=images, engine_logps=out.engine_logps,
+                   pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
 
     @property
     def rows(self) -> int:
@@ -87,8 +102,8 @@ class Round:
         values = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            per_row = isinstance(value, Tensor) and value.dim() > 0 or hasattr(value, "select_rows")
-            values[f.name] = (value.select_rows(index) if hasattr(value, "select_rows") else value[index]) \
+            per_row = isinstance(value, Tensor) and value.dim() > 0 or isinstance(value, ImageInputs)
+            values[f.name] = (value.select_rows(index) if isinstance(value, ImageInputs) else value[index]) \
                 if per_row else value
         return Round(**values)
 
@@ -97,11 +112,14 @@ class Round:
         micro-batch keeps once its last loss has run, so they do not outlive their backward pass."""
         return dataclasses.replace(self, sampling_probs=None, layer_outputs=None)
 
-    def split(self, parts: int) -> list[Round]:
-        """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy)."""
+    def split(self, parts: int, generator: torch.Generator | None = None) -> list[Round]:
+        """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy). `generator`:
+        a CPU generator to shuffle with (default torch's global one)."""
         if parts == 1:
             return [self]
-        order = torch.randperm(self.rows, device=self.completion_ids.device)
+        device = self.completion_ids.device
+        order = torch.randperm(self.rows, device=device) if generator is None \
+            else torch.randperm(self.rows, generator=generator).to(device)
         size = self.rows // parts
         return [self.select(order[i * size:(i + 1) * size]) for i in range(parts)]
 
@@ -122,7 +140,7 @@ class Round:
             axis = f.metadata.get("columns")
             if f.name == "advantages" and isinstance(value, Tensor) and value.dim() == 2:
                 axis = _COMPLETION  # token-level advantages
-            if axis is not None and (isinstance(value, Tensor) or hasattr(value, "select_columns")):
+            if axis is not None and isinstance(value, (Tensor, ImageInputs)):
                 found.append((f, value, axis))
         return found
 

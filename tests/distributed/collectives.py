@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather
 from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
 
-from grpo_trainer import GRPOTrainer
 from grpo_trainer.algorithms.entropy import EntropyControl
-from grpo_trainer.algorithms.losses import SEQUENCE_METRICS
+from grpo_trainer.algorithms.losses import SEQUENCE_METRICS, LossSettings
+from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 
 # Process 0: 5 completion tokens; process 1: 2 (so the gather pads process 1's to 5).
 ENTROPIES = [torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.0, 9.0]]), torch.tensor([[2.0, 3.0, 8.0, 8.0]])]
@@ -38,16 +37,16 @@ def main() -> None:
     accelerator = Accelerator()
     rank = accelerator.process_index
     entropy, mask = ENTROPIES[rank], MASKS[rank]
-    kept = GRPOTrainer.get_high_entropy_mask(SimpleNamespace(accelerator=accelerator), entropy, mask, 0.5)
     reduce = SEQUENCE_METRICS["clip_ratio/low_min"][1]
     low_min = reduce(gather(LOW_FRACTIONS[rank]))
-    trainer = SimpleNamespace(accelerator=accelerator, _entropy=EntropyControl(coef=0.1, adaptive=True, target=1.0,
-                                                                                 step=0.05),
-                              _entropy_window=None, _metrics={"train": defaultdict(list)})
-    GRPOTrainer._control_entropy(trainer, entropy, mask.float())
+    window = MetricsWindow()
+    objective = GRPOLoss(LossPartSettings(LossSettings()), scorer=None, accelerator=accelerator, metrics_window=window,
+                         entropy=EntropyControl(coef=0.1, adaptive=True, target=1.0, step=0.05))
+    kept = objective.high_entropy_mask(entropy, mask, 0.5)
+    objective.control_entropy(entropy, mask.float(), sync_gradients=True)
     result = {"num_processes": accelerator.num_processes, "kept": kept.int().tolist(), "low_min": low_min.item(),
-              "window_entropy": trainer._entropy.last_entropy, "coef": trainer._entropy.coef,
-              "logged_coef": trainer._metrics["train"]["entropy_coef"]}
+              "window_entropy": objective.entropy.last_entropy, "coef": objective.entropy.coef,
+              "logged_coef": window["train"]["entropy_coef"]}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     leave_cleanly()
 

@@ -16,6 +16,7 @@ the processes finish generating at different times (ZeRO-3 and FSDP2 must keep s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -153,17 +154,24 @@ def _probe_generation(trainer, zero3: bool) -> dict:
 
     rank = trainer.accelerator.process_index
     prompts = tokenize_prompts(trainer.processing_class, [PROBE_PROMPT] * 2, None).to(trainer.accelerator.device)
-    args = trainer.args
-    saved = args.generation_kwargs, args.ds3_gather_for_generation
+    args, builder = trainer.args, trainer.rounds
+    saved = builder.settings, args.ds3_gather_for_generation
+
+    def with_length(tokens: int):  # the round builder's sampling settings, this probe's length forced
+        sampling = dataclasses.replace(saved[0].sampling,
+                                       generation_kwargs={"min_new_tokens": tokens, "max_new_tokens": tokens})
+        return dataclasses.replace(saved[0], sampling=sampling)
+
     out = {}
-    args.generation_kwargs = {"min_new_tokens": 4, "max_new_tokens": 4}
-    out["same_prompt"] = trainer._rollout(prompts, "eval").completion_ids.tolist()
-    args.generation_kwargs = {"min_new_tokens": 3 + 5 * rank, "max_new_tokens": 3 + 5 * rank}
+    builder.settings = with_length(4)
+    out["same_prompt"] = builder.rollout(prompts, "eval", trainer._policy_view()).completion_ids.tolist()
+    builder.settings = with_length(3 + 5 * rank)
     for gather in ([True, False] if zero3 else [args.ds3_gather_for_generation]):
         args.ds3_gather_for_generation = gather
         torch.manual_seed(1234 + rank)
-        out[f"uneven_gather_{gather}"] = trainer._rollout(prompts, "eval").completion_ids.tolist()
-    args.generation_kwargs, args.ds3_gather_for_generation = saved
+        rolled = builder.rollout(prompts, "eval", trainer._policy_view())
+        out[f"uneven_gather_{gather}"] = rolled.completion_ids.tolist()
+    builder.settings, args.ds3_gather_for_generation = saved
     return out
 
 
@@ -199,8 +207,8 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     # Instrumentation: which process writes the completion log, and each process's own metric means before
     # `log` averages them over processes.
     flushes, local_metrics = [], []
-    flush, log = trainer._completions.flush, trainer.log
-    trainer._completions.flush = lambda step: flushes.append(step) or flush(step)
+    flush, log = trainer.completions.flush, trainer.log
+    trainer.completions.flush = lambda step: flushes.append(step) or flush(step)
 
     def log_and_record(logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs:

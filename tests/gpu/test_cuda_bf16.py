@@ -102,3 +102,17 @@ def test_a_short_bf16_training_run_changes_the_weights(tokenizer, toy_dataset, t
     logged = [row for row in trainer.state.log_history if "loss" in row]
     assert logged and all(torch.isfinite(torch.tensor(row["loss"])) for row in logged)
     assert all("reward" in row for row in logged)
+
+
+def test_the_fast_backend_samples_with_generate_on_cuda_by_default(tokenizer, caplog):
+    """`rollout.fast.backend` decision 5: by measurement, `generate` on CUDA unless the decoder is asked for."""
+    from grpo_trainer.rollout.fast.backend import FastBackend
+
+    model = _on_cuda(model_of_kind("qwen2", tokenizer))
+    prompts, config = _prompts_on_cuda(tokenizer), greedy_config(tokenizer)
+    with torch.no_grad(), caplog.at_level("INFO", logger="grpo_trainer.rollout.fast.backend"):
+        default = FastBackend().generate(model, prompts, config)
+        reference = generate_rollout(model, prompts, config)
+    assert "measured faster than the decoder" in caplog.text
+    assert_same_rollout(default, reference)
+    assert default.sampling_logps is None  # generate keeps no sampler values

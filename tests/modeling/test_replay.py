@@ -117,7 +117,7 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
     runs = _count_layer_runs(model, monkeypatch)
     for rows in (slice(0, 4), slice(4, 8), torch.tensor([1, 6, 2, 5])):
         assert (round_.select(rows).kept_columns()[0] > 0) == (rows == slice(4, 8))
-        inputs = trainer._micro_batch(round_.select(rows), "train")
+        inputs = trainer.scorer.prepare(round_.select(rows), "train", trainer.model)
         runs[0] = 0
         replayed = loss_and_grads(inputs)
         assert runs[0] == 2  # 2 layers, each run once (the backward's recompute)

@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_trainer import GRPOConfig
+from grpo_trainer.config.settings import sampling_settings
 from grpo_trainer.rollout.backend import BACKENDS
 from grpo_trainer.rollout.capture import KEEP_NOTHING
 from grpo_trainer.rollout.fast import guard
@@ -142,14 +143,16 @@ def test_eos_token_ids_missing_everywhere():
 def test_generation_config_from_args_and_overrides(tokenizer, tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.1,
                       report_to="none", generation_kwargs={"top_k": 5, "max_new_tokens": 3, "num_beams": 1})
-    config = make_generation_config(args, GenerationConfig(eos_token_id=[END], bos_token_id=2), tokenizer, 16)
+    config = make_generation_config(sampling_settings(args), GenerationConfig(eos_token_id=[END], bos_token_id=2),
+                                    tokenizer, 16)
     assert config.do_sample is True
     assert (config.temperature, config.top_p, config.repetition_penalty) == (0.7, 0.9, 1.1)
     assert config.top_k == 5 and config.max_new_tokens == 3  # generation_kwargs win over the named fields
     assert config.eos_token_id == [EOS, END] and config.pad_token_id == tokenizer.pad_token_id
     assert config.bos_token_id == 2
 
-    plain = make_generation_config(GRPOConfig(output_dir=str(tmp_path), report_to="none"), None, tokenizer, 16)
+    plain = make_generation_config(sampling_settings(GRPOConfig(output_dir=str(tmp_path), report_to="none")), None,
+                                   tokenizer, 16)
     assert plain.max_new_tokens == 16 and plain.temperature == 1.0 and plain.eos_token_id == [EOS]
 
 
@@ -160,8 +163,8 @@ def test_a_checkpoints_sampling_defaults_do_not_override_the_configs(tokenizer, 
     filtering, and that must be the distribution they were sampled from."""
     model = copy.deepcopy(tiny_model)
     model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
-    config = make_generation_config(GRPOConfig(output_dir=str(tmp_path), report_to="none"), model.generation_config,
-                                    tokenizer, 16)
+    defaults = sampling_settings(GRPOConfig(output_dir=str(tmp_path), report_to="none"))
+    config = make_generation_config(defaults, model.generation_config, tokenizer, 16)
     resolved = guard.resolved(model, config)  # what generate (and the fast path) will run with
     assert (resolved.temperature, resolved.top_p, resolved.top_k, resolved.repetition_penalty) == (1.0, 1.0, 0, 1.0)
     one = torch.ones(1, 1, dtype=torch.long)

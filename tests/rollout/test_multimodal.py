@@ -16,7 +16,6 @@ from grpo_trainer.rollout.backend import BACKENDS, serving
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.generate import GenerateBackend
 from grpo_trainer.rollout.multimodal import (
-    ImageInputs,
     forward_inputs,
     image_placeholder,
     image_token_ids,
@@ -25,7 +24,8 @@ from grpo_trainer.rollout.multimodal import (
     unexpanded_ids,
 )
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from grpo_trainer.rollout.settings import make_generation_config
+from grpo_trainer.rollout.settings import SamplingSettings, make_generation_config
+from grpo_trainer.rollout.types import ImageInputs
 from tests.helpers import vlm_families
 
 FAMILIES = vlm_families(sorted(VLM_FAMILIES))
@@ -170,11 +170,10 @@ def test_image_tokens_are_never_sampled():
     model.lm_head.register_forward_hook(lambda m, i, logits: logits.index_add(
         -1, torch.tensor([image_id]), torch.full((*logits.shape[:-1], 1), 50.0)))  # the model wants image tokens
     batch = tokenize_prompts(processor, _prompts(), None)
-    args = type("Args", (), {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
-                             "cache_implementation": None, "generation_kwargs": None})()
     backend = GenerateBackend()
     for suppress, expect_image in ((None, True), (image_token_ids(model), False)):
-        config = make_generation_config(args, model.generation_config, processor.tokenizer, 4, suppress_tokens=suppress)
+        config = make_generation_config(SamplingSettings(), model.generation_config, processor.tokenizer, 4,
+                                        suppress_tokens=suppress)
         rollout = backend.generate(model, batch, config)
         assert bool((rollout.completion_ids == image_id).any()) == expect_image
 
@@ -212,7 +211,7 @@ def test_a_backend_that_takes_images_but_not_these_hands_them_to_generate_with_i
 def test_processor_setup_lets_ddp_find_the_vision_towers_unused_parameters(tmp_path):
     from grpo_trainer import GRPOConfig
     from grpo_trainer.cli.toy import make_tokenizer
-    from grpo_trainer.rollout.multimodal import check_processor_setup
+    from grpo_trainer.trainer.setup import check_processor_setup
 
     _, processor = make_tiny_vlm("llava")
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none")

@@ -11,6 +11,10 @@ import pytest
 import torch
 
 from grpo_trainer import GRPOTrainer
+from grpo_trainer.algorithms.entropy import EntropyControl
+from grpo_trainer.algorithms.losses import LossSettings
+from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from tests.trainer.test_trainer import logged, make_args, train, varied_reward
 
 
@@ -53,14 +57,14 @@ def test_entropy_bonus_covers_every_row_when_advantages_are_zero(tmp_path, tiny_
     trainer = GRPOTrainer(tiny_model, constant_reward, args=make_args(tmp_path, entropy_coef=0.1, loss_type="grpo"),
                           train_dataset=toy_dataset, processing_class=tokenizer)
     trainer.model.train()
-    inputs = trainer._micro_batch(trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train"),
-                                  "train")
+    round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
+    inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     assert not inputs.advantages.any()
     loss = trainer.compute_loss(trainer.model, inputs)
     plain = dataclasses.replace(inputs, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
                                 layer_outputs=None)
     with torch.no_grad():
-        entropy = trainer._logps(trainer.model, plain, with_entropy=True).entropy
+        entropy = trainer.scorer.logps(trainer.model, plain, with_entropy=True).entropy
     mask = inputs.completion_mask.float()
     assert loss.item() == pytest.approx(-0.1 * ((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)
 
@@ -101,11 +105,11 @@ def test_off_policy_mask_drops_a_drifted_negative_completion(tmp_path, tiny_mode
                                                                     num_iterations=2, loss_type="grpo"),
                           train_dataset=toy_dataset, processing_class=tokenizer)
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
-    inputs = trainer._micro_batch(round_, "train")
+    inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     assert inputs.old_logps is not None and (inputs.advantages < 0).any()
     drifted = dataclasses.replace(inputs, old_logps=inputs.old_logps + 10.0 * (inputs.advantages < 0)[:, None])
     with torch.no_grad():
-        logps = trainer._logps(trainer.model, inputs).logps
+        logps = trainer.scorer.logps(trainer.model, inputs).logps
     per_row = torch.exp(logps - inputs.old_logps)  # ratio 1 here: the policy has not moved yet
     assert torch.allclose(per_row, torch.ones_like(per_row))
     # drifted: the negative rows' surrogate is dropped; their ratio e^-10 would otherwise clip to 0.8 * |A|
@@ -134,9 +138,9 @@ def test_get_off_policy_mask_is_trls_static_method_with_its_keyword_names():
 
 
 def test_high_entropy_mask_pools_every_process(tmp_path, tiny_model, tokenizer, toy_dataset):
-    """`get_high_entropy_mask` pads the local entropies to a common length, gathers them and drops the padding
-    before taking the quantile. Here the gather is a stand-in that appends a second process's padded entropies
-    (a real 2-process run is in tests/distributed/test_collectives.py)."""
+    """`GRPOLoss.high_entropy_mask` (TRL's `get_high_entropy_mask`) pads the local entropies to a common length,
+    gathers them and drops the padding before taking the quantile. Here the gather is a stand-in that appends a
+    second process's padded entropies (a real 2-process run is in tests/distributed/test_collectives.py)."""
     entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 9.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])  # 7.0 and 9.0 are padding, never pooled nor kept
     other = torch.tensor([2.0, 3.0, -1e9, -1e9, -1e9, -1e9])  # the other process: 2 tokens, padded to 6
@@ -146,7 +150,9 @@ def test_high_entropy_mask_pools_every_process(tmp_path, tiny_model, tokenizer, 
         return x
 
     accelerator = SimpleNamespace(pad_across_processes=pad, gather=lambda x: torch.cat([x, other]))
-    kept = GRPOTrainer.get_high_entropy_mask(SimpleNamespace(accelerator=accelerator), entropy, mask, 0.5)
+    objective = GRPOLoss(LossPartSettings(LossSettings()), scorer=None, entropy=EntropyControl(),
+                         accelerator=accelerator, metrics_window=MetricsWindow())
+    kept = objective.high_entropy_mask(entropy, mask, 0.5)
     # pooled: 0.1 0.2 0.3 0.5 0.7 0.9 2 3 -> the 0.5 quantile is 0.5 + 0.5 * (0.7 - 0.5) = 0.6: keep 0.9, 0.7
     # (this process alone: 0.4, which would also keep 0.5)
     assert kept.int().tolist() == [[0, 1, 0, 0], [0, 1, 0, 0]]
@@ -191,8 +197,8 @@ def test_metrics_hold_no_autograd_graph(tmp_path, tiny_model, tokenizer, toy_dat
                                                                     top_entropy_quantile=0.5),
                           train_dataset=toy_dataset, processing_class=tokenizer)
     trainer.model.train()
-    inputs = trainer._micro_batch(trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train"),
-                                  "train")
+    round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
+    inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     loss = trainer.compute_loss(trainer.model, inputs)
     assert loss.requires_grad
     window = trainer._metrics["train"]

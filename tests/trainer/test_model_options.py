@@ -116,7 +116,7 @@ def test_the_loss_adds_coef_times_aux_over_the_accumulation_steps(tmp_path, toke
                                          per_device_train_batch_size=2))
     model = trainer.model
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(8)], "train")
-    inputs = trainer._micro_batch(round_, "train")
+    inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     inputs = dataclasses.replace(inputs, advantages=torch.tensor([1.0, 0.0, -1.0, 0.0, 0.5, 0.0, -0.5, 0.0]))
     ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], 1)
     mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], 1)
@@ -124,7 +124,7 @@ def test_the_loss_adds_coef_times_aux_over_the_accumulation_steps(tmp_path, toke
         aux = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                     output_router_logits=True).aux_loss
         with_aux = trainer.compute_loss(model, inputs)
-        trainer.aux_loss_enabled = False
+        trainer.objective.settings = dataclasses.replace(trainer.objective.settings, router_aux_loss_coef=0.0)
         without = trainer.compute_loss(model, inputs)
     # coef 0.5, 4 accumulation steps: the aux term is aux / 8
     torch.testing.assert_close(with_aux - without, aux / 8, atol=1e-6, rtol=0)
@@ -188,7 +188,7 @@ def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path, tokenizer, to
     trainer = GRPOTrainer(make_tiny_model(tokenizer), varied_reward, args=make_args(tmp_path, beta=0.1),
                           train_dataset=toy_dataset, processing_class=tokenizer)
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
-    inputs = trainer._micro_batch(round_, "train")
+    inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     padded = dataclasses.replace(inputs, pad_to_multiple_of=8).padded(tokenizer.pad_token_id).trimmed()
     assert padded.prompt_ids.shape[1] % 8 == 0 and padded.completion_ids.shape[1] % 8 == 0
     assert padded.completion_ids.shape[1] > inputs.completion_ids.shape[1]

@@ -56,7 +56,7 @@ def test_a_model_calls_a_tool_and_trains_on_every_backend(tmp_path, backend):
     logged = run.state.log_history[0]
     assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == 0.0
     assert logged["completions/mean_length"] == 2 * len(CALL)  # sampled tokens only, the tool's are not counted
-    (round_,) = run._buffer
+    (round_,) = run.buffer.parts
     expected = [1] * len(CALL) + [0] * len(RESULT) + [1] * len(CALL)
     assert round_.env_mask.tolist() == [expected] * 4
     assert round_.completion_mask.tolist() == [[1] * len(expected)] * 4  # attended to, all of it
@@ -68,7 +68,7 @@ def test_a_model_calls_a_tool_and_trains_on_every_backend(tmp_path, backend):
 def test_tool_rounds_pad_to_a_multiple_like_any_round(tmp_path):
     run = trainer(tmp_path, tools=[get], pad_to_multiple_of=8)
     run.train()
-    (round_,) = run._buffer
+    (round_,) = run.buffer.parts
     assert round_.prompt_ids.shape[1] % 8 == 0 and round_.completion_ids.shape[1] % 8 == 0
     assert round_.env_mask.shape == round_.completion_ids.shape
     assert round_.loss_mask.sum(1).tolist() == [2 * len(CALL)] * 4  # the padding is in no loss either
@@ -81,7 +81,7 @@ def test_async_tools_run_and_failed_calls_are_counted_like_trl(tmp_path, call, f
     run.train()
     logged = run.state.log_history[0]
     assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == failures
-    answer = run.processing_class.decode(run._buffer[0].completion_ids[0])
+    answer = run.processing_class.decode(run.buffer.parts[0].completion_ids[0])
     assert ("<|tool|>42<|end|>" in answer) == (failures == 0.0) and ("unknown tool 'nope'" in answer) == bool(failures)
 
 
@@ -142,7 +142,7 @@ def test_a_rollout_func_rollout_trains_with_its_env_mask_and_extra_fields(tmp_pa
     run = trainer(tmp_path, reward_funcs=by_judge, rollout_func=rollout_func, generation_kwargs=None)
     run.train()
     assert judged["trainer"] is run
-    assert run._buffer[0].loss_mask.tolist() == [[1, 1, 0, 0, 0, 0, 1, 1]] * 4
+    assert run.buffer.parts[0].loss_mask.tolist() == [[1, 1, 0, 0, 0, 0, 1, 1]] * 4
     assert run.state.log_history[0]["completions/mean_length"] == 4 and run.state.log_history[0]["reward"] == 0.5
 
 

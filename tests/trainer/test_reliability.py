@@ -88,7 +88,7 @@ def test_group_with_all_rewards_missing_gets_zero_advantage_and_a_warning(tmp_pa
     with caplog.at_level("WARNING", logger="grpo_trainer.trainer.grpo_trainer"):  # TRL's logger warning
         trainer.train()
     assert "All reward functions returned None for the following kwargs:" in caplog.text
-    advantages = trainer._buffer[0].advantages
+    advantages = trainer.buffer.parts[0].advantages
     assert not torch.isnan(advantages).any()
     # Rows are shuffled within the round; the two missing ones have advantage exactly 0 and the scored group
     # (0, 1) has +-1/(0.7071 + 1e-4) = +-0.70701.

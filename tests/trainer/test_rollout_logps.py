@@ -24,7 +24,7 @@ def _micro_batch(trainer, dataset):
     """One 8-row micro-batch of two prompts' groups, as `_prepare_inputs` serves it (trimmed, with its old and
     reference log-probs)."""
     round_ = trainer._generate_and_score([dataset[i // 4] for i in range(8)], "train")
-    return trainer._micro_batch(round_, "train")
+    return trainer.scorer.prepare(round_, "train", trainer.model)
 
 
 def _without_rollout_values(inputs):
@@ -53,7 +53,7 @@ def test_loss_and_gradients_with_rollout_logps_equal_a_full_forward(tmp_path, to
 
     if beta:  # the reference log-probs are the reference model's, whatever the round carries
         with torch.no_grad():
-            reference = trainer._no_grad_logps(trainer.ref_model, _without_rollout_values(inputs))
+            reference = trainer.scorer.no_grad_logps(trainer.ref_model, _without_rollout_values(inputs))
         torch.testing.assert_close(inputs.ref_logps, reference, atol=0, rtol=0)
     fast = loss_and_grads(inputs)
     plain = loss_and_grads(_without_rollout_values(inputs))
@@ -71,7 +71,7 @@ def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokeniz
     # The losses after the first optimizer step must recompute the current log-probs: no sampling values left.
     assert inputs.sampling_logps is None and inputs.sampling_probs is None and inputs.old_logps is not None
     with torch.no_grad():
-        recomputed = trainer._no_grad_logps(trainer.model, inputs)
+        recomputed = trainer.scorer.no_grad_logps(trainer.model, inputs)
     active = inputs.completion_mask.bool()
     torch.testing.assert_close(inputs.old_logps[active], recomputed[active], atol=1e-5, rtol=0)
 
@@ -99,11 +99,9 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
 
     skipped = loss_and_grads()
     assert rows_seen == [5]  # the three zero-advantage rows never ran
-    def full_forward(m, batch, mode):
-        out = trainer._logps(m, batch, with_entropy=True, policy=True)
-        return out.logps, out.entropy, batch.completion_mask, out.aux_loss
-
-    monkeypatch.setattr(trainer, "_policy_logps", full_forward)
+    skipping = trainer.scorer.policy_logps
+    monkeypatch.setattr(trainer.scorer, "policy_logps",
+                        lambda m, batch, skip, aux=False: skipping(m, batch, False, aux))  # never skip
     plain = loss_and_grads()
     assert rows_seen == [5, 8]
     torch.testing.assert_close(skipped[0], plain[0], atol=1e-7, rtol=1e-6)
@@ -130,7 +128,7 @@ def test_a_micro_batch_drops_its_replay_tensors_after_its_last_loss(tmp_path, to
     softmax never outlives its backward pass (nor sits in the buffer through the optimizer step)."""
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, per_device_train_batch_size=4, num_generations=2,
                        gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=2)
-    assert trainer._on_policy("train")
+    assert trainer.buffer.schedule.on_policy("train")
     compat.enable_checkpointing(trainer.model, {"use_reentrant": False})  # as train() does: layer outputs kept
     trainer.model.train()
     batch = [toy_dataset[i // 2] for i in range(8)]
@@ -138,5 +136,6 @@ def test_a_micro_batch_drops_its_replay_tensors_after_its_last_loss(tmp_path, to
     for _ in range(4):
         served = trainer._prepare_inputs(batch)
         assert served.sampling_probs is not None and served.layer_outputs is not None
-        kept.append([part.sampling_probs is not None and part.layer_outputs is not None for part in trainer._buffer])
+        kept.append([part.sampling_probs is not None and part.layer_outputs is not None
+                     for part in trainer.buffer.parts])
     assert kept == [[True, True], [True, True], [False, True], [False, False]]

@@ -107,7 +107,7 @@ def test_num_iterations_reuses_the_rollout_with_old_logps(tmp_path, tiny_model, 
     with mock.patch.object(trainer, "_generate_and_score", wraps=trainer._generate_and_score) as generate:
         trainer.train()
     assert generate.call_count == 2  # 4 optimizer steps, each round serves 2 iterations
-    assert trainer._buffer[0].old_logps is not None  # the 2nd pass follows an optimizer step
+    assert trainer.buffer.parts[0].old_logps is not None  # the 2nd pass follows an optimizer step
     clip = logged(trainer, "clip_ratio/region_mean")
     assert clip[0] == 0.0 and clip[1] > 0.0  # ratio == 1 on the fresh pass; lr 0.1 moves it outside the band
 
@@ -115,7 +115,7 @@ def test_num_iterations_reuses_the_rollout_with_old_logps(tmp_path, tiny_model, 
 def test_on_policy_rounds_compute_no_old_logps(tmp_path, tiny_model, tokenizer, toy_dataset):
     trainer, _ = train(tmp_path, tiny_model, tokenizer, toy_dataset, varied_reward, gradient_accumulation_steps=2)
     assert trainer.args.steps_per_generation == 2
-    assert trainer._buffer[0].old_logps is None and trainer._buffer[0].ref_logps is None
+    assert trainer.buffer.parts[0].old_logps is None and trainer.buffer.parts[0].ref_logps is None
 
 
 def test_generation_round_serves_steps_per_generation_micro_batches(tmp_path, tiny_model, tokenizer, toy_dataset):
@@ -128,7 +128,7 @@ def test_generation_round_serves_steps_per_generation_micro_batches(tmp_path, ti
     assert len(batch) == 8  # 2 micro-batches of 4 completions
     prompts = [row["prompt"] for row in batch]
     assert all(prompts[i] == prompts[i + 1] for i in range(0, 8, 2))  # each prompt's G=2 copies are adjacent
-    assert trainer._buffer[0].old_logps is not None  # the second slice is used after an optimizer step
+    assert trainer.buffer.parts[0].old_logps is not None  # the second slice is used after an optimizer step
 
 
 def test_conversational_prompts_use_the_chat_template(tmp_path, tiny_model, tokenizer, toy_conversational_dataset):

@@ -30,6 +30,7 @@ def main() -> None:
 
     from grpo_trainer import GRPOConfig, GRPOTrainer
     from grpo_trainer.cli.toy import copy_digits_dataset
+    from grpo_trainer.config.settings import sampling_settings
     from grpo_trainer.rewards.library import copy_digits_reward
     from grpo_trainer.rollout.generate import generate_rollout
     from grpo_trainer.rollout.prompts import tokenize_prompts
@@ -47,20 +48,20 @@ def main() -> None:
     trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=copy_digits_dataset(num_prompts=32),
                           processing_class=tokenizer)
     first_round = {}
-    generate = trainer._rollout
+    generate = trainer.rounds.rollout
 
-    def recording_rollout(prompts, mode):
-        out = generate(prompts, mode)
+    def recording_rollout(prompts, mode, *args, **kwargs):
+        out = generate(prompts, mode, *args, **kwargs)
         if not first_round:
             first_round.update(prompt_ids=out.prompt_ids.tolist(), completion_ids=out.completion_ids.tolist())
         return out
 
-    trainer._rollout = recording_rollout
+    trainer.rounds.rollout = recording_rollout
     trainer.train()
 
     rank = trainer.accelerator.process_index
     prompts = tokenize_prompts(tokenizer, ["copy 123:", "copy 98765:"] if rank == 0 else ["c", "copy 4:"], None)
-    config = make_generation_config(args, trainer.model.generation_config, tokenizer, 12)
+    config = make_generation_config(sampling_settings(args), trainer.model.generation_config, tokenizer, 12)
     config.do_sample = False
     policy = trainer.accelerator.unwrap_model(trainer.model)
     trainer.rollout_backend.sync_weights(policy, trainer.state.global_step + 1)  # a new version: push again

@@ -9,6 +9,7 @@ import torch
 
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_dataset
+from grpo_trainer.config.settings import sampling_settings
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.generate import generate_rollout
@@ -32,7 +33,8 @@ def _prompts(trainer, repeats=1):
 
 
 def _config(trainer, **changes):
-    config = make_generation_config(trainer.args, trainer.model.generation_config, trainer.processing_class, 12)
+    config = make_generation_config(sampling_settings(trainer.args), trainer.model.generation_config,
+                                    trainer.processing_class, 12)
     for key, value in changes.items():
         setattr(config, key, value)
     return config

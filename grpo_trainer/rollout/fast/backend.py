@@ -16,6 +16,11 @@ Decisions:
    the decoder also keeps every layer's output and every step's softmax, for `replay`.
 4. The loop runs in inference mode (no autograd bookkeeping per operation); its outputs are cloned out of it, and
    replay buffers are allocated outside it and filled inside, so the training forward can use them uncopied.
+5. On CUDA the fast backend samples with `model.generate`, by measurement: on an H100 (Qwen2.5-0.5B shape, bf16,
+   16 x 256 tokens; benchmarks/RESULTS.md, GPU section) `generate` sampled 660 tokens/s and the decoder 614, after
+   tests/gpu passed there. What the decoder would add on a GPU, its sampling log-probs (the loss forward then skips
+   the LM-head projection), was 0.14 s of a 6.8 s step. `FastBackend(cuda="decoder")` runs the decoder on CUDA
+   anyway (tests/gpu does, to keep it correct there).
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `E` hidden
 size, `V` vocabulary.
@@ -53,10 +58,17 @@ class FastBackend(RolloutBackend):
 
     capabilities = Capabilities(sampling_logps=True, layer_outputs=True, sampling_probs=True)
 
+    def __init__(self, cuda: str = "generate") -> None:
+        if cuda not in ("generate", "decoder"):
+            raise ValueError(f"FastBackend(cuda={cuda!r}): choose 'generate' or 'decoder'.")
+        self.cuda = cuda  # decision 5
+
     def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                  capture: Capture = KEEP_NOTHING) -> Rollout:
         S = prompts.ids.shape[1]
         reason = settings_blocker(model, config, S)
+        if reason is None and prompts.ids.device.type == "cuda" and self.cuda == "generate":
+            reason = "on CUDA model.generate was measured faster than the decoder (decision 5)"
         if reason is not None:
             logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
             return generate_rollout(model, prompts, config)

@@ -18,6 +18,10 @@ Decisions:
    prefill, by a hook on the head for that one call.
 3. Not served (the caller falls back to `generate`): encoder-decoder and multimodal models, and models whose cache
    is not transformers' dynamic cache of attention layers (recurrent or linear-attention states).
+4. The tier drives transformers' generation helpers, some of them private (`GENERATION_HELPERS`). Each must exist
+   and take, by name, the parameters passed to it: a parameter that a `**kwargs` would swallow silently is not
+   enough. Otherwise the rollout falls back to `generate` before it starts, with the helper named in the log,
+   instead of crashing (or sampling wrongly) mid-rollout after a transformers upgrade.
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt columns, `T` new tokens, `V` vocabulary.
 """
@@ -44,7 +48,14 @@ from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, completion_mask
 from grpo_trainer.runtime import compat
 
-__all__ = ["ForwardBackend", "forward_blocker", "forward_rollout"]
+__all__ = ["GENERATION_HELPERS", "ForwardBackend", "forward_blocker", "forward_rollout"]
+
+# transformers' generation helpers this tier calls -> the parameters it passes them by name (decision 4)
+GENERATION_HELPERS: dict[str, tuple[str, ...]] = {
+    "prepare_inputs_for_generation": ("next_sequence_length", "attention_mask", "is_first_iteration"),
+    "_update_model_kwargs_for_generation": ("outputs", "model_kwargs"),
+    "_supports_default_dynamic_cache": (),
+}
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +83,40 @@ def forward_blocker(lm: nn.Module) -> str | None:
         return "an encoder-decoder model"
     if config.get_text_config(decoder=True) is not config:
         return "a multimodal model"
-    supports_cache = getattr(lm, "_supports_default_dynamic_cache", None)
-    if not callable(getattr(lm, "prepare_inputs_for_generation", None)) or supports_cache is None \
-            or not hasattr(lm, "_update_model_kwargs_for_generation"):
-        return "transformers' generation internals differ from the ones this module calls"
-    if not supports_cache():
+    changed = _changed_helper(lm)
+    if changed is not None:
+        return changed
+    if not lm._supports_default_dynamic_cache():
         return f"{type(lm).__name__} keeps a cache of its own"
     if compat.has_linear_attention(config):
         return "recurrent or linear-attention layers"
     return None
+
+
+def _changed_helper(lm: nn.Module) -> str | None:
+    """Which generation helper is missing or no longer takes what this tier passes (decision 4), or None. The
+    parameters are read off transformers' own `GenerationMixin` (a model's override may take `**kwargs` and hand
+    them to it)."""
+    from transformers.generation.utils import GenerationMixin
+
+    for name, parameters in GENERATION_HELPERS.items():
+        stock = getattr(GenerationMixin, name, None)
+        if not callable(getattr(lm, name, None)) or stock is None:
+            return f"transformers {transformers_version()} has no {name}, which the forward tier calls"
+        try:
+            accepted = inspect.signature(stock).parameters
+        except (TypeError, ValueError):
+            return f"transformers {transformers_version()}'s {name} has no readable signature"
+        missing = [p for p in parameters if p not in accepted]
+        if missing:
+            return f"transformers {transformers_version()}'s {name} no longer takes {missing}"
+    return None
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def forward_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,

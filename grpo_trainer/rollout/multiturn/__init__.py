@@ -13,7 +13,8 @@ rollout_func=)`, TRL's arguments and contracts; docs/TOOLS.md).
 """
 
 from grpo_trainer.rollout.multiturn.environments import Environments, placeholder_dataset
-from grpo_trainer.rollout.multiturn.episode import Episode, MultiTurn
+from grpo_trainer.rollout.multiturn.episode import Episode, MultiTurn, TurnSettings
 from grpo_trainer.rollout.multiturn.rollout_func import RolloutFuncOutput, call_rollout_func
 
-__all__ = ["Environments", "Episode", "MultiTurn", "RolloutFuncOutput", "call_rollout_func", "placeholder_dataset"]
+__all__ = ["Environments", "Episode", "MultiTurn", "RolloutFuncOutput", "TurnSettings", "call_rollout_func",
+           "placeholder_dataset"]

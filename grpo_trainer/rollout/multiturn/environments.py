@@ -149,8 +149,9 @@ class Environments:
         return out
 
 
-def placeholder_dataset(environments: Environments | None, args: Any) -> Any:
-    """The dataset for a run whose environment owns the data (decision 5), after TRL's checks."""
+def placeholder_dataset(environments: Environments | None, max_steps: int, prompts_per_round: int) -> Any:
+    """The dataset for a run whose environment owns the data (decision 5), after TRL's checks: one empty prompt
+    per prompt of a round (`generation_batch_size // num_generations`)."""
     from datasets import Dataset
 
     if environments is None:
@@ -159,8 +160,7 @@ def placeholder_dataset(environments: Environments | None, args: Any) -> Any:
     if environments.multiple:
         raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
                          "`environment` column naming each row's environment; pass a dataset, or a single factory.")
-    if args.max_steps <= 0:
+    if max_steps <= 0:
         raise ValueError("Without a `train_dataset` the environment owns the data, so set `max_steps` > 0 to fix the "
                          "run's length, e.g. GRPOConfig(max_steps=1000).")
-    rows = args.generation_batch_size // args.num_generations
-    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * rows})
+    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * prompts_per_round})

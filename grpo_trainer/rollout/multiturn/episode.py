@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,9 +37,22 @@ from grpo_trainer.rollout.multiturn.rollout_func import RolloutFuncOutput
 from grpo_trainer.rollout.multiturn.tool_calls import select_parser
 from grpo_trainer.rollout.multiturn.tools import check_tools, tool_list, toolbox
 from grpo_trainer.rollout.prompts import tokenize_prompts
+from grpo_trainer.rollout.settings import PromptSettings
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
-__all__ = ["Episode", "MultiTurn"]
+__all__ = ["Episode", "MultiTurn", "TurnSettings"]
+
+
+@dataclass(frozen=True)
+class TurnSettings:
+    """The config's fields a multi-turn round reads."""
+
+    prompts: PromptSettings = field(default_factory=PromptSettings)
+    max_completion_length: int = 256  # the whole rollout's token budget, tool results included
+    max_iterations: int | None = None  # `max_tool_calling_iterations`
+    # A rollout_func's `logprobs` are an inference engine's, for the importance-sampling correction (TRL's rule with
+    # `use_vllm`: its rollout_func samples with the trainer's vLLM).
+    engine_logprobs: bool = False
 
 
 @dataclass
@@ -56,20 +69,19 @@ class Episode:
 class MultiTurn:
     """The tools and environments of a run, checked, and the round that uses them (and a `rollout_func`)."""
 
-    def __init__(self, tokenizer: Any, args: Any, tools: Sequence[Callable] | None,
+    def __init__(self, tokenizer: Any, settings: TurnSettings, tools: Sequence[Callable] | None,
                  environments: Environments | None) -> None:
         """`environments`: built from `environment_factory` first, since their rewards are checked with
         `reward_funcs` before the tokenizer is loaded."""
         self.tokenizer = tokenizer
         # Until `attach_model`: the tokenizer's EOS, which is what chat templates end turns with.
         self.eos_token_ids, self.max_context = [tokenizer.eos_token_id], None
-        self.chat_template_kwargs = args.chat_template_kwargs or {}
-        self.max_prompt_length, self.max_completion_length = args.max_prompt_length, args.max_completion_length
-        self.pad_to_multiple_of = args.pad_to_multiple_of
-        self.max_iterations = args.max_tool_calling_iterations
-        # With vLLM, a rollout_func's `logprobs` are the engine's, for the importance-sampling correction (TRL's
-        # rule: its rollout_func samples with the trainer's vLLM).
-        self.engine_logprobs = bool(args.use_vllm)
+        self.chat_template_kwargs = settings.prompts.chat_template_kwargs or {}
+        self.max_prompt_length = settings.prompts.max_prompt_length
+        self.max_completion_length = settings.max_completion_length
+        self.pad_to_multiple_of = settings.prompts.pad_to_multiple_of
+        self.max_iterations = settings.max_iterations
+        self.engine_logprobs = settings.engine_logprobs
         standalone = tool_list(tools)
         check_tools(standalone)
         self.environments = environments

@@ -70,7 +70,13 @@ class VLLMBackend(RolloutBackend):
         self.client = self.engine = self.weights = self.policy = self.processor = None
         self._engine_ids: tuple[PromptBatch, dict[int, list[int]]] | None = None  # decision 7, per prompt batch
         self.loaded: int | None = None
-        self.schedule = sync_check.SyncSchedule(args.vllm_sync_check_interval)
+        # The check runs a trainer forward and collectives where the engine samples; asynchronous rollouts sample in
+        # a producer thread, while the optimizer moves the weights: there it would compare other weights (docs).
+        asynchronous = getattr(args, "async_rollouts", 0) > 0
+        if asynchronous and args.vllm_sync_check_interval:
+            logger.info("vllm_sync_check_interval has no effect with async_rollouts: the weight-sync check runs "
+                        "where the engine samples, in the producer thread, while the optimizer moves the weights.")
+        self.schedule = sync_check.SyncSchedule(0 if asynchronous else args.vllm_sync_check_interval)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 

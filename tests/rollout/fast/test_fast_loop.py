@@ -95,3 +95,11 @@ def test_a_patched_generate_on_the_model_or_its_adapter_wrapper_is_honoured(toke
     with mock.patch.object(adapted, "generate", side_effect=fake):
         assert fast_rollout(adapted, prompts, greedy_config(tokenizer)).completion_ids.tolist() == [digits] * 4
     assert fast_rollout(adapted, prompts, greedy_config(tokenizer)).completion_ids.tolist() != [digits] * 4
+
+
+def test_the_cuda_choice_is_checked():
+    from grpo_trainer.rollout.fast.backend import FastBackend
+
+    assert FastBackend().cuda == "generate" and FastBackend(cuda="decoder").cuda == "decoder"
+    with pytest.raises(ValueError, match="FastBackend\\(cuda='vllm'\\): choose 'generate' or 'decoder'"):
+        FastBackend(cuda="vllm")

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rollout import BACKENDS, Capture
+from grpo_trainer.rollout.fast import backend as fast_backend
 from grpo_trainer.rollout.fast import forward, guard
 from grpo_trainer.rollout.generate import generate_rollout
 from tests.helpers import (
@@ -114,3 +115,41 @@ def test_what_it_does_not_serve_goes_to_generate(tokenizer):
                         reference)
     beams = greedy_config(tokenizer, num_beams=2)
     assert "beam_search" in guard.settings_blocker(model_of_kind("phi3", tokenizer), beams, 11)
+
+
+@pytest.mark.parametrize("change", ["removed", "renamed_parameter"])
+def test_a_changed_generation_helper_sends_the_rollout_to_generate_with_the_reason(tokenizer, monkeypatch, caplog,
+                                                                                     change):
+    """Decision 4: the tier drives private generation helpers; when transformers drops one or renames a parameter
+    it passes (here `_update_model_kwargs_for_generation`, and `next_sequence_length` of
+    `prepare_inputs_for_generation`), the fast backend samples with `generate` instead, logging which helper."""
+    from transformers.generation.utils import GenerationMixin
+
+    model = model_of_kind("phi3", tokenizer)  # an architecture the decoder refuses: the forward tier's
+    if change == "removed":
+        monkeypatch.delattr(GenerationMixin, "_update_model_kwargs_for_generation")
+        expected = "has no _update_model_kwargs_for_generation"
+    else:
+        original = GenerationMixin.prepare_inputs_for_generation
+
+        def renamed(self, input_ids, new_tokens=None, cache=None, attention_mask=None, is_first_iteration=False,
+                    **kwargs):
+            new_tokens = kwargs.pop("next_sequence_length", new_tokens)  # generate's own call still passes it
+            return original(self, input_ids, next_sequence_length=new_tokens, cache=cache,
+                            attention_mask=attention_mask, is_first_iteration=is_first_iteration, **kwargs)
+
+        monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", renamed)
+        expected = "prepare_inputs_for_generation no longer takes ['next_sequence_length']"
+    assert expected in forward.forward_blocker(model)
+    prompts, config = grouped_prompts(tokenizer), greedy_config(tokenizer)
+    if change == "removed":  # `generate` needs the removed helper too: record the hand-off instead of running it
+        handed = []
+        monkeypatch.setattr(fast_backend, "generate_rollout", lambda *args: handed.append(args) or "generate's")
+    with torch.no_grad(), caplog.at_level("INFO", logger="grpo_trainer.rollout.fast.backend"):
+        served = fast_rollout(model, prompts, config)
+        reference = generate_rollout(model, prompts, config) if change == "renamed_parameter" else None
+    assert "falls back to model.generate" in caplog.text and expected in caplog.text
+    if reference is not None:  # generate itself still runs through the (renamed) helper
+        assert_same_rollout(served, reference)
+    else:
+        assert served == "generate's" and len(handed) == 1

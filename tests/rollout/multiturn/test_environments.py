@@ -2,7 +2,6 @@
 TRL's set-up errors."""
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
@@ -147,13 +146,11 @@ def test_owned_rewards_one_per_class_scored_only_on_their_own_rollouts():
 
 
 def test_without_a_dataset_the_environment_owns_the_data_under_trls_rules():
-    args = SimpleNamespace(max_steps=5, generation_batch_size=12, num_generations=3)
-    dataset = placeholder_dataset(Environments(Counter, []), args)
+    dataset = placeholder_dataset(Environments(Counter, []), max_steps=5, prompts_per_round=4)
     assert dataset["prompt"] == [EMPTY_PROMPT] * 4  # one generation round of prompts
     with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory`"):
-        placeholder_dataset(None, args)
+        placeholder_dataset(None, 5, 4)
     with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):
-        placeholder_dataset(Environments({"a": Counter, "b": Echo}, []), args)
+        placeholder_dataset(Environments({"a": Counter, "b": Echo}, []), 5, 4)
     with pytest.raises(ValueError, match="set `max_steps` > 0"):
-        placeholder_dataset(Environments(Counter, []), SimpleNamespace(max_steps=-1, generation_batch_size=12,
-                                                                         num_generations=3))
+        placeholder_dataset(Environments(Counter, []), max_steps=-1, prompts_per_round=4)

@@ -1,13 +1,13 @@
 """A multi-turn round end to end over a scripted backend: prompts rendered with each rollout's tools, environments
 reset and handed to the rewards, a rollout_func's first turn continued by the tool loop, sampler tensors dropped."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo_trainer.cli.toy import make_tokenizer
-from grpo_trainer.rollout.multiturn import Environments, MultiTurn, call_rollout_func
+from grpo_trainer.rollout.multiturn import Environments, MultiTurn, TurnSettings, call_rollout_func
+from grpo_trainer.rollout.settings import PromptSettings
 from grpo_trainer.rollout.types import Rollout, completion_mask
 from tests.tool_helpers import get, multiply
 
@@ -19,10 +19,9 @@ def ids(text):
     return TOKENIZER(text, add_special_tokens=False)["input_ids"]
 
 
-def args(**overrides):
-    return SimpleNamespace(**{"chat_template_kwargs": None, "max_prompt_length": None, "max_completion_length": 64,
-                              "max_tool_calling_iterations": None, "pad_to_multiple_of": None, "use_vllm": False,
-                              **overrides})
+def settings(max_completion_length=64, max_tool_calling_iterations=None, use_vllm=False):
+    return TurnSettings(PromptSettings(), max_completion_length, max_tool_calling_iterations,
+                        engine_logprobs=use_vllm)
 
 
 class Script:
@@ -68,7 +67,7 @@ class Door:
 
 
 def make(tools=None, environments=None, **overrides):
-    multi_turn = MultiTurn(TOKENIZER, args(**overrides), tools, environments)
+    multi_turn = MultiTurn(TOKENIZER, settings(**overrides), tools, environments)
     multi_turn.attach_model([TOKENIZER.eos_token_id, END], None)  # the toy model's EOS ids: <eos> and <|end|>
     return multi_turn
 

@@ -1,0 +1,63 @@
+"""`GRPOConfig` -> the typed settings each lower layer takes, built once per run.
+
+Lower layers never read the config: each defines a small frozen dataclass of what it needs (sampling, prompts,
+multi-turn turns, rewards, the objective, the engine correction) and this module is the one place that maps the
+config's field names (TRL's) onto them.
+"""
+
+from __future__ import annotations
+
+from grpo_trainer.algorithms.engine_correction import EngineCorrection
+from grpo_trainer.algorithms.entropy import EntropyControl
+from grpo_trainer.algorithms.losses import LossSettings
+from grpo_trainer.algorithms.surrogates import SurrogateParams
+from grpo_trainer.config.grpo_config import GRPOConfig
+from grpo_trainer.rewards.sources import RewardSettings
+from grpo_trainer.rollout.multiturn import TurnSettings
+from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings
+
+__all__ = ["engine_correction", "entropy_control", "loss_settings", "prompt_settings", "reward_settings",
+           "sampling_settings", "surrogate_params", "turn_settings"]
+
+
+def sampling_settings(args: GRPOConfig) -> SamplingSettings:
+    return SamplingSettings(args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p,
+                            args.repetition_penalty, args.cache_implementation, dict(args.generation_kwargs or {}))
+
+
+def prompt_settings(args: GRPOConfig) -> PromptSettings:
+    return PromptSettings(args.max_prompt_length, dict(args.chat_template_kwargs or {}), args.pad_to_multiple_of)
+
+
+def turn_settings(args: GRPOConfig) -> TurnSettings:
+    return TurnSettings(prompt_settings(args), args.max_completion_length, args.max_tool_calling_iterations,
+                        engine_logprobs=bool(args.use_vllm))
+
+
+def reward_settings(args: GRPOConfig) -> RewardSettings:
+    return RewardSettings(args.reward_error_policy, args.reward_timeout, args.multi_objective_aggregation,
+                          args.scale_rewards)
+
+
+def surrogate_params(args: GRPOConfig) -> SurrogateParams:
+    return SurrogateParams(args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high, args.delta,
+                           args.sapo_temperature_pos, args.sapo_temperature_neg, args.vespo_k_pos,
+                           args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg)
+
+
+def loss_settings(args: GRPOConfig) -> LossSettings:
+    return LossSettings(args.loss_type, args.beta, args.use_bias_correction_kl, surrogate_params(args),
+                        args.importance_sampling_level, args.off_policy_mask_threshold)
+
+
+def entropy_control(args: GRPOConfig) -> EntropyControl:
+    return EntropyControl(args.entropy_coef, args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta,
+                          args.entropy_coef_min, args.entropy_coef_max)
+
+
+def engine_correction(args: GRPOConfig) -> EngineCorrection | None:
+    """The engine importance-sampling correction's settings; None when it is off."""
+    if not args.vllm_importance_sampling_correction:
+        return None
+    return EngineCorrection(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                            args.vllm_importance_sampling_clip_max)

@@ -1,0 +1,125 @@
+"""Log-probs of a micro-batch under a model: the policy's forward of the loss, and the no-grad forwards that prepare
+a micro-batch (old and reference log-probs).
+
+Decisions:
+
+1. A micro-batch is trimmed once and carries the old and reference log-probs its loss needs: old ones only when the
+   round outlives an optimizer step (off-policy; then the rollout's own values are dropped: they are no stand-ins
+   for the current ones after an update), reference ones only when beta != 0 (under PEFT: the policy with its
+   adapter disabled).
+2. On-policy the rollout's values stand in for the policy forward's (`modeling.logprobs`, `known`), and its layer
+   outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`).
+3. With beta == 0, no entropy mask, no entropy bonus and no auxiliary loss, a completion whose advantage is exactly 0
+   adds 0 to the loss and to its gradient whatever its log-probs, so only the other rows run forward and backward
+   (`policy_logps`); skipped rows keep their place in every loss normaliser, with log-probs equal to the old ones (a
+   ratio of exactly 1).
+
+Shapes: `B` completions, `T` completion tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from grpo_trainer.modeling import replay
+from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs
+from grpo_trainer.modeling.unwrap import causal_lm
+from grpo_trainer.rollout import multimodal
+from grpo_trainer.runtime import models
+from grpo_trainer.trainer.round import Round
+from grpo_trainer.trainer.schedule import Schedule
+
+__all__ = ["PolicyLogProbs", "PolicyScorer", "ScoringSettings"]
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    temperature: float = 1.0
+    chunk_size: int = 1024  # `logprob_chunk_size`: LM-head rows projected at once
+    rows_per_forward: int = 8  # `per_device_train_batch_size`: rows per no-grad forward
+    beta: float = 0.0
+
+
+class PolicyLogProbs(NamedTuple):
+    logps: Tensor  # [B, T]
+    entropy: Tensor  # [B, T]
+    measured: Tensor  # [B, T] the tokens whose entropy was computed
+    aux_loss: Tensor | None  # [] the router's auxiliary loss, when asked for
+
+
+class PolicyScorer:
+    """Decisions 1-3, for one policy and its reference model (None: none, or the adapter-disabled policy)."""
+
+    def __init__(self, settings: ScoringSettings, schedule: Schedule, ref_model: nn.Module | None) -> None:
+        self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
+
+    def logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False,
+              with_aux_loss: bool = False) -> LogProbs:
+        """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
+        this round, on-policy (decision 2). `with_aux_loss`: also the MoE router's auxiliary loss."""
+        input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
+        attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
+        width = inputs.completion_ids.shape[1]
+        images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
+        known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
+        replayed = contextlib.nullcontext()
+        if policy and inputs.layer_outputs is not None and model.training:
+            replayed = replay.replayed_layers(causal_lm(model).get_decoder().layers, inputs.layer_outputs)
+        with replayed:
+            return completion_logprobs(model, input_ids, attention_mask, width, self.settings.temperature,
+                                       self.settings.chunk_size, with_entropy, *known,
+                                       with_aux_loss=with_aux_loss, model_inputs=images)
+
+    def no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
+        """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward."""
+        size, width = self.settings.rows_per_forward, part.completion_ids.shape[1]
+        pieces = [self.logps(model, part.select(slice(i, i + size)).trimmed()).logps
+                  for i in range(0, part.rows, size)]
+        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
+
+    def prepare(self, part: Round, mode: str, model: nn.Module) -> Round:
+        """`part` trimmed once, with the old and reference log-probs its loss needs (decision 1)."""
+        part = part.trimmed()
+        old = ref = None
+        with torch.no_grad():
+            if not self.schedule.on_policy(mode):
+                old = part.old_logps if part.old_logps is not None else part.sampling_logps
+                old = old if old is not None else self.no_grad_logps(model, part)
+                part = dataclasses.replace(part, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
+                                           layer_outputs=None)
+            if self.settings.beta != 0.0:
+                if self.ref_model is not None:
+                    ref = self.no_grad_logps(self.ref_model, part)
+                else:
+                    with models.reference_context(model):
+                        ref = self.no_grad_logps(model, part)
+        return dataclasses.replace(part, old_logps=old, ref_logps=ref)
+
+    def policy_logps(self, model: nn.Module, inputs: Round, skip_zero_advantages: bool, with_aux_loss: bool = False
+                     ) -> PolicyLogProbs:
+        """The policy's log-probs and entropies `[B, T]` for the loss, and with `with_aux_loss` the router's auxiliary
+        loss; with `skip_zero_advantages` (decision 3's conditions, which the caller knows) only rows with a non-zero
+        advantage run."""
+        advantages, mask = inputs.advantages, inputs.loss_mask  # [B] or [B, T]; [B, T]
+        nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
+        if not skip_zero_advantages or bool(nonzero.all()):
+            out = self.logps(model, inputs, with_entropy=True, policy=True, with_aux_loss=with_aux_loss)
+            return PolicyLogProbs(out.logps, out.entropy, mask, out.aux_loss)
+        keep = nonzero.nonzero().squeeze(1)
+        keep = keep if keep.numel() else keep.new_zeros(1)  # one row keeps the graph (and DDP's hooks) alive
+        part = self.logps(model, inputs.select(keep).trimmed(), True, policy=True)
+        B, T = mask.shape
+        width = part.logps.shape[1]
+        logps = inputs.old_logps.clone() if inputs.old_logps is not None else part.logps.new_zeros(B, T)
+        logps[keep, :width] = part.logps
+        entropy = part.logps.new_zeros(B, T)
+        entropy[keep, :width] = part.entropy
+        measured = torch.zeros_like(mask)
+        measured[keep] = mask[keep]
+        return PolicyLogProbs(logps, entropy, measured, None)
