@@ -63,7 +63,7 @@ def test_vllms_logprobs_follow_the_tokens_of_every_turn_and_tool_tokens_are_mask
     assert logged["sampling/sampling_logp_difference/max"] < 1e-4
     assert 0.9999 < logged["sampling/importance_sampling_ratio/min"] <= logged[
         "sampling/importance_sampling_ratio/max"] < 1.0001
-    (round_,) = trainer._buffer
+    (round_,) = trainer.buffer.parts
     tool_rows = (round_.env_mask == 0).any(1) & round_.completion_mask.bool().any(1)
     assert tool_rows.any()
     result_at = [row.tolist().index(0) for row in round_.env_mask[tool_rows]]  # the tool result's first token

@@ -216,9 +216,9 @@ class VLLMBackend(RolloutBackend):
         return self._engine_ids[1]
 
     def image_support(self, prompts: PromptBatch) -> str | None:
-        """None when vLLM takes these image prompts (decision 7); else why not, the same on every process."""
-        from accelerate.utils import gather_object
-
+        """None when vLLM takes these image prompts (decision 7); else why not. On a server, whose generation is a
+        collective, every process gets the same answer; colocated, each process decides for its own engine (no
+        collective: asynchronous rollouts call this from their producer thread)."""
         reason = None
         if self.processor is None:
             reason = "the prompts hold images but the trainer has no processor"
@@ -227,7 +227,11 @@ class VLLMBackend(RolloutBackend):
                 self.engine_ids(prompts)
             except ValueError as exc:
                 reason = str(exc)
-        reasons = [r for r in gather_object([reason]) if r is not None]
+        reasons = [reason] if reason is not None else []
+        if self.mode == "server":
+            from accelerate.utils import gather_object
+
+            reasons = [r for r in gather_object([reason]) if r is not None]
         if not reasons:
             return None
         return (f"vLLM cannot be given this {self.family} model's image prompts ({reasons[0]}); rounds with images "
