@@ -61,7 +61,7 @@ from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, setup
-from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard
+from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings, ProducerPacing
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
@@ -270,8 +270,9 @@ class GRPOTrainer(Trainer):
         self.objective.entropy.coef = value
 
     def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
-        """TRL's method (`GRPOLoss.high_entropy_mask`)."""
-        return self.objective.high_entropy_mask(entropies, mask, threshold)
+        """TRL's method (`trainer.loss.pooled_high_entropy_mask`); reads only `self.accelerator`, as TRL's tests call it
+        on a stand-in trainer."""
+        return pooled_high_entropy_mask(self.accelerator, entropies, mask, threshold)
 
     @staticmethod
     def get_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,

@@ -86,6 +86,7 @@ class RoundProducer:
         self.submitted_through = -1  # the last round index submitted (or restored)
         self.trainer_waited = 0.0  # seconds the main thread spent waiting for rounds (since the last read)
         self.producer_waited = 0.0  # seconds the producer spent idle, waiting for a job
+        self._threads = torch.get_num_threads()  # the intra-op thread count a new thread does not inherit
         self._thread = threading.Thread(target=self._run, name="grpo-round-producer", daemon=True)
         self._thread.start()
 
@@ -169,6 +170,7 @@ class RoundProducer:
     # ---------------------------------------------------------------------------------------- producer thread
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         while True:
             idle_since = time.perf_counter()
             job = self._jobs.get()

@@ -178,7 +178,8 @@ class RoundBuilder:
         round_ = Round.from_rollout(out, sampled.prompt_images, advantages, loss_mask, self._window_tokens(
             loss_mask if out.env_mask is None else loss_mask * out.env_mask, mode),
             self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
-        return self.correct_off_policy(round_, mode, policy)
+        asynchronous = mode == "train" and self.schedule.rounds_ahead > 0  # sampled ahead (`trainer.producer`)
+        return self.correct_off_policy(round_, mode, policy, asynchronous)
 
     def _log_completions(self, mode: str, sampled: Sampled, all_rewards: Tensor, all_advantages: Tensor) -> None:
         log = self.settings.log_completions
