@@ -1,5 +1,5 @@
 """One asynchronous-rollouts run (async_rollouts=1, the default `fast` backend) under `accelerate launch`; each
-process writes what tests/distributed/test_async.py compares: its weights' digest, its rounds' token ids, the
+process writes what tests/distributed/test_async_ddp.py compares: its weights' digest, its rounds' token ids, the
 logged staleness."""
 
 from __future__ import annotations

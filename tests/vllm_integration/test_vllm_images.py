@@ -17,6 +17,7 @@ import torch
 
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy_vlm import make_tiny_vlm
+from grpo_trainer.data.images import attach_images
 from grpo_trainer.rollout import backend as backends
 from grpo_trainer.rollout import multimodal
 from grpo_trainer.rollout.generate import generate_rollout
@@ -68,10 +69,10 @@ def test_colocated_vllm_samples_image_rounds(tmp_path):
 
 def test_greedy_image_completions_equal_generates(tmp_path):
     trainer = _trainer(tmp_path)
-    prompts = [row["prompt"] for row in image_dataset(rows=4, images_per_row=[1, 2, 0, 1])]
-    images = [row["images"] for row in image_dataset(rows=4, images_per_row=[1, 2, 0, 1])]
-    from grpo_trainer.data.images import attach_images
-
+    rows = image_dataset(rows=4, images_per_row=[1, 2, 0, 1])
+    # each prompt twice in a row, as a round repeats it G times: greedy decoding sends one request per row
+    prompts = [row["prompt"] for row in rows for _ in range(2)]
+    images = [row["images"] for row in rows for _ in range(2)]
     batch = tokenize_prompts(trainer.processing_class, attach_images(prompts, images), None)
     assert multimodal.image_placeholder(trainer.processing_class) == "<image>"
     config = make_generation_config(trainer.args, trainer.model.generation_config, trainer._tokenizer, 6)

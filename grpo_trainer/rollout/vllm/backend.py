@@ -209,9 +209,12 @@ class VLLMBackend(RolloutBackend):
         from grpo_trainer.rollout.multimodal import unexpanded_ids
 
         if self._engine_ids is None or self._engine_ids[0] is not prompts:
-            ids = {row: unexpanded_ids(self.processor, self.placeholder, sampling.row_ids(prompts, row),
-                                       prompts.image_lists[row])
-                   for row, _ in sampling.run_starts(prompts) if prompts.image_lists[row]}
+            ids: dict[int, list[int]] = {}
+            for start, rows in sampling.run_starts(prompts):  # once per run of identical rows, for every row of it
+                if prompts.image_lists[start]:
+                    unexpanded = unexpanded_ids(self.processor, self.placeholder, sampling.row_ids(prompts, start),
+                                                prompts.image_lists[start])
+                    ids.update({row: unexpanded for row in range(start, start + rows)})
             self._engine_ids = (prompts, ids)
         return self._engine_ids[1]
 
@@ -280,8 +283,7 @@ class VLLMBackend(RolloutBackend):
         requests = []
         for row, completion in zip(rows, completions):
             images = prompts.image_lists[row] if prompts.image_lists is not None else None
-            start = next(s for s, n in sampling.run_starts(prompts) if s <= row < s + n)
-            prompt = engine_ids[start] if images else sampling.row_ids(prompts, row)
+            prompt = engine_ids[row] if images else sampling.row_ids(prompts, row)
             requests.append(sampling.Request(prompt + completion, 1, images or None))
         return requests
 
