@@ -21,7 +21,7 @@ export GRPO_TRAINER_REQUIRE_VLLM=1
 report="$(mktemp --suffix=.xml)"
 trap 'rm -f "$report"' EXIT
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -rs --junitxml="$report" tests/vllm_integration \
-    tests/rollout/vllm tests/rollout/multiturn tests/algorithms/test_engine_correction.py tests/modeling/test_export.py \
+    tests/rollout/vllm_backend tests/rollout/multiturn tests/algorithms/test_engine_correction.py tests/modeling/test_export.py \
     tests/modeling/test_lora.py "$@"
 rc=$?
 [ "$rc" -eq 5 ] && echo "pytest collected no tests (exit 5): a suite that runs nothing fails the run" >&2

@@ -33,7 +33,7 @@ __all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "UNTESTED_OPT_
            "on_cpu", "unloadable_architecture"]
 
 # [lowest, first unsupported): the versions whose engine, worker and server APIs this package was verified with;
-# setup.cfg's `vllm` extra states the same range (tests/rollout/vllm/test_vllm_checks.py holds them together).
+# setup.cfg's `vllm` extra states the same range (tests/rollout/vllm_backend/test_vllm_checks.py holds them together).
 SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
 UNTESTED_OPT_IN = "GRPO_TRAINER_UNTESTED_VLLM"  # =1: an unsupported version is a warning, not an error
 INSTALL_HINT = ("install it with `pip install 'grpo_trainer[vllm]'` on a machine with a CUDA GPU, or without a GPU "
