@@ -2,31 +2,43 @@
 # The project's test command (README "Two commands"; CI runs it through .ci/run on a clean checkout):
 #   1. .venv: torch 2.13.0 (CPU) first, then this project with its [test,deepspeed] extras at the newest releases
 #      pip resolves, and the suite;
-#   2. .venv-floor: the suite again at the lowest transformers release setup.cfg admits (scripts/test_floor.sh).
-# Both always run; the exit status is the first failure's. pytest's 5 (no tests collected) is a failure: a suite
-# that runs nothing has checked nothing.
+#   2. .venv-floor: the suite again at the lowest transformers release setup.cfg admits (scripts/test_floor.sh);
+#   3. .venv-vllm: vLLM's CPU build, and every test that runs real vLLM (scripts/test_vllm.sh). A failure to build
+#      that environment fails the run: nothing is skipped for want of vLLM.
+# All three always run; the exit status is the first failure's. A suite that collects no test (pytest's exit 5)
+# fails: a test command that runs nothing must not pass.
 #
 #   bash scripts/test.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
-pytest_status() {  # pytest's exit status; 5 ("no tests collected") is reported and stays a failure
+pytest_status() {  # pytest's exit status; 5 ("no tests collected") is a failure, said so
     if [ "$1" -eq 5 ]; then
-        echo "pytest collected no tests (exit 5): a failure" >&2
+        echo "pytest collected no tests (exit 5): a suite that runs nothing fails the run" >&2
     fi
     return "$1"
 }
 
+start=$(date +%s)
 echo "== newest releases (.venv)"
 python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 \
     && DS_BUILD_OPS=0 .venv/bin/pip install -q -e '.[test,deepspeed]' && .venv/bin/python -m pytest -q
 pytest_status $?
 newest=$?
+newest_done=$(date +%s)
 
 echo "== transformers floor (.venv-floor)"
 bash scripts/test_floor.sh
 floor=$?
+floor_done=$(date +%s)
 
-echo "== newest releases: exit $newest; transformers floor: exit $floor"
-[ "$newest" -ne 0 ] && exit "$newest"
-exit "$floor"
+echo "== real vLLM (.venv-vllm, vLLM's CPU build)"
+bash scripts/test_vllm.sh
+vllm=$?
+
+echo "== newest releases: exit $newest ($(( newest_done - start )) s); transformers floor: exit $floor" \
+     "($(( floor_done - newest_done )) s); real vLLM: exit $vllm ($(( $(date +%s) - floor_done )) s)"
+for status in "$newest" "$floor" "$vllm"; do
+    [ "$status" -ne 0 ] && exit "$status"
+done
+exit 0

@@ -32,6 +32,6 @@ fi
 "$VENV/bin/python" -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
-    echo "pytest collected no tests (exit 5): a failure" >&2
+    echo "pytest collected no tests (exit 5): a suite that runs nothing fails the run" >&2
 fi
 exit "$rc"

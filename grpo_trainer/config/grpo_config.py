@@ -135,6 +135,10 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     vllm_importance_sampling_clip_max: float | None = _opt(3.0, "Upper bound C_max of the importance weight.")
     vllm_importance_sampling_clip_min: float | None = _opt(None, "Lower bound C_min of the importance weight.")
     vllm_importance_sampling_cap: float | None = _opt(None, "Deprecated name of vllm_importance_sampling_clip_max.")
+    vllm_sync_check_interval: int = _opt(
+        10, "Check that vLLM samples with the policy's weights after the first weight push and then every this "
+        "many pushes: the engine scores a few sampled tokens and the run stops, naming what differs, when its "
+        "log-probs are not the trainer's (docs/VLLM.md). 0 turns the check off.")
 
     # Rewards and advantages
     reward_weights: list[float] | None = _opt(None, "One weight per reward function (None = all 1.0).")

@@ -30,7 +30,8 @@ def prompt_settings(args: GRPOConfig) -> PromptSettings:
 
 
 def turn_settings(args: GRPOConfig) -> TurnSettings:
-    return TurnSettings(prompt_settings(args), args.max_completion_length, args.max_tool_calling_iterations)
+    return TurnSettings(prompt_settings(args), args.max_completion_length, args.max_tool_calling_iterations,
+                        engine_logprobs=bool(args.use_vllm))
 
 
 def reward_settings(args: GRPOConfig) -> RewardSettings:

@@ -19,7 +19,7 @@ from typing import Any
 
 from grpo_trainer.data.checks import is_conversational
 
-__all__ = ["attach_images", "count_images", "row_images", "strip_images", "with_images"]
+__all__ = ["attach_images", "count_images", "prompt_images", "row_images", "strip_images", "with_images"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -77,12 +77,17 @@ def attach_images(prompts: list, images: list[list | None]) -> list:
     return [with_images(prompt, row) for prompt, row in zip(prompts, images)]
 
 
+def prompt_images(prompt: Any) -> list:
+    """The images of a conversational prompt's image parts, in order (none for plain text)."""
+    if not isinstance(prompt, list):
+        return []
+    return [part["image"] for message in prompt if isinstance(message.get("content"), list)
+            for part in message["content"] if part.get("type") == "image" and part.get("image") is not None]
+
+
 def count_images(prompt: Any) -> int:
     """Image parts holding an image in a conversational prompt (0 for plain text)."""
-    if not isinstance(prompt, list):
-        return 0
-    return sum(1 for message in prompt if isinstance(message.get("content"), list)
-               for part in message["content"] if part.get("type") == "image" and part.get("image") is not None)
+    return len(prompt_images(prompt))
 
 
 def strip_images(value: Any) -> Any:

@@ -11,9 +11,10 @@ Decisions:
    that cannot reproduce a model or setting falls back to it and logs why.
 4. Capabilities say what a backend keeps when it serves a model itself; a fall-back keeps what the backend it
    fell back to keeps, and the `Rollout` fields it cannot fill stay None (consumers read the fields).
-5. Prompts with images go to a backend whose capabilities say `images`; any other backend's rounds with images
-   run on `generate` instead (`serving`), logged once. (The continuous-batching engine is refused with a
-   processor before any model loads, as in TRL.)
+5. Prompts with images go to a backend whose capabilities say `images` and that takes these prompts
+   (`image_support`: vLLM takes a family whose image prompts it can rebuild); any other backend's rounds with
+   images run on `generate` instead (`serving`), with the reason logged once. (The continuous-batching engine is
+   refused with a processor before any model loads, as in TRL.)
 6. A backend that runs its own inference engine (vLLM) holds its own copy of the weights (`own_weights`): the
    trainer starts it once its models are built (`start`), pushes the policy's weights into it before each rollout
    (`sync_weights`, which skips a version it already has), and calls `generate` without gathering the model. Its
@@ -86,6 +87,12 @@ class RolloutBackend(ABC):
         only backends with `own_weights` hold weights. A collective: every process calls it."""
         return None
 
+    def image_support(self, prompts: PromptBatch) -> str | None:
+        """Why this backend cannot sample these prompts with images (decision 5), or None when it can. Every
+        process gets the same answer."""
+        return None if self.capabilities.images else \
+            f"generation_backend={self.name!r} does not take image inputs; rounds with images run on model.generate."
+
 
 BACKENDS: dict[str, type[RolloutBackend]] = {}
 
@@ -126,10 +133,14 @@ _told_about_images: set[str] = set()
 
 def serving(backend: RolloutBackend, prompts: PromptBatch) -> RolloutBackend:
     """The backend that samples `prompts`: `backend`, unless they hold images it cannot take (decision 5)."""
-    if prompts.images is None or not prompts.images.has_images or backend.capabilities.images:
+    if prompts.images is None or not prompts.images.has_images:
+        return backend
+    reason = backend.image_support(prompts)
+    if reason is None:
         return backend
     if backend.name not in _told_about_images:
         _told_about_images.add(backend.name)
-        logger.info("generation_backend=%r does not take image inputs; rounds with images run on model.generate.",
-                    backend.name)
+        # A backend that takes images but not these (vLLM, for some family) is worth a warning; one that never
+        # takes images falls back by design.
+        logger.log(logging.WARNING if backend.capabilities.images else logging.INFO, reason)
     return BACKENDS[_REFERENCE]()

@@ -24,6 +24,11 @@ Decisions:
    attention-mask positions `generate` uses.
 5. A completion must not sample an image placeholder token (its features would not exist): sampling suppresses
    the model's image (and video) token ids, as TRL does.
+6. An inference engine that processes images itself (vLLM) takes the prompt as the chat template wrote it, each
+   image as its placeholder, and expands the placeholders the way its own processor does. `unexpanded_ids` undoes
+   the processor's expansion, image by image, with the processor itself (what it puts in place of the placeholder
+   for that image), so the engine starts from the same text; the engine's expanded ids are then checked against
+   the trainer's (`rollout.vllm`).
 
 Shapes: `B` rows, `S` prompt columns, `T` completion columns, `U` entries of an image field.
 """
@@ -38,12 +43,12 @@ from torch import Tensor, nn
 from transformers import ProcessorMixin
 
 from grpo_trainer.data.checks import is_conversational
-from grpo_trainer.data.images import count_images, with_images
+from grpo_trainer.data.images import count_images, prompt_images, with_images
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.types import ImageInputs, PromptBatch
 
-__all__ = ["forward_inputs", "image_token_ids", "is_processor",
-           "protected_columns", "split_fields", "text_tokenizer", "tokenize_with_processor", "truncate_keeping"]
+__all__ = ["forward_inputs", "image_placeholder", "image_token_ids", "is_processor", "protected_columns",
+           "split_fields", "text_tokenizer", "tokenize_with_processor", "truncate_keeping", "unexpanded_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +126,7 @@ def tokenize_with_processor(processor: ProcessorMixin, prompts: list, max_prompt
         mask = nn.functional.pad(mask, (extra, 0), value=0)
         images = images.pad_columns((extra, 0))
     has_inputs = images.token_fields or images.image_fields
-    return PromptBatch(ids, mask, images if has_inputs else None)
+    return PromptBatch(ids, mask, images if has_inputs else None, [prompt_images(prompt) for prompt in prompts])
 
 
 def protected_columns(ids: Tensor, images: ImageInputs, processor: ProcessorMixin) -> Tensor:
@@ -190,6 +195,54 @@ def forward_inputs(model: nn.Module, images: ImageInputs | None, completion_widt
     if images.has_images and _positions_from_images(model):
         inputs["position_ids"] = None
     return inputs
+
+
+def image_placeholder(processor: ProcessorMixin) -> str:
+    """The text the processor's chat template writes for one image part (decision 6): what a conversation with an
+    image part renders to, less what the same conversation without it does."""
+    def rendered(parts: list[dict]) -> str:
+        text = processor.apply_chat_template([[{"role": "user", "content": parts}]], tokenize=False,
+                                             add_generation_prompt=True)
+        return text[0] if isinstance(text, list) else text
+
+    with_image, without = rendered([{"type": "image"}, {"type": "text", "text": "x"}]), rendered(
+        [{"type": "text", "text": "x"}])
+    start = next((i for i, (a, b) in enumerate(zip(with_image, without)) if a != b), len(without))
+    end = next((i for i, (a, b) in enumerate(zip(reversed(with_image), reversed(without))) if a != b), 0)
+    return with_image[start:len(with_image) - min(end, len(without) - start)]
+
+
+def _expansion(processor: ProcessorMixin, placeholder: str, image: Any) -> list[int]:
+    """The tokens the processor puts in place of `placeholder` for `image`, without the special tokens its tokenizer
+    adds around any text."""
+    tokenizer = processor.tokenizer
+    plain = tokenizer(placeholder, add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer(placeholder)["input_ids"]
+    at = next((i for i in range(len(wrapped) - len(plain) + 1) if wrapped[i:i + len(plain)] == plain), 0)
+    before, after = wrapped[:at], wrapped[at + len(plain):]
+    ids = list(processor(text=[placeholder], images=[[image]])["input_ids"][0])
+    if before and ids[:len(before)] == before:
+        ids = ids[len(before):]
+    if after and ids[len(ids) - len(after):] == after:
+        ids = ids[:len(ids) - len(after)]
+    return ids
+
+
+def unexpanded_ids(processor: ProcessorMixin, placeholder: str, ids: list[int], images: list) -> list[int]:
+    """One prompt's processor-expanded `ids` (no padding) with each image's tokens put back to the chat template's
+    `placeholder` (decision 6); ValueError when an image's tokens are not found in order."""
+    placeholder_ids = processor.tokenizer(placeholder, add_special_tokens=False)["input_ids"]
+    out, position = [], 0
+    for number, image in enumerate(images):
+        expansion = _expansion(processor, placeholder, image)
+        at = next((i for i in range(position, len(ids) - len(expansion) + 1) if ids[i:i + len(expansion)] == expansion),
+                  None)
+        if at is None:
+            raise ValueError(f"the processor's {len(expansion)} tokens for image {number} are not in the prompt as it "
+                             "tokenised it")
+        out += ids[position:at] + placeholder_ids
+        position = at + len(expansion)
+    return out + ids[position:]
 
 
 def image_token_ids(model: nn.Module) -> list[int]:

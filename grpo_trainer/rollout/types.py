@@ -83,10 +83,13 @@ class PromptBatch:
     # A vision-language model's inputs beside the ids (pixel values, image grids, token types), when a processor
     # tokenised the prompts (`rollout.multimodal`); None for a tokenizer's prompts.
     images: ImageInputs | None = None
+    # The same prompts' images as given (PIL images, each row's in the order of its image parts), for an inference
+    # engine that processes them itself (vLLM); None for a tokenizer's prompts.
+    image_lists: list[list] | None = None
 
     def to(self, device: torch.device | str) -> PromptBatch:
         images = None if self.images is None else self.images.to(device)
-        return PromptBatch(self.ids.to(device), self.mask.to(device), images)
+        return PromptBatch(self.ids.to(device), self.mask.to(device), images, self.image_lists)
 
     def distinct_rows(self) -> tuple[Tensor, Tensor]:
         """Indices of the first row of each run of identical consecutive rows `[P]` (a prompt's G copies), and

@@ -230,7 +230,8 @@ class RoundBuilder:
         backend = rollout.serving(self.backend, prompts)
         if backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
             backend.sync_weights(self.accelerator.unwrap_model(policy.model), policy.version)
-            config = make_generation_config(sampling, lm.generation_config, self.tokenizer, max_new_tokens)
+            config = make_generation_config(sampling, lm.generation_config, self.tokenizer, max_new_tokens,
+                                            suppress_tokens=self._suppressed(lm))
             out = backend.generate(policy.model, prompts, config, plan)
             return capture.drop_unusable(out, config, sampling.temperature)
         with policy.for_generation() as model:

@@ -23,6 +23,10 @@ OURS_ONLY = {
     "padding_free": "packed log-prob forwards (TRL's SFT and DPO configs have the name; its GRPOConfig does not)",
     "max_nonfinite_steps": "the non-finite-loss guard",
     "memory_check": "what a run whose memory plan exceeds the device does (docs/MEMORY.md)",
+    "vllm_sync_check_interval": "how often the vLLM weight-sync self-check runs (docs/VLLM.md)",
+    "async_rollouts": "asynchronous rollouts in the trainer itself: rounds sampled ahead (docs/ASYNC.md)",
+    "async_correction": "how asynchronous rounds correct for their stale weights (docs/ASYNC.md)",
+    "async_rollout_timeout": "the longest a producer job may take (docs/ASYNC.md)",
     # Legacy names (config/legacy.py): removed from TRL's GRPOConfig or transformers' TrainingArguments, still in
     # recipes; each warns and maps to its replacement, or warns that it has no effect.
     "vllm_device": "legacy (TRL < 0.18), no effect: vLLM's devices follow the launch",

@@ -53,6 +53,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
                                                "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
     ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
+    ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:

@@ -2,6 +2,8 @@
 padding, the loss forward's log-probs equal to generate's scores with the images in, and the rollout backends'
 image capability."""
 
+import logging
+
 import pytest
 import torch
 from PIL import Image
@@ -15,9 +17,11 @@ from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.generate import GenerateBackend
 from grpo_trainer.rollout.multimodal import (
     forward_inputs,
+    image_placeholder,
     image_token_ids,
     protected_columns,
     truncate_keeping,
+    unexpanded_ids,
 )
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import SamplingSettings, make_generation_config
@@ -185,9 +189,23 @@ def test_backends_declare_images_and_others_hand_image_rounds_to_generate():
     assert serving(fast, text_only) is fast  # token types alone are no images
     generate = GenerateBackend()
     assert serving(generate, with_pictures) is generate
-    # vLLM takes no image inputs here (TRL 1.16 sends them to vLLM): its rounds with images run on generate too.
-    vllm = object.__new__(BACKENDS["vllm"])  # no engine: deciding who serves a round reads only the class
-    assert not vllm.capabilities.images and isinstance(serving(vllm, with_pictures), GenerateBackend)
+    # vLLM takes images (as TRL 1.16 does); whether it takes a given family's is its `image_support`'s call
+    # (tests/vllm_integration/test_vllm_images.py)
+    assert BACKENDS["vllm"].capabilities.images
+
+
+def test_a_backend_that_takes_images_but_not_these_hands_them_to_generate_with_its_reason(caplog):
+    class Picky(GenerateBackend):
+        name = "picky"
+
+        def image_support(self, prompts):
+            return "picky cannot take gemma3's image prompts"
+
+    _, processor = make_tiny_vlm("gemma3")
+    with caplog.at_level(logging.INFO, logger="grpo_trainer.rollout.backend"):
+        assert isinstance(serving(Picky(), tokenize_prompts(processor, _prompts(), None)), GenerateBackend)
+    said = [(r.levelname, r.message) for r in caplog.records if r.name == "grpo_trainer.rollout.backend"]
+    assert said == [("WARNING", "picky cannot take gemma3's image prompts")]
 
 
 def test_processor_setup_lets_ddp_find_the_vision_towers_unused_parameters(tmp_path):
@@ -206,3 +224,23 @@ def test_processor_setup_lets_ddp_find_the_vision_towers_unused_parameters(tmp_p
     text = GRPOConfig(output_dir=str(tmp_path), report_to="none")
     check_processor_setup(text, make_tokenizer())
     assert text.ddp_find_unused_parameters is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unexpanded_ids_are_the_chat_templates_text_with_one_placeholder_per_image(family):
+    """What vLLM is given for an image prompt: the processor's expansion of each image undone, which is the chat
+    template's text tokenised as it is (each image part one placeholder), whatever the family's expansion."""
+    _, processor = make_tiny_vlm(family)
+    pictures = [Image.new("RGB", (28, 40), "red"), Image.new("RGB", (56, 30), "blue")]
+    prompt = [{"role": "user", "content": [{"type": "image", "image": pictures[0]}, {"type": "text", "text": "ab"},
+                                           {"type": "image", "image": pictures[1]}]}]
+    batch = tokenize_prompts(processor, [prompt], None)
+    ids = batch.ids[0][batch.mask[0].bool()].tolist()
+    placeholder = image_placeholder(processor)
+    text = processor.apply_chat_template([prompt], tokenize=False, add_generation_prompt=True)[0]
+    assert text.count(placeholder) == 2 and batch.image_lists == [pictures]
+    unexpanded = unexpanded_ids(processor, placeholder, ids, pictures)
+    assert unexpanded == processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(unexpanded) < len(ids)  # the processor did expand them
+    with pytest.raises(ValueError, match="tokens for image 2 are not in the prompt"):  # one image more than parts
+        unexpanded_ids(processor, placeholder, ids, [*pictures, pictures[0]])

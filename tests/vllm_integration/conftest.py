@@ -30,6 +30,9 @@ from tests.vllm_integration.vllm_helpers import (
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("GRPO_TRAINER_REQUIRE_VLLM") == "1" and not HAS_VLLM:  # scripts/test_vllm.sh: no silent skip
+        raise pytest.UsageError("GRPO_TRAINER_REQUIRE_VLLM=1 but vLLM cannot be imported here: the real-vLLM tests "
+                                "would all be skipped. Run them in .venv-vllm (bash scripts/test_vllm.sh).")
     for item in items:
         if Path(str(item.fspath)).parent == Path(__file__).parent:
             item.add_marker(pytest.mark.vllm)

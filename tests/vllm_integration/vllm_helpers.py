@@ -36,6 +36,29 @@ def vllm_tiny_model(tokenizer, seed: int = 0):
     return model
 
 
+def vllm_tiny_vlm(family: str, seed: int = 0):
+    """`cli.toy_vlm`'s tiny VLM of `family` with a text model vLLM's CPU build can run (head size 32, hidden 128),
+    its text config tying the embeddings as the model does (vLLM reads the text config's flag), and its processor."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
+
+    config, processor = VLM_FAMILIES[family]()
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.head_dim = 128, 256, 32
+    text.tie_word_embeddings = config.tie_word_embeddings
+    reference, _ = make_tiny_vlm(family)  # its generation settings (EOS ids, padding)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # spread as vllm_tiny_model's, so greedy completions depend on the image
+            for name, param in model.named_parameters():
+                if "norm" not in name:
+                    param.add_(torch.randn_like(param) * 0.05)
+    model.generation_config = reference.generation_config
+    return model, processor
+
+
 def trainer_args(output_dir, **overrides):
     """A GRPOConfig for a few quick steps with vLLM, on the GPU when there is one."""
     from grpo_trainer import GRPOConfig

@@ -50,6 +50,9 @@ class TurnSettings:
     prompts: PromptSettings = field(default_factory=PromptSettings)
     max_completion_length: int = 256  # the whole rollout's token budget, tool results included
     max_iterations: int | None = None  # `max_tool_calling_iterations`
+    # A rollout_func's `logprobs` are an inference engine's, for the importance-sampling correction (TRL's rule with
+    # `use_vllm`: its rollout_func samples with the trainer's vLLM).
+    engine_logprobs: bool = False
 
 
 @dataclass
@@ -78,6 +81,7 @@ class MultiTurn:
         self.max_completion_length = settings.max_completion_length
         self.pad_to_multiple_of = settings.prompts.pad_to_multiple_of
         self.max_iterations = settings.max_iterations
+        self.engine_logprobs = settings.engine_logprobs
         standalone = tool_list(tools)
         check_tools(standalone)
         self.environments = environments
@@ -141,9 +145,9 @@ class MultiTurn:
     def _tool_loop(self, first: Rollout, offered: list, names: list, generate: Generate
                    ) -> tuple[Rollout, list, ToolCounts]:
         trajectories = []
-        for i, (ids, ended) in enumerate(sampled_turns(first)):
+        for i, (ids, ended, logps) in enumerate(sampled_turns(first)):
             trajectory = Trajectory(first.prompt_ids[i][first.prompt_mask[i].bool()].tolist())
-            trajectory.add_turn(ids, ended, self.parser, offered[i])
+            trajectory.add_turn(ids, ended, self.parser, offered[i], logps)
             if first.env_mask is not None:  # a rollout_func's own mask for its first turn
                 trajectory.env_mask = first.env_mask[i, :len(ids)].tolist()
             trajectories.append(trajectory)
@@ -163,7 +167,9 @@ class MultiTurn:
         it is truncated when its last token is neither EOS nor padding)."""
         pad = self.tokenizer.pad_token_id
         masks = output.env_mask or [[1] * len(c) for c in output.completion_ids]
-        trajectories = [Trajectory(p, list(c), list(m), ended=bool(c) and c[-1] in {*self.eos_token_ids, pad})
-                        for p, c, m in zip(output.prompt_ids, output.completion_ids, masks)]
+        logprobs = output.logprobs if self.engine_logprobs else [None] * len(masks)
+        trajectories = [Trajectory(p, list(c), list(m), ended=bool(c) and c[-1] in {*self.eos_token_ids, pad},
+                                   engine_logps=None if lp is None else [float(v) for v in lp])
+                        for p, c, m, lp in zip(output.prompt_ids, output.completion_ids, masks, logprobs)]
         out = to_rollout(left_padded(output.prompt_ids, pad).to(device), trajectories, pad)
         return out if output.env_mask is not None else dataclasses.replace(out, env_mask=None)

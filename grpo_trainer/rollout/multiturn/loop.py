@@ -13,6 +13,9 @@ Decisions:
    would pass the model's context length, are dropped and the rollout ends with its call.
 4. At most `max_tool_calling_iterations` rounds of tool calls (None: until no rollout calls a tool). A rollout
    whose turn did not end with EOS (out of budget) calls nothing more.
+5. An inference engine's log-probs (`Rollout.engine_logps`, vLLM's) follow the tokens they belong to, turn after
+   turn, so the importance-sampling correction covers multi-turn rollouts as TRL's does: a tool token gets 0 (its
+   `env_mask` is 0, so it never enters the correction). When a turn came back without them, the rollout has none.
 
 Shapes: `B` rollouts, `S` prompt tokens, `T` completion tokens.
 """
@@ -48,13 +51,18 @@ class Trajectory:
     env_mask: list[int] = field(default_factory=list)  # 1: sampled by the policy, 0: written by a tool
     messages: list[dict] = field(default_factory=list)  # the completion as chat messages
     ended: bool = False  # the last turn ended with an EOS token
+    # An engine's log-prob of each completion token (decision 5), 0 for tool tokens; None when some lack one.
+    engine_logps: list[float] | None = None
 
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def add_turn(self, ids: list[int], ended: bool, parser: ToolCallParser, tools: Sequence[Any]) -> None:
+    def add_turn(self, ids: list[int], ended: bool, parser: ToolCallParser, tools: Sequence[Any],
+                 engine_logps: list[float] | None = None) -> None:
         prefix = self.context
+        so_far = self.engine_logps if self.completion_ids else []
+        self.engine_logps = None if so_far is None or engine_logps is None else so_far + engine_logps
         self.completion_ids += ids
         self.env_mask += [1] * len(ids)
         self.ended = ended
@@ -81,18 +89,23 @@ def left_padded(rows: Sequence[Sequence[int]], pad_token_id: int) -> PromptBatch
     return PromptBatch(ids, mask)
 
 
-def _right_padded(rows: Sequence[Sequence[int]], value: int, device: torch.device | str) -> Tensor:
+def _right_padded(rows: Sequence[Sequence[int | float]], value: int | float, device: torch.device | str,
+                  dtype: torch.dtype = torch.long) -> Tensor:
     width = max(1, max(len(row) for row in rows))
-    out = torch.full((len(rows), width), value, dtype=torch.long)
+    out = torch.full((len(rows), width), value, dtype=dtype)
     for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
     return out.to(device)
 
 
-def sampled_turns(rollout: Rollout) -> list[tuple[list[int], bool]]:
-    """Each row's sampled tokens (through its first EOS) and whether it ended with EOS."""
-    return [(ids[mask.bool()].tolist(), not bool(truncated))
-            for ids, mask, truncated in zip(rollout.completion_ids, rollout.completion_mask, rollout.is_truncated)]
+def sampled_turns(rollout: Rollout) -> list[tuple[list[int], bool, list[float] | None]]:
+    """Each row's sampled tokens (through its first EOS), whether it ended with EOS, and the engine's log-probs of
+    those tokens (None without them)."""
+    masks = rollout.completion_mask.bool()
+    logps = [None] * len(masks) if rollout.engine_logps is None else \
+        [values[mask].tolist() for values, mask in zip(rollout.engine_logps, masks)]
+    return [(ids[mask].tolist(), not bool(truncated), values)
+            for ids, mask, truncated, values in zip(rollout.completion_ids, masks, rollout.is_truncated, logps)]
 
 
 def to_rollout(prompts: PromptBatch, trajectories: Sequence[Trajectory], pad_token_id: int) -> Rollout:
@@ -103,8 +116,11 @@ def to_rollout(prompts: PromptBatch, trajectories: Sequence[Trajectory], pad_tok
     completion_mask = _right_padded([[1] * len(c) for c in completions], 0, device)
     env_mask = _right_padded([t.env_mask for t in trajectories], 0, device)
     truncated = torch.tensor([not t.ended for t in trajectories], device=device)
+    engine_logps = None
+    if all(t.engine_logps is not None for t in trajectories):  # decision 5; 0 on padding, as every backend pads
+        engine_logps = _right_padded([t.engine_logps for t in trajectories], 0.0, device, torch.float32)
     return Rollout(prompts.ids, prompts.mask, completion_ids, completion_mask.int(), truncated,
-                   env_mask=env_mask.int())
+                   engine_logps=engine_logps, env_mask=env_mask.int())
 
 
 def _append_results(trajectory: Trajectory, messages: list[dict], suffix_ids: list[int], max_completion_length: int,
@@ -118,6 +134,8 @@ def _append_results(trajectory: Trajectory, messages: list[dict], suffix_ids: li
     trajectory.messages += messages
     trajectory.completion_ids += suffix_ids
     trajectory.env_mask += [0] * len(suffix_ids)
+    if trajectory.engine_logps is not None:
+        trajectory.engine_logps += [0.0] * len(suffix_ids)  # never read: env_mask is 0 there (decision 5)
     return room
 
 
@@ -146,10 +164,11 @@ def run_tool_loop(trajectories: list[Trajectory], generate: Generate, parser: To
         rows = list(budget)
         prompts = left_padded([trajectories[i].context for i in rows], pad_token_id)
         turn = generate(prompts, max(budget.values()), True)
-        for i, (ids, ended) in zip(rows, sampled_turns(turn)):
+        for i, (ids, ended, logps) in zip(rows, sampled_turns(turn)):
             if len(ids) > budget[i]:  # sampled past this row's own budget
                 ids, ended = ids[:budget[i]], False
-            trajectories[i].add_turn(ids, ended, parser, offered[i])
+                logps = None if logps is None else logps[:budget[i]]
+            trajectories[i].add_turn(ids, ended, parser, offered[i], logps)
         going = [i for i in rows if trajectories[i].ended and tool_calls_of(trajectories[i].messages[-1])]
         iteration += 1
     return counts

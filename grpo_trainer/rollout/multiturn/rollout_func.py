@@ -5,8 +5,8 @@ repeated `num_generations` times, as the dataset rows are), untokenised (chat me
 returns a dict with, per prompt:
 
 - `prompt_ids`, `completion_ids`: token ids (lists of ints), the completion as the loss should score it;
-- `logprobs`: one float per completion token, the sampler's log-probabilities (checked, not used: the loss
-  computes its own, as TRL does outside vLLM's importance-sampling correction);
+- `logprobs`: one float per completion token, the sampler's log-probabilities (checked; with `use_vllm=True` they
+  are the engine's log-probs of vLLM's importance-sampling correction, as in TRL; the loss computes its own);
 - optionally `env_mask`: one 0/1 per completion token, 0 for tokens the policy did not sample (an environment's
   feedback); they stay in the context but not in the loss;
 - any other key: passed to the reward functions as a keyword argument: a list holds one value per prompt, any

