@@ -56,6 +56,14 @@ class ImageInputs:
         padded = {k: nn.functional.pad(v, widths) for k, v in self.token_fields.items()}
         return ImageInputs(padded, self.image_fields, self.units)
 
+    @staticmethod
+    def concat(parts: list[ImageInputs]) -> ImageInputs:
+        """The rows of `parts` in order (their token fields already of one width: `pad_columns`)."""
+        first = parts[0]
+        return ImageInputs({k: torch.cat([p.token_fields[k] for p in parts]) for k in first.token_fields},
+                           {k: torch.cat([p.image_fields[k] for p in parts]) for k in first.image_fields},
+                           {k: torch.cat([p.units[k] for p in parts]) for k in first.units})
+
     def to(self, device: torch.device | str) -> ImageInputs:
         return ImageInputs({k: v.to(device) for k, v in self.token_fields.items()},
                            {k: v.to(device) for k, v in self.image_fields.items()},

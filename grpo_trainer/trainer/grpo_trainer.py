@@ -45,6 +45,7 @@ from trl.models.utils import prepare_deepspeed, prepare_fsdp
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import masks, surrogates
 from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
+from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
@@ -62,6 +63,7 @@ from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, setup
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard
+from grpo_trainer.trainer.resample import Layout, ResampleSettings, Resampler
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
@@ -168,12 +170,17 @@ class GRPOTrainer(Trainer):
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
         self.reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
         scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
-                                  args.beta)
+                                  args.beta, args.zero_variance_groups == "skip")
         self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
+        if args.zero_variance_groups == "skip" and self.router_aux_loss_coef != 0.0:
+            raise ValueError(f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage "
+                             f"completion adds nothing to the loss, but this Mixture-of-Experts model's router loss "
+                             f"(router_aux_loss_coef={self.router_aux_loss_coef}) covers every row; use 'train', or "
+                             "set router_aux_loss_coef=0.")
         self.objective = GRPOLoss(LossPartSettings(typed.loss_settings(args), args.gradient_accumulation_steps,
-                                              args.max_completion_length, args.top_entropy_quantile,
-                                              self.router_aux_loss_coef),
-                             self.scorer, typed.entropy_control(args), self.accelerator, self.metrics)
+                                                   args.max_completion_length, args.top_entropy_quantile,
+                                                   self.router_aux_loss_coef, args.zero_variance_groups == "skip"),
+                                  self.scorer, typed.entropy_control(args), self.accelerator, self.metrics)
         self.rounds = RoundBuilder(
             settings=RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                                    args.num_generations_eval or args.num_generations,
@@ -183,10 +190,20 @@ class GRPOTrainer(Trainer):
             completions=self.completions, reward_logs=self.reward_logs,
             score=self.scorer.no_grad_logps, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
-            else None)
+            else None, resampler=self._resampler(args))
         self.buffer = RoundBuffer(schedule)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self._step_time, self._micro_steps_timed = 0.0, 0
+
+    def _resampler(self, args: GRPOConfig) -> Resampler | None:
+        """Dynamic sampling's part (`zero_variance_groups='resample'`): extra prompts from the training set."""
+        if args.zero_variance_groups != "resample":
+            return None
+        aggregation, weights = args.multi_objective_aggregation, self.reward_sources.weights
+        return Resampler(ResampleSettings(args.max_resample_rounds), self.train_dataset,
+                         Layout(self.accelerator.num_processes, self.accelerator.process_index, args.num_generations),
+                         args.seed, lambda rewards: zero_variance_groups(rewards.cpu(), args.num_generations, weights,
+                                                                         aggregation))
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -381,8 +398,10 @@ class GRPOTrainer(Trainer):
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
+        resampler = self.rounds.resampler
         lifecycle.save_run_state(output_dir, self.accelerator.process_index, self.buffer.state_dict(),
-                                 self.objective.entropy, self.args.should_save)
+                                 self.objective.entropy, self.args.should_save,
+                                 None if resampler is None else resampler.state_dict())
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
@@ -391,6 +410,8 @@ class GRPOTrainer(Trainer):
                                              self.objective.entropy)
             if state is not None:
                 self.buffer.load_state_dict(state)
+                if self.rounds.resampler is not None and "resample" in state:
+                    self.rounds.resampler.load_state_dict(state["resample"])
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, written completely or not at all (`runtime.checkpoints`): a manifest last, the

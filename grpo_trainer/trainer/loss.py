@@ -35,6 +35,9 @@ class LossPartSettings:
     max_completion_length: int = 256  # `dr_grpo`'s constant
     top_entropy_quantile: float = 1.0
     router_aux_loss_coef: float = 0.0
+    # `zero_variance_groups='skip'`: zero-advantage rows skip the policy forward (the config refuses the settings
+    # that would give them a gradient; `scoring`, decision 3)
+    skip_zero_advantages: bool = False
 
 
 class GRPOLoss:
@@ -53,9 +56,10 @@ class GRPOLoss:
 
     def __call__(self, model: nn.Module, inputs: Round, mode: str, sync_gradients: bool = True) -> Tensor:
         settings, objective = self.settings, self.settings.objective
-        # The forward of zero-advantage rows can be skipped only where they add nothing (`scoring`, decision 3).
-        skip = mode == "train" and objective.beta == 0.0 and settings.top_entropy_quantile >= 1.0 \
-            and not self.entropy.enabled and not self.aux_loss_enabled
+        # The forward of zero-advantage rows is skipped only where they add nothing (`scoring`, decision 3): the
+        # config refuses 'skip' otherwise; the conditions are re-checked so no setting changed later can slip by.
+        skip = settings.skip_zero_advantages and mode == "train" and objective.beta == 0.0 \
+            and settings.top_entropy_quantile >= 1.0 and not self.entropy.enabled and not self.aux_loss_enabled
         logps, entropy, measured, aux_loss = self.scorer.policy_logps(model, inputs, skip, self.aux_loss_enabled)
         mask = inputs.loss_mask
         entropy_mask = None

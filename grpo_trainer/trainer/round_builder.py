@@ -10,12 +10,17 @@ Decisions:
    process keeps its own rows. Every collective runs on the calling thread.
 3. A round sampled by an inference engine with the importance-sampling correction on gets the trainer's log-probs
    at the sampling weights in one no-grad forward (`trainer.engine`).
+4. With dynamic sampling (`zero_variance_groups='resample'`, `trainer.resample`), a round is assembled from several
+   generation rounds: its zero-variance groups are replaced by informative groups of extra prompts. The round's
+   metrics cover every completion generated for it; its advantages, normaliser, completions log and engine
+   correction cover the kept round only.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -43,6 +48,7 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make_generation_config
 from grpo_trainer.runtime import compat
 from grpo_trainer.trainer.engine import apply_engine_correction
+from grpo_trainer.trainer.resample import Resampler, Selection
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.schedule import Schedule
 
@@ -72,6 +78,29 @@ class PolicyView:
     plain_single_process: bool  # one process, no engine hooking the forward (replay's condition)
 
 
+@dataclass
+class CompletionRows:
+    """Every process's rows of one round for the completions table, in global row order."""
+
+    prompts: list
+    completions: list
+    extra: dict[str, list]  # the `log_extra` columns
+    images: list | None
+
+
+@dataclass
+class Generated:
+    """One generation round on this process: its `Round` (no advantages yet) and what the round's metrics and log
+    need, gathered over every process."""
+
+    round: Round
+    rewards: Tensor  # [B_global, F]
+    lengths: Tensor  # [B_global] tokens the policy sampled per completion
+    truncated: Tensor  # [B_global] int
+    prompt_tokens: Tensor  # [] prompt tokens over every process
+    log: CompletionRows | None  # with `log_completions`
+
+
 class RoundBuilder:
     """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward)."""
 
@@ -81,7 +110,8 @@ class RoundBuilder:
                  reward_logs: RewardLogs, score: Callable[[nn.Module, Round], Tensor],
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
-                 first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None) -> None:
+                 first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
+                 resampler: Resampler | None = None) -> None:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
@@ -89,6 +119,7 @@ class RoundBuilder:
                                                                               completions, reward_logs)
         self.score, self.engine_correction = score, engine_correction
         self.multi_turn, self.first_turn = multi_turn, first_turn
+        self.resampler = resampler  # decision 4
 
     def num_generations(self, mode: str) -> int:
         return self.settings.num_generations_eval if mode == "eval" else self.settings.num_generations
@@ -96,7 +127,38 @@ class RoundBuilder:
     # ------------------------------------------------------------------------------------------------ the round
 
     def build(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Round:
-        """This process's share of one round from its dataset rows `batch` (each prompt G times in a row)."""
+        """This process's share of one round from its dataset rows `batch` (each prompt G times in a row); with
+        dynamic sampling (`resampler`, training only), the round after its zero-variance groups were replaced
+        (decision 4)."""
+        generated = [self._generate(batch, mode, policy, state)]
+        if self.resampler is None or mode != "train":
+            round_, rewards = generated[0].round, generated[0].rewards
+            log = generated[0].log
+        else:
+            def sample(rows: list[dict]) -> Tensor:
+                generated.append(self._generate(rows, mode, policy, state))
+                return generated[-1].rewards
+
+            selection = self.resampler.fill(generated[0].rewards, len(batch), sample)
+            round_, rewards, log = self._kept(generated, selection)
+            for key, value in metrics.resample_metrics(selection.extra_rounds, selection.prompts_generated,
+                                                       selection.zero_variance_fraction,
+                                                       selection.kept_zero_variance).items():
+                self.metrics.add(mode, key, value)
+        all_advantages = self.rewards.advantages(self.estimator, rewards.cpu(), self.num_generations(mode))
+        start = self.accelerator.process_index * round_.rows
+        advantages = all_advantages[start:start + round_.rows].to(self.accelerator.device)
+        self._record_round_metrics(mode, generated, state)
+        if log is not None and mode == "train":
+            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, log.extra,
+                                 images=log.images)
+        round_ = dataclasses.replace(round_, advantages=advantages,
+                                     window_tokens=self._window_tokens(round_.loss_mask, mode))
+        return self._correct_for_engine(round_, mode, policy)
+
+    def _generate(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Generated:
+        """One generation round of this process's rows `batch`: rollout, rewards over every process, and what the
+        round's metrics and log need; the `Round` has no advantages yet."""
         device = self.accelerator.device
         if self.multi_turn is None:
             prompts = [row["prompt"] for row in batch]
@@ -116,44 +178,62 @@ class RoundBuilder:
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
         columns.update(episode_columns)
-        advantages, all_rewards, all_advantages = self._advantages(prompts, completions, out, columns, mode, state)
+        rewards = self._rewards(prompts, completions, out, columns, state)
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
             if self.settings.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
-        self._record_rollout_metrics(mode, out, all_rewards, state)
-        self._log_completions(mode, prompts, completions, images, all_rewards, all_advantages)
-        round_ = Round.from_rollout(out, prompt_images, advantages, loss_mask, self._window_tokens(
-            loss_mask if out.env_mask is None else loss_mask * out.env_mask, mode),
-            self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
-        return self._correct_for_engine(round_, mode, policy)
+        round_ = Round.from_rollout(out, prompt_images, None, loss_mask, None, self.settings.prompts.pad_to_multiple_of,
+                                    self.tokenizer.pad_token_id)
+        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
+        prompt_tokens = gather(out.prompt_mask.sum().reshape(1)).sum()
+        return Generated(round_, rewards, lengths, gather(out.is_truncated.int()), prompt_tokens,
+                         self._completion_log(prompts, completions, images))
 
-    def _advantages(self, prompts: list, completions: list, out: rollout.Rollout, columns: dict, mode: str,
-                    state: TrainerState) -> tuple[Tensor, Tensor, Tensor]:
-        """This process's advantages `[B]`, and every process's rewards `[B_global, F]` and advantages (decision 2)."""
-        device = self.accelerator.device
+    def _rewards(self, prompts: list, completions: list, out: rollout.Rollout, columns: dict,
+                 state: TrainerState) -> Tensor:
+        """Every process's rewards `[B_global, F]` of one generation round (decision 2)."""
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = self.rewards.score(prompts, completions, completion_ids, columns, trainer_state=state,
                                            log_extra=self.reward_logs.log_extra,
-                                           log_metric=self.reward_logs.log_metric).to(device)  # [B, F]
+                                           log_metric=self.reward_logs.log_metric).to(self.accelerator.device)
         unrewarded = torch.isnan(local_rewards).all(dim=1).nonzero()  # rows no reward function scored
         if len(unrewarded):
             row = int(unrewarded[0])
             sample = {**{k: v[row] for k, v in columns.items()}, "prompt": prompts[row], "completion": completions[row]}
             logger.warning(f"All reward functions returned None for the following kwargs:\n{sample}\nSuch completions "
                            "get advantage 0; make sure at least one reward function returns a valid reward.")
-        all_rewards = gather(local_rewards)  # [B_global, F]
-        all_advantages = self.rewards.advantages(self.estimator, all_rewards.cpu(), self.num_generations(mode))
-        start = self.accelerator.process_index * len(prompts)
-        return all_advantages[start:start + len(prompts)].to(device), all_rewards, all_advantages
+        return gather(local_rewards)  # [B_global, F]
 
-    def _log_completions(self, mode: str, prompts: list, completions: list, images: list | None, all_rewards: Tensor,
-                         all_advantages: Tensor) -> None:
+    def _completion_log(self, prompts: list, completions: list, images: list | None) -> CompletionRows | None:
+        """Every process's rows of one generation round for the completions table (`log_completions` only)."""
         log = self.settings.log_completions
         extra = self.reward_logs.gather_columns(len(prompts), gather_object) if log else {}
         self.reward_logs.columns.clear()
-        if log and mode == "train":
-            logged_images = gather_object(images) if images is not None and self.settings.log_multimodal else None
-            self.completions.add(gather_object([strip_images(p) for p in prompts]), gather_object(completions),
-                                 all_rewards.cpu(), all_advantages, extra, images=logged_images)
+        if not log:
+            return None
+        logged_images = gather_object(images) if images is not None and self.settings.log_multimodal else None
+        return CompletionRows(gather_object([strip_images(p) for p in prompts]), gather_object(completions), extra,
+                              logged_images)
+
+    def _kept(self, generated: list[Generated], selection: Selection) -> tuple[Round, Tensor, CompletionRows | None]:
+        """The kept round on this process, its rewards over every process `[B_global, F]` and its logged rows, from
+        the generation rounds `generated` (`resample.Selection`)."""
+        pieces = []
+        for chunk, first, rows in selection.blocks:
+            pieces.append(generated[chunk].round.select(slice(first, first + rows)))
+        round_ = Round.concat(pieces, self.tokenizer.pad_token_id)
+        rewards = torch.stack([generated[chunk].rewards[row] for chunk, row in selection.global_rows])
+        log = None
+        if generated[0].log is not None:
+            logs = [generated[chunk].log for chunk, _ in selection.global_rows]
+            rows = [row for _, row in selection.global_rows]
+            names = sorted({name for entry in logs for name in entry.extra})
+            log = CompletionRows([entry.prompts[r] for entry, r in zip(logs, rows)],
+                                 [entry.completions[r] for entry, r in zip(logs, rows)],
+                                 {name: [entry.extra[name][r] if name in entry.extra else None
+                                         for entry, r in zip(logs, rows)] for name in names},
+                                 None if any(entry.images is None for entry in logs)
+                                 else [entry.images[r] for entry, r in zip(logs, rows)])
+        return round_, rewards, log
 
     def _correct_for_engine(self, round_: Round, mode: str, policy: PolicyView) -> Round:
         """Decision 3; records the `sampling/*` metrics."""
@@ -227,19 +307,21 @@ class RoundBuilder:
         return global_tokens / self.accelerator.num_processes * self.schedule.gradient_accumulation_steps \
             / self.schedule.steps_per_generation
 
-    def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor,
-                                state: TrainerState) -> None:
-        """TRL's round metrics, from the gathered round, and the round's `log_metric` values. `num_tokens` is the
-        running total of prompt and completion tokens trained on (`state.num_input_tokens_seen`)."""
-        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
+    def _record_round_metrics(self, mode: str, generated: list[Generated], state: TrainerState) -> None:
+        """TRL's round metrics over every completion generated for the round (with dynamic sampling, the extra
+        rounds' too: the policy's own reward and lengths, not those of the groups kept), and the round's
+        `log_metric` values. `num_tokens` is the running total of prompt and completion tokens generated
+        (`state.num_input_tokens_seen`)."""
+        lengths = torch.cat([g.lengths for g in generated])  # [B_generated]
+        truncated = torch.cat([g.truncated for g in generated])
+        rewards = torch.cat([g.rewards for g in generated])  # [B_generated, F]
         if mode == "train":
-            state.num_input_tokens_seen += int(gather(out.prompt_mask.sum().reshape(1)).sum() + lengths.sum())
+            state.num_input_tokens_seen += int(sum(g.prompt_tokens for g in generated) + lengths.sum())
         self.metrics.set(mode, "num_tokens", state.num_input_tokens_seen)
         scale = self.rewards.settings.scale_rewards
-        round_metrics = {**metrics.completion_length_metrics(lengths, gather(out.is_truncated.int())),
-                         **metrics.reward_metrics(all_rewards, self.rewards.weights, self.rewards.names,
+        round_metrics = {**metrics.completion_length_metrics(lengths, truncated),
+                         **metrics.reward_metrics(rewards, self.rewards.weights, self.rewards.names,
                                                   self.num_generations(mode), scale, with_pass_at_k=mode == "eval"),
                          **self.reward_logs.gather_metrics(gather_object)}
         for key, value in round_metrics.items():
             self.metrics.add(mode, key, value)
-

@@ -10,9 +10,10 @@ Decisions:
 2. On-policy the rollout's values stand in for the policy forward's (`modeling.logprobs`, `known`), and its layer
    outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`).
 3. With beta == 0, no entropy mask, no entropy bonus and no auxiliary loss, a completion whose advantage is exactly 0
-   adds 0 to the loss and to its gradient whatever its log-probs, so only the other rows run forward and backward
-   (`policy_logps`); skipped rows keep their place in every loss normaliser, with log-probs equal to the old ones (a
-   ratio of exactly 1).
+   adds 0 to the loss and to its gradient whatever its log-probs. With `zero_variance_groups='skip'` only the other
+   rows run forward and backward (`policy_logps`), and off-policy only they get old log-probs (`prepare`); skipped
+   rows keep their place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1; 0
+   and 0 where no old forward ran for them).
 
 Shapes: `B` completions, `T` completion tokens.
 """
@@ -44,6 +45,7 @@ class ScoringSettings:
     chunk_size: int = 1024  # `logprob_chunk_size`: LM-head rows projected at once
     rows_per_forward: int = 8  # `per_device_train_batch_size`: rows per no-grad forward
     beta: float = 0.0
+    skip_zero_advantages: bool = False  # decision 3
 
 
 class PolicyLogProbs(NamedTuple):
@@ -90,7 +92,7 @@ class PolicyScorer:
         with torch.no_grad():
             if not self.schedule.on_policy(mode):
                 old = part.old_logps if part.old_logps is not None else part.sampling_logps
-                old = old if old is not None else self.no_grad_logps(model, part)
+                old = old if old is not None else self._old_logps(model, part)
                 part = dataclasses.replace(part, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
                                            layer_outputs=None)
             if self.settings.beta != 0.0:
@@ -100,6 +102,20 @@ class PolicyScorer:
                     with models.reference_context(model):
                         ref = self.no_grad_logps(model, part)
         return dataclasses.replace(part, old_logps=old, ref_logps=ref)
+
+    def _old_logps(self, model: nn.Module, part: Round) -> Tensor:
+        """Old log-probs `[B, T]` by a no-grad forward; with `skip_zero_advantages` only of the rows with a non-zero
+        advantage, the others 0 (decision 3: their loss terms are 0 whatever the values)."""
+        if not self.settings.skip_zero_advantages:
+            return self.no_grad_logps(model, part)
+        advantages = part.advantages
+        nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
+        old = torch.zeros(part.completion_ids.shape, device=part.completion_ids.device)
+        keep = nonzero.nonzero().squeeze(1)
+        if keep.numel():
+            values = self.no_grad_logps(model, part.select(keep).trimmed())
+            old[keep, :values.shape[1]] = values
+        return old
 
     def policy_logps(self, model: nn.Module, inputs: Round, skip_zero_advantages: bool, with_aux_loss: bool = False
                      ) -> PolicyLogProbs:
