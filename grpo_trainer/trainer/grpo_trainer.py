@@ -63,7 +63,7 @@ from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, setup
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard
-from grpo_trainer.trainer.resample import Layout, ResampleSettings, Resampler
+from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule

@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 
-from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, get_advantage_estimator
+from grpo_trainer.algorithms.advantage import (
+    ADVANTAGE_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    get_advantage_estimator,
+)
 from grpo_trainer.algorithms.zero_variance import equal_within_groups, zero_variance_groups
 
 NAN = math.nan

@@ -177,7 +177,8 @@ def test_resume_draws_the_same_extra_prompts(tmp_path, tokenizer):
     dataset = copy_digits_dataset(num_prompts=24, seed=4)
     constant = {"lr_scheduler_type": "constant"}  # the same learning rate whatever max_steps says
     whole = GRPOTrainer(make_tiny_model(tokenizer, seed=7), split_reward,
-                        args=_args(tmp_path / "whole", max_steps=4, **constant), train_dataset=dataset, processing_class=tokenizer)
+                        args=_args(tmp_path / "whole", max_steps=4, **constant), train_dataset=dataset,
+                        processing_class=tokenizer)
     uninterrupted = KeptRounds(whole, dataset, tokenizer)
     whole.train()
     first = GRPOTrainer(make_tiny_model(tokenizer, seed=7), split_reward,

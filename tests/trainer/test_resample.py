@@ -9,8 +9,8 @@ import torch
 from grpo_trainer.data.sampler import PromptDraws
 from grpo_trainer.trainer.resample import (
     Layout,
-    ResampleSettings,
     Resampler,
+    ResampleSettings,
     group_blocks,
     match_places,
     prompts_per_extra_round,
