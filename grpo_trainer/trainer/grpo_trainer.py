@@ -170,7 +170,8 @@ class GRPOTrainer(Trainer):
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
         self.reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
         scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
-                                  args.beta, args.zero_variance_groups == "skip")
+                                  args.beta, args.zero_variance_groups == "skip", typed.truncation(args),
+                                  args.keep_sampling_mask)
         self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
         if args.zero_variance_groups == "skip" and self.router_aux_loss_coef != 0.0:
             raise ValueError(f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage "
@@ -184,11 +185,12 @@ class GRPOTrainer(Trainer):
         self.rounds = RoundBuilder(
             settings=RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                                    args.num_generations_eval or args.num_generations,
-                                   args.mask_truncated_completions, args.log_completions, args.log_multimodal),
+                                   args.mask_truncated_completions, args.log_completions, args.log_multimodal,
+                                   args.keep_sampling_mask),
             schedule=schedule, processing_class=processing_class, backend=backend, rewards=self.reward_sources,
             estimator=self.advantage_fn, accelerator=self.accelerator, metrics_window=self.metrics,
             completions=self.completions, reward_logs=self.reward_logs,
-            score=self.scorer.no_grad_logps, engine_correction=typed.engine_correction(args),
+            score=self.scorer.sampling_scores, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
             else None, resampler=self._resampler(args))
         self.buffer = RoundBuffer(schedule)

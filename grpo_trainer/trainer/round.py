@@ -72,6 +72,12 @@ class Round:
     # sequence modes); None without an engine or without the correction.
     engine_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
     engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    # Truncated sampling (`rollout.types.Rollout`): the sampler's kept supports, packed (from the backend, or
+    # collected by the trainer's first forward at the sampling weights), the log of the mass the sampler's softmax
+    # put on them, and each token's log-prob under the processed distribution it was drawn from.
+    sampling_mask: Tensor | None = _columns(_COMPLETION)  # [B, T, ceil(V / 8)] uint8
+    log_kept_mass: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    behaviour_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
     # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
@@ -86,7 +92,8 @@ class Round:
                    window_tokens=window_tokens, sampling_logps=out.sampling_logps,
                    sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
                    layer_outputs=out.layer_outputs, images=images, engine_logps=out.engine_logps,
-                   pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
+                   sampling_mask=out.sampling_mask, log_kept_mass=out.log_kept_mass,
+                   behaviour_logps=out.behaviour_logps, pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
 
     @property
     def rows(self) -> int:

@@ -37,6 +37,7 @@ from grpo_trainer import rollout
 from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS, EngineCorrection
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import attach_images, row_images, strip_images
+from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting import metrics
 from grpo_trainer.reporting.completions import CompletionLog
@@ -66,6 +67,7 @@ class RoundSettings:
     mask_truncated_completions: bool = False
     log_completions: bool = False
     log_multimodal: bool = True
+    keep_sampling_mask: bool = True  # the loss scores over the sampler's kept supports (`rollout.capture`, 5)
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,13 @@ class Generated:
 
 
 class RoundBuilder:
-    """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward)."""
+    """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward), and
+    under truncated sampling the kept supports it used (`PolicyScorer.sampling_scores`)."""
 
     def __init__(self, *, settings: RoundSettings, schedule: Schedule, processing_class: Any,
                  backend: rollout.RolloutBackend, rewards: RewardSources, estimator: Callable,
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
-                 reward_logs: RewardLogs, score: Callable[[nn.Module, Round], Tensor],
+                 reward_logs: RewardLogs, score: Callable[[nn.Module, Round], LogProbs],
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
@@ -240,8 +243,12 @@ class RoundBuilder:
         if round_.engine_logps is None or self.engine_correction is None:
             return round_
         with torch.no_grad():
-            old = self.score(policy.model, round_.trimmed())
-        old = nn.functional.pad(old, (0, round_.completion_ids.shape[1] - old.shape[1]))
+            scores = self.score(policy.model, round_.trimmed())
+        width = round_.completion_ids.shape[1]
+        old = nn.functional.pad(scores.logps, (0, width - scores.logps.shape[1]))
+        if scores.sampling_mask is not None:  # the supports at the sampling weights, for every later forward
+            round_ = dataclasses.replace(round_, sampling_mask=nn.functional.pad(
+                scores.sampling_mask, (0, 0, 0, width - scores.sampling_mask.shape[1])))
         round_, values = apply_engine_correction(round_, old, self.engine_correction, self.schedule.on_policy(mode))
         for key, value in values.items():
             self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
@@ -256,20 +263,21 @@ class RoundBuilder:
         lm = causal_lm(policy.model)
         plan = capture.KEEP_NOTHING if continuation else capture.plan(
             training=mode == "train", on_policy=self.schedule.on_policy(mode),
-            plain_single_process=policy.plain_single_process, checkpointing=compat.checkpointing_is_on(lm))
+            plain_single_process=policy.plain_single_process, checkpointing=compat.checkpointing_is_on(lm),
+            kept_support=self.settings.keep_sampling_mask)
         sampling = self.settings.sampling
         backend = rollout.serving(self.backend, prompts)
         if backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
             backend.sync_weights(self.accelerator.unwrap_model(policy.model), policy.version)
             config = make_generation_config(sampling, lm.generation_config, self.tokenizer, max_new_tokens)
             out = backend.generate(policy.model, prompts, config, plan)
-            return capture.drop_unusable(out, config, sampling.temperature)
+            return capture.drop_unusable(out, config, sampling.temperature, plan)
         with policy.for_generation() as model:
             config = make_generation_config(sampling, model.generation_config, self.tokenizer, max_new_tokens,
                                             suppress_tokens=self._suppressed(model))
             with torch.no_grad():
                 out = backend.generate(model, prompts, config, plan)
-        return capture.drop_unusable(out, config, sampling.temperature)
+        return capture.drop_unusable(out, config, sampling.temperature, plan)
 
     def _episode(self, batch: list[dict], mode: str, policy: PolicyView
                  ) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
