@@ -68,8 +68,9 @@ def entropy_control(args: GRPOConfig) -> EntropyControl:
 
 
 def engine_correction(args: GRPOConfig) -> EngineCorrection | None:
-    """The engine importance-sampling correction's settings; None when it is off."""
-    if not args.vllm_importance_sampling_correction:
+    """The engine importance-sampling correction's settings; None when it is off, or without vLLM (TRL applies it
+    with `use_vllm` only: a `rollout_func`'s log-probs then feed the off-policy mask alone)."""
+    if not args.vllm_importance_sampling_correction or not args.use_vllm:
         return None
     return EngineCorrection(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                             args.vllm_importance_sampling_clip_max)

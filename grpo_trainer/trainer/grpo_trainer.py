@@ -63,6 +63,7 @@ from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, setup
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard
+from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
 from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
@@ -192,7 +193,7 @@ class GRPOTrainer(Trainer):
             completions=self.completions, reward_logs=self.reward_logs,
             score=self.scorer.sampling_scores, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
-            else None, resampler=self._resampler(args))
+            else None, resampler=self._resampler(args), mismatch=self._mismatch_report(args))
         self.buffer = RoundBuffer(schedule)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self._step_time, self._micro_steps_timed = 0.0, 0
@@ -206,6 +207,15 @@ class GRPOTrainer(Trainer):
                          Layout(self.accelerator.num_processes, self.accelerator.process_index, args.num_generations),
                          args.seed, lambda rewards: zero_variance_groups(rewards.cpu(), args.num_generations, weights,
                                                                          aggregation))
+
+    def _mismatch_report(self, args: GRPOConfig) -> MismatchReport:
+        """The sampler/trainer mismatch report (`trainer.mismatch`)."""
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(
+            (p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        settings = MismatchSettings(args.sampling_mismatch_report, args.sampling_mismatch_threshold,
+                                    typed.truncation(args).active and not args.keep_sampling_mask, dtype,
+                                    args.output_dir)
+        return MismatchReport(settings, self._tokenizer, self.accelerator, self.metrics)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

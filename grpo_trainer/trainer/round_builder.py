@@ -14,6 +14,8 @@ Decisions:
    generation rounds: its zero-variance groups are replaced by informative groups of extra prompts. The round's
    metrics cover every completion generated for it; its advantages, normaliser, completions log and engine
    correction cover the kept round only.
+5. A training round whose sampler returned its own log-probs is compared with the trainer's at the same weights
+   (`trainer.mismatch`): where the engine correction computed them, and with `sampling_mismatch_report` always.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
@@ -49,6 +51,7 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make_generation_config
 from grpo_trainer.runtime import compat
 from grpo_trainer.trainer.engine import apply_engine_correction
+from grpo_trainer.trainer.mismatch import MismatchReport, sampler_logps
 from grpo_trainer.trainer.resample import Resampler, Selection
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.schedule import Schedule
@@ -114,7 +117,7 @@ class RoundBuilder:
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
-                 resampler: Resampler | None = None) -> None:
+                 resampler: Resampler | None = None, mismatch: MismatchReport | None = None) -> None:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
@@ -123,6 +126,7 @@ class RoundBuilder:
         self.score, self.engine_correction = score, engine_correction
         self.multi_turn, self.first_turn = multi_turn, first_turn
         self.resampler = resampler  # decision 4
+        self.mismatch = mismatch  # decision 5
 
     def num_generations(self, mode: str) -> int:
         return self.settings.num_generations_eval if mode == "eval" else self.settings.num_generations
@@ -152,12 +156,15 @@ class RoundBuilder:
         start = self.accelerator.process_index * round_.rows
         advantages = all_advantages[start:start + round_.rows].to(self.accelerator.device)
         self._record_round_metrics(mode, generated, state)
-        if log is not None and mode == "train":
-            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, log.extra,
-                                 images=log.images)
         round_ = dataclasses.replace(round_, advantages=advantages,
                                      window_tokens=self._window_tokens(round_.loss_mask, mode))
-        return self._correct_for_engine(round_, mode, policy)
+        round_, trainer_scores = self._correct_for_engine(round_, mode, policy)
+        columns = self._report_mismatch(round_, trainer_scores, mode, policy)
+        if log is not None and mode == "train":
+            extra = {**log.extra, **{name: gather_object(values) for name, values in columns.items()}}
+            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, extra,
+                                 images=log.images)
+        return round_
 
     def _generate(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Generated:
         """One generation round of this process's rows `batch`: rollout, rewards over every process, and what the
@@ -238,10 +245,11 @@ class RoundBuilder:
                                  else [entry.images[r] for entry, r in zip(logs, rows)])
         return round_, rewards, log
 
-    def _correct_for_engine(self, round_: Round, mode: str, policy: PolicyView) -> Round:
-        """Decision 3; records the `sampling/*` metrics."""
+    def _correct_for_engine(self, round_: Round, mode: str, policy: PolicyView) -> tuple[Round, LogProbs | None]:
+        """Decision 3; records the `sampling/*` metrics. Also returns the trainer's log-probs at the sampling weights
+        (None when no correction ran)."""
         if round_.engine_logps is None or self.engine_correction is None:
-            return round_
+            return round_, None
         with torch.no_grad():
             scores = self.score(policy.model, round_.trimmed())
         width = round_.completion_ids.shape[1]
@@ -252,7 +260,23 @@ class RoundBuilder:
         round_, values = apply_engine_correction(round_, old, self.engine_correction, self.schedule.on_policy(mode))
         for key, value in values.items():
             self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
-        return round_
+        return round_, scores
+
+    def _report_mismatch(self, round_: Round, scores: LogProbs | None, mode: str, policy: PolicyView
+                         ) -> dict[str, list]:
+        """The mismatch report of a training round (`trainer.mismatch`, decision 1): with the trainer's log-probs
+        at the sampling weights from the engine correction, else from a no-grad forward when asked for. This
+        process's completions-table columns."""
+        if self.mismatch is None or mode != "train" or sampler_logps(round_) is None:
+            return {}
+        corrected = scores is not None
+        if not corrected:
+            if not self.mismatch.settings.enabled:
+                return {}
+            with torch.no_grad():
+                scores = self.score(policy.model, round_.trimmed())
+        return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, policy.version,
+                                    self.backend.sampler_dtype(causal_lm(policy.model)), corrected)
 
     # ------------------------------------------------------------------------------------------------ the rollout
 
