@@ -275,8 +275,9 @@ class RoundBuilder:
                 return {}
             with torch.no_grad():
                 scores = self.score(policy.model, round_.trimmed())
-        return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, policy.version,
-                                    self.backend.sampler_dtype(causal_lm(policy.model)), corrected)
+        # a rollout_func samples with whatever it likes: its dtype is unknown here
+        dtype = self.backend.sampler_dtype(causal_lm(policy.model)) if self.first_turn is None else None
+        return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, policy.version, dtype, corrected)
 
     # ------------------------------------------------------------------------------------------------ the rollout
 
