@@ -132,3 +132,39 @@ def test_the_kept_mass_is_logged_and_training_runs_both_ways(tmp_path, tokenizer
         logs = [e for e in trainer.state.log_history if "loss" in e]
         assert len(logs) == 2
         assert all(e["sampling/log_kept_mass/mean"] < 0 for e in logs), name
+
+
+def test_the_reference_and_old_log_probs_score_over_the_same_supports(tmp_path, tokenizer, toy_dataset):
+    """beta > 0 and off-policy (num_iterations 2): the micro-batch's reference log-probs (the reference model's) and
+    old log-probs (the decoder's, standing in) are both over the sampler's kept supports: a dense truncated softmax
+    of each model's logits over the round's supports. And any support the round carries is the one used: with the
+    3 tokens after each sampled one instead, the reference forward follows it."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, beta=0.04, num_iterations=2)
+    part = trainer.scorer.prepare(_round(trainer, toy_dataset), "train", trainer.model)
+    assert part.sampling_mask is not None and part.ref_logps is not None and part.old_logps is not None
+    input_ids = torch.cat([part.prompt_ids, part.completion_ids], 1)
+    attention = torch.cat([part.prompt_mask, part.completion_mask], 1)
+    T = part.completion_ids.shape[1]
+    on = part.completion_mask.bool()
+
+    def dense(model, packed):
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention,
+                           position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits[:, -T - 1:-1]
+        z = logits.float() / 0.9
+        tokens = part.completion_ids[..., None]
+        kept = unpack(packed, z.shape[-1]).scatter(-1, tokens, True)
+        return torch.log_softmax(z.masked_fill(~kept, -torch.inf), -1).gather(-1, tokens)[..., 0]
+
+    reference, old = dense(trainer.ref_model, part.sampling_mask), dense(trainer.model, part.sampling_mask)
+    torch.testing.assert_close(part.ref_logps[on], reference[on], atol=2e-5, rtol=0)
+    torch.testing.assert_close(part.old_logps[on], old[on], atol=2e-5, rtol=0)
+    V = trainer.model.config.vocab_size
+    other = torch.zeros(*part.completion_ids.shape, V, dtype=torch.bool)
+    for offset in range(1, 4):
+        other.scatter_(-1, ((part.completion_ids + offset) % V)[..., None], True)
+    other = pack(other)
+    with torch.no_grad():
+        ref = trainer.scorer.no_grad_logps(trainer.ref_model, dataclasses.replace(part, sampling_mask=other))
+    torch.testing.assert_close(ref[on], dense(trainer.ref_model, other)[on], atol=2e-5, rtol=0)
+    assert (ref[on] - part.ref_logps[on]).abs().max() > 0.1
