@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": {"algorithms", "data", "modeling", "runtime"},
     "trainer": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime"},
     "cli": {"algorithms", "config", "data", "modeling", "reporting", "rewards", "rollout", "runtime", "trainer"},
+    "experimental": {"config", "trainer"},
 }
 # Top-level modules: the public API (`__init__`) and the seeds' public path for estimators (`advantage`).
 TOP_LEVEL = {"__init__.py": None, "advantage.py": {"algorithms"}}

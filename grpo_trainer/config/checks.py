@@ -72,6 +72,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage completion adds "
          f"nothing to the loss, but {_skip_changes_gradient(args)} gives it a gradient; use 'train' (the same "
          "gradient, every row run) or 'resample'."),
+        (args.zero_variance_groups == "resample" and isinstance(args.async_rollouts, int) and args.async_rollouts > 0,
+         f"zero_variance_groups='resample' generates its extra prompts while the round is assembled, with the latest "
+         f"weights, but async_rollouts={args.async_rollouts} samples rounds ahead with older ones; use "
+         "async_rollouts=0, or zero_variance_groups='train' or 'skip'."),
         (args.max_resample_rounds < 0,
          f"max_resample_rounds must be >= 0 (got {args.max_resample_rounds}); 0 draws no extra prompt."),
         (not args.sampling_mismatch_threshold > 0,
@@ -83,6 +87,13 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,
          f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
          f"{sorted(MULTI_OBJECTIVE_AGGREGATIONS)}."),
+        (not isinstance(args.async_rollouts, int) or args.async_rollouts < 0,
+         f"async_rollouts must be an integer >= 0 (got {args.async_rollouts!r}); 0 is synchronous, 1 samples one "
+         "round ahead."),
+        (args.async_correction not in ("recompute", "behaviour"),
+         f"async_correction must be 'recompute' or 'behaviour' (got {args.async_correction!r})."),
+        (args.async_rollout_timeout is not None and args.async_rollout_timeout <= 0,
+         f"async_rollout_timeout must be > 0 seconds, or None for no limit (got {args.async_rollout_timeout})."),
         (args.vllm_mode not in ("colocate", "server"),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
         (args.vllm_importance_sampling_mode not in IS_MODES,

@@ -218,6 +218,20 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 
+    # Asynchronous rollouts (docs/ASYNC.md)
+    async_rollouts: int = _opt(
+        0, "Rounds sampled ahead on a producer thread while the trainer trains on the current one (0: synchronous, "
+        "as TRL's GRPOTrainer). With k, round n + k is sampled with the weights of step n: at most k steps stale, "
+        "by pacing (nothing is dropped). Pays off when generation and training use different devices (vLLM server) "
+        "or rewards wait on I/O.")
+    async_correction: str = _opt(
+        "recompute", "Off-policy correction of asynchronous rounds: 'recompute' (decoupled PPO: old log-probs "
+        "recomputed under the round's start weights, weighted by old / behaviour with the "
+        "vllm_importance_sampling_* truncation) or 'behaviour' (the sampler's log-probs are the old log-probs, as "
+        "TRL's async trainer and verl).")
+    async_rollout_timeout: float | None = _opt(
+        None, "Seconds a round may take on the producer thread before the run stops with an error (None: no limit).")
+
     # Interruption and concurrent runs
     signal_grace_period: float = _opt(
         25.0, "Seconds after SIGTERM or SIGINT for the current step to end (then a checkpoint is saved and training "

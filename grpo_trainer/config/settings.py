@@ -68,9 +68,10 @@ def entropy_control(args: GRPOConfig) -> EntropyControl:
 
 
 def engine_correction(args: GRPOConfig) -> EngineCorrection | None:
-    """The engine importance-sampling correction's settings; None when it is off, or without vLLM (TRL applies it
-    with `use_vllm` only: a `rollout_func`'s log-probs then feed the off-policy mask alone)."""
-    if not args.vllm_importance_sampling_correction or not args.use_vllm:
+    """The importance-sampling correction's settings; None when it is off, or when no engine or asynchronous
+    producer samples (TRL applies it with `use_vllm` only: a `rollout_func`'s log-probs then feed the off-policy
+    mask alone)."""
+    if not args.vllm_importance_sampling_correction or not (args.use_vllm or args.async_rollouts):
         return None
     return EngineCorrection(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                             args.vllm_importance_sampling_clip_max)

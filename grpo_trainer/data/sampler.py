@@ -17,12 +17,14 @@ prompts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, Sampler
 
-__all__ = ["PromptDraws", "RepeatSampler", "repeat_iterable"]
+__all__ = ["PromptDraws", "RepeatSampler", "RoundSource", "repeat_iterable"]
 
 
 class RepeatSampler(Sampler[int]):
@@ -81,6 +83,42 @@ def repeat_iterable(rows: Iterable[dict], mini_repeat_count: int, batch_size: in
     """The `RepeatSampler` order for a stream (an `IterableDataset` has no indices to sample): each row
     `mini_repeat_count` times, chunks of `batch_size` rows `repeat_count` times, incomplete last chunk dropped."""
     return _RepeatedStream(rows, mini_repeat_count, batch_size, repeat_count)
+
+
+class RoundSource:
+    """The dataset rows of any generation round on this process, without iterating a dataloader: what
+    `RepeatSampler` (with `repeat_count` 1) yields for round r, sliced as accelerate hands it to process
+    `process_index` (process p takes the p-th of the round's `num_processes` equal slices). Asynchronous rollouts
+    read round r + k here while the Trainer's dataloader is at round r; the trainer checks each round against the
+    rows the dataloader delivers.
+
+    Rounds count across epochs: round r is chunk `r % rounds_per_epoch` of epoch `r // rounds_per_epoch`, whose
+    permutation is the sampler's (`seed + epoch`)."""
+
+    def __init__(self, data_source: Any, num_generations: int, prompts_per_round: int, shuffle: bool, seed: int,
+                 process_index: int, num_processes: int) -> None:
+        self.data_source, self.num_generations, self.prompts_per_round = data_source, num_generations, prompts_per_round
+        self.shuffle, self.seed = shuffle, seed
+        self.process_index, self.num_processes = process_index, num_processes
+        self.rounds_per_epoch = len(data_source) // prompts_per_round
+        if self.rounds_per_epoch == 0:
+            raise ValueError(f"the dataset has {len(data_source)} prompts, fewer than one generation round's "
+                             f"{prompts_per_round}.")
+
+    def indices(self, round_index: int) -> list[int]:
+        """This process's dataset indices of round `round_index` (each prompt G times in a row)."""
+        epoch, chunk = divmod(round_index, self.rounds_per_epoch)
+        sampler = RepeatSampler(self.data_source, self.num_generations, self.prompts_per_round, 1, self.shuffle,
+                                self.seed)
+        sampler.set_epoch(epoch)
+        per_round = self.prompts_per_round * self.num_generations
+        start = chunk * per_round
+        expanded = list(itertools.islice(iter(sampler), start, start + per_round))
+        local = per_round // self.num_processes
+        return expanded[self.process_index * local:(self.process_index + 1) * local]
+
+    def rows(self, round_index: int) -> list[dict]:
+        return [self.data_source[i] for i in self.indices(round_index)]
 
 
 class PromptDraws:

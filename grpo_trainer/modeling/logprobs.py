@@ -138,7 +138,8 @@ def chunked_scores(score: Callable[..., tuple[Tensor, ...]], rows: Tensor, token
         index = slice(start, start + chunk_size)
         args = (rows[index], tokens[index], temperature, None if support is None else support.rows(index))
         if torch.is_grad_enabled() and rows.requires_grad:
-            values = checkpoint(score, *args, use_reentrant=False)
+            # no randomness to replay: leave torch's generator alone (a producer thread may be drawing from it)
+            values = checkpoint(score, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             values = score(*args)
         for collected, value in zip(outputs, values):

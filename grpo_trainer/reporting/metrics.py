@@ -105,6 +105,10 @@ class MetricsWindow:
 
     def __init__(self) -> None:
         self.windows: dict[str, dict[str, list]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # logged as the window's extreme over every process: the largest value, or with `add_min` (stored negated)
+        # the smallest
+        self.maxima: dict[str, dict[str, float]] = {"train": {}, "eval": {}}
+        self.negated: set[str] = set()
 
     def __getitem__(self, mode: str) -> dict[str, list]:
         return self.windows[mode]
@@ -115,6 +119,28 @@ class MetricsWindow:
     def set(self, mode: str, key: str, value: Any) -> None:
         """A running total's latest value (logged as is, not averaged over the window)."""
         self.windows[mode][key] = [value]
+
+    def add_max(self, mode: str, key: str, value: float) -> None:
+        """A value whose window maximum (over every process) is logged."""
+        self.maxima[mode][key] = max(float(value), self.maxima[mode].get(key, -math.inf))
+
+    def add_min(self, mode: str, key: str, value: float) -> None:
+        """A value whose window minimum (over every process) is logged."""
+        self.negated.add(key)
+        self.add_max(mode, key, -float(value))
+
+    def extremes(self, mode: str, reduce_max: Any) -> dict[str, float]:
+        """Each extreme's value over the window and every process; `reduce_max`: a `[K]` tensor's element-wise
+        maximum over processes."""
+        maxima = self.maxima[mode]
+        if not maxima:
+            return {}
+        largest = reduce_max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()
+        return {key: -value if key in self.negated else value for key, value in zip(maxima, largest)}
+
+    def clear(self, mode: str) -> None:
+        self.windows[mode].clear()
+        self.maxima[mode].clear()
 
 
 def window_totals(window: dict[str, list]) -> tuple[list[str], Tensor]:

@@ -30,8 +30,8 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig, TrainingArguments
 
 __all__ = ["BACKPORTED_FIELDS", "FLOOR", "CheckpointingFields", "cache_argument", "checkpointing_is_on",
-           "disable_checkpointing", "enable_checkpointing", "has_linear_attention", "mirror_checkpointing",
-           "resolve_checkpointing"]
+           "default_checkpointing_kwarg", "disable_checkpointing", "enable_checkpointing", "has_linear_attention",
+           "mirror_checkpointing", "resolve_checkpointing"]
 
 FLOOR = "5.19.0"  # setup.cfg's lower bound; tests/runtime/test_transformers_compat.py checks the two agree
 
@@ -99,6 +99,16 @@ def mirror_checkpointing(args: TrainingArguments) -> None:
     if not _ARGS_HAVE_ACTIVATION_NAMES:
         for old, new in _CHECKPOINTING_NAMES:
             setattr(args, new, getattr(args, old))
+
+
+def default_checkpointing_kwarg(args: TrainingArguments, key: str, value: Any) -> None:
+    """`key` of torch's checkpoint kwargs set to `value` under both names, unless the user set it."""
+    names = [new for _, new in _CHECKPOINTING_NAMES[1:]] + [old for old, _ in _CHECKPOINTING_NAMES[1:]]
+    kwargs = next((dict(getattr(args, n)) for n in names if isinstance(getattr(args, n, None), dict)), {})
+    kwargs.setdefault(key, value)
+    for name in names:
+        if hasattr(args, name):
+            setattr(args, name, dict(kwargs))
 
 
 def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:

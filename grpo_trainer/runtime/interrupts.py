@@ -8,9 +8,10 @@ Decisions:
    seconds after the signal, the process exits with status 128 + the signal number, as a shell reports a death
    by that signal. Before exiting it saves the last finished step, when that state is intact: the main thread is
    inside a rollout or reward scoring that began before any micro-step of the current optimizer step ran
-   (`between_steps`), and there is a single process (a save from a side thread must not take part in collective
-   operations that the stuck processes never join). The step-end save of decision 1, once begun, is not cut
-   short: the grace period bounds the wait for the step, not the save.
+   (`between_steps`), or waits right before an optimizer step (`before_update`); and there is a single process (a
+   save from a side thread must not take part in collective operations that the stuck processes never join). The
+   step-end save of decision 1, once begun, is not cut short: the grace period bounds the wait for the step, not
+   the save.
 3. A second signal exits at once (status 128 + the signal number), also in a notebook, whose kernel then ends.
 4. Python runs signal handlers in the main thread, between bytecodes: a main thread stuck inside C code (a
    network library that retries interrupted calls) would never run one. So the signals are acted on by a thread
@@ -93,6 +94,18 @@ class SignalStop(TrainerCallback):
             yield
         finally:
             with self._lock:  # waits while the watchdog saves; the process then exits
+                self._idle = False
+
+    @contextlib.contextmanager
+    def before_update(self) -> Iterator[None]:
+        """Around a wait right before the optimizer step (an asynchronous rollout still reading the weights): the
+        model and optimizer still hold the last finished step's state, so a stuck wait may be saved (decision 2)."""
+        with self._lock:
+            self._idle = True
+        try:
+            yield
+        finally:
+            with self._lock:
                 self._idle = False
 
     # ---------------------------------------------------------------------------------------- signals

@@ -29,6 +29,7 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -49,12 +50,11 @@ from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
-from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
+from grpo_trainer.data.sampler import RepeatSampler, RoundSource, repeat_iterable
 from grpo_trainer.modeling import kernels
 from grpo_trainer.reporting import completions_hub, hub, metrics
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
-from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import check_reward_setup
 from grpo_trainer.rewards.sources import ADVANTAGE_EPS
@@ -62,8 +62,9 @@ from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, setup
-from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard
+from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
+from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings, ProducerPacing
 from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
@@ -140,8 +141,10 @@ class GRPOTrainer(Trainer):
             self._multi_turn.check_dataset(train_dataset, "train_dataset")
         setup.check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
                            prompt_optional=environments is not None)
+        setup.check_async(args, backend, train_dataset, rollout_func)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         policy = setup.build_policy(model, args, peft_config, quantization_config)
+        setup.check_async_model(policy.model, args, in_process=not backend.capabilities.own_weights)
         self.ref_model, self.router_aux_loss_coef = policy.ref_model, policy.router_aux_loss_coef
         if self._multi_turn is not None:
             self._multi_turn.attach_model(eos_token_ids(processing_class, policy.model.generation_config),
@@ -165,11 +168,11 @@ class GRPOTrainer(Trainer):
 
     def _build_parts(self, args: GRPOConfig, backend: rollout.RolloutBackend, processing_class: Any) -> None:
         """The owned parts (module docstring), once the accelerator and the prepared models exist."""
-        schedule = Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps)
+        schedule = Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
+                            args.async_rollouts)
         self.metrics = MetricsWindow()
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
-        self.reward_logs = RewardLogs()  # what reward functions pass to log_extra / log_metric
         scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
                                   args.beta, args.zero_variance_groups == "skip", typed.truncation(args),
                                   args.keep_sampling_mask)
@@ -190,13 +193,36 @@ class GRPOTrainer(Trainer):
                                    args.keep_sampling_mask),
             schedule=schedule, processing_class=processing_class, backend=backend, rewards=self.reward_sources,
             estimator=self.advantage_fn, accelerator=self.accelerator, metrics_window=self.metrics,
-            completions=self.completions, reward_logs=self.reward_logs,
+            completions=self.completions,
             score=self.scorer.sampling_scores, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
             else None, resampler=self._resampler(args), mismatch=self._mismatch_report(args))
         self.buffer = RoundBuffer(schedule)
+        self.async_rounds = self._async_rounds(args, backend, schedule) if args.async_rollouts else None
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
-        self._step_time, self._micro_steps_timed = 0.0, 0
+        self._step_time, self._micro_steps_timed, self._saving_stuck = 0.0, 0, False
+
+    def _async_rounds(self, args: GRPOConfig, backend: rollout.RolloutBackend, schedule: Schedule) -> AsyncRounds:
+        """Asynchronous rollouts (`trainer.producer`, docs/ASYNC.md)."""
+        source = RoundSource(self.train_dataset, args.num_generations,
+                             args.generation_batch_size // args.num_generations, args.shuffle_dataset, args.seed,
+                             self.accelerator.process_index, self.accelerator.num_processes)
+
+        def view(version: int) -> PolicyView:  # the bare model; grad mode (per thread) keeps checkpointing out
+            return PolicyView(self.model, lambda: contextlib.nullcontext(self.accelerator.unwrap_model(self.model)),
+                              version, plain_single_process=False)
+
+        def push() -> None:
+            backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
+
+        # each process its own sampling seeds, as `set_seed(..., device_specific=True)` gives the synchronous path
+        seed = args.seed + self.accelerator.process_index
+        rounds = AsyncRounds(AsyncSettings(args.async_rollouts, seed, args.async_rollout_timeout),
+                             args.async_correction, self.rounds, self.scorer, source, schedule, view,
+                             push if backend.capabilities.own_weights else None, self.metrics)
+        self._pacing = ProducerPacing(rounds, self.buffer, self._signal_stop)
+        self.add_callback(self._pacing)
+        return rounds
 
     def _resampler(self, args: GRPOConfig) -> Resampler | None:
         """Dynamic sampling's part (`zero_variance_groups='resample'`): extra prompts from the training set."""
@@ -273,8 +299,9 @@ class GRPOTrainer(Trainer):
         self.objective.entropy.coef = value
 
     def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
-        """TRL's method (`GRPOLoss.high_entropy_mask`)."""
-        return self.objective.high_entropy_mask(entropies, mask, threshold)
+        """TRL's method (`trainer.loss.pooled_high_entropy_mask`); reads only `self.accelerator`, as TRL's tests call it
+        on a stand-in trainer."""
+        return pooled_high_entropy_mask(self.accelerator, entropies, mask, threshold)
 
     @staticmethod
     def get_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,
@@ -351,10 +378,15 @@ class GRPOTrainer(Trainer):
     def _prepare_inputs(self, generation_batch: list[dict]) -> Round:
         """Generate once per round; serve the round's micro-batches on the following micro-steps."""
         if not self.model.training:
+            if self.async_rounds is not None:
+                self.async_rounds.producer.drain()  # the backend (and torch's generator) are the main thread's now
             return self.scorer.prepare(self._generate_and_score(generation_batch, "eval"), "eval", self.model)
 
         def make_round() -> list[Round]:
             with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
+                if self.async_rounds is not None:
+                    return self.async_rounds.prepared_round(self.buffer.micro_step, generation_batch, self.model,
+                                                            self.state)
                 round_ = self._generate_and_score(generation_batch, "train")
             return [self.scorer.prepare(part, "train", self.model)
                     for part in round_.split(self.args.steps_per_generation)]
@@ -403,17 +435,26 @@ class GRPOTrainer(Trainer):
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
             with self._signal_stop.handling(save_last_step), \
                     kernels.fast_linears(*(self.model, self.ref_model) if plain else ()):
-                output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+                try:
+                    output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+                finally:
+                    if self.async_rounds is not None:  # nothing is left running (`trainer.producer`, decision 4)
+                        self.async_rounds.close()
         if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
             self._completions_upload.push_now()
         return output
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
+        state = self.buffer.state_dict()
+        if self.async_rounds is not None and self._saving_stuck:  # `trainer.producer`, decision 5
+            state = self._pacing.stuck_state()
+        elif self.async_rounds is not None:  # the rounds sampled ahead
+            self.async_rounds.producer.drain()
+            state["producer"] = self.async_rounds.producer.state_dict()
         resampler = self.rounds.resampler
-        lifecycle.save_run_state(output_dir, self.accelerator.process_index, self.buffer.state_dict(),
-                                 self.objective.entropy, self.args.should_save,
-                                 None if resampler is None else resampler.state_dict())
+        lifecycle.save_run_state(output_dir, self.accelerator.process_index, state, self.objective.entropy,
+                                 self.args.should_save, None if resampler is None else resampler.state_dict())
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
@@ -422,6 +463,8 @@ class GRPOTrainer(Trainer):
                                              self.objective.entropy)
             if state is not None:
                 self.buffer.load_state_dict(state)
+                if self.async_rounds is not None and "producer" in state:
+                    self.async_rounds.producer.load_state_dict(state["producer"])
                 if self.rounds.resampler is not None and "resample" in state:
                     self.rounds.resampler.load_state_dict(state["resample"])
 
@@ -444,7 +487,11 @@ class GRPOTrainer(Trainer):
         """Called from the signal watchdog while the main thread is stuck in a rollout or reward function that
         began before any micro-step of the current step: the model and optimizer hold the last finished step."""
         if self.state.global_step > 0 and not checkpoints.is_saved(self.args.output_dir, self.state.global_step):
-            self._save_checkpoint(self.model, trial=None)
+            self._saving_stuck = True  # a producer job may be the stuck call: save the rounds it finished
+            try:
+                self._save_checkpoint(self.model, trial=None)
+            finally:
+                self._saving_stuck = False
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         # Private Trainer hook: it checks max_steps only after a step, so a run resumed at or past max_steps would
@@ -471,9 +518,12 @@ class GRPOTrainer(Trainer):
         local = local.to(device, torch.float32 if device.type == "mps" else torch.float64)  # MPS has no float64
         reduced = self.accelerator.reduce(local, "sum").cpu() if keys else local
         logs.update({prefix + k: v for k, v in metrics.window_means(keys, reduced).items()})
+        extremes = self.metrics.extremes(mode, lambda values: self.accelerator.reduce(  # the same keys everywhere
+            values.to(device, torch.float32 if device.type == "mps" else torch.float64), "max").cpu())
+        logs.update({prefix + k: v for k, v in extremes.items()})
         # `logs` is updated in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
-        self.metrics[mode].clear()
+        self.metrics.clear(mode)
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
             self.completions.flush(self.state.global_step)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -23,7 +24,7 @@ from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.scoring import PolicyScorer
 
-__all__ = ["GRPOLoss", "LossPartSettings", "NonFiniteGuard"]
+__all__ = ["GRPOLoss", "LossPartSettings", "NonFiniteGuard", "pooled_high_entropy_mask"]
 
 _ENTROPY_PAD = -1e9  # pads entropies (always >= 0) to a common length for the cross-process gather
 
@@ -107,12 +108,17 @@ class GRPOLoss:
             self.metrics.add("train", "entropy_coef", self.entropy.coef)
 
     def high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
-        """True for the completion tokens `[B, T]` whose entropy is at least the `threshold` quantile of the
-        completion-token entropies of every process (`masks.high_entropy_mask`)."""
-        local = entropies[mask.bool()].float()
-        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=_ENTROPY_PAD)
-        gathered = self.accelerator.gather(padded)
-        return masks.high_entropy_mask(entropies, mask, gathered[gathered != _ENTROPY_PAD], threshold)
+        return pooled_high_entropy_mask(self.accelerator, entropies, mask, threshold)
+
+
+def pooled_high_entropy_mask(accelerator: Any, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """True for the completion tokens `[B, T]` whose entropy is at least the `threshold` quantile of the
+    completion-token entropies of every process (`masks.high_entropy_mask`): each process's are padded to a common
+    length, gathered, and the padding dropped. `accelerator`: what does the padding and the gather."""
+    local = entropies[mask.bool()].float()
+    padded = accelerator.pad_across_processes(local, dim=0, pad_index=_ENTROPY_PAD)
+    gathered = accelerator.gather(padded)
+    return masks.high_entropy_mask(entropies, mask, gathered[gathered != _ENTROPY_PAD], threshold)
 
 
 class NonFiniteGuard:

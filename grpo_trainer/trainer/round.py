@@ -119,11 +119,14 @@ class Round:
         micro-batch keeps once its last loss has run, so they do not outlive their backward pass."""
         return dataclasses.replace(self, sampling_probs=None, layer_outputs=None)
 
-    def split(self, parts: int) -> list[Round]:
-        """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy)."""
+    def split(self, parts: int, generator: torch.Generator | None = None) -> list[Round]:
+        """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy). `generator`:
+        a CPU generator to shuffle with (default torch's global one)."""
         if parts == 1:
             return [self]
-        order = torch.randperm(self.rows, device=self.completion_ids.device)
+        device = self.completion_ids.device
+        order = torch.randperm(self.rows, device=device) if generator is None \
+            else torch.randperm(self.rows, generator=generator).to(device)
         size = self.rows // parts
         return [self.select(order[i * size:(i + 1) * size]) for i in range(parts)]
 

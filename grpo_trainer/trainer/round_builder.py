@@ -10,12 +10,16 @@ Decisions:
    process keeps its own rows. Every collective runs on the calling thread.
 3. A round sampled by an inference engine with the importance-sampling correction on gets the trainer's log-probs
    at the sampling weights in one no-grad forward (`trainer.engine`).
-4. With dynamic sampling (`zero_variance_groups='resample'`, `trainer.resample`), a round is assembled from several
-   generation rounds: its zero-variance groups are replaced by informative groups of extra prompts. The round's
-   metrics cover every completion generated for it; its advantages, normaliser, completions log and engine
-   correction cover the kept round only.
-5. A training round whose sampler returned its own log-probs is compared with the trainer's at the same weights
-   (`trainer.mismatch`): where the engine correction computed them, and with `sampling_mismatch_report` always.
+4. A round is built in two halves: `sample` (prompts, rollout, this process's rewards: no collective, so it may run
+   on a producer thread, `trainer.producer`) and `finish` (gathers, advantages, metrics, the completions table,
+   the `Round`: on the main thread). `build` is one after the other.
+5. With dynamic sampling (`zero_variance_groups='resample'`, `trainer.resample`), `finish` assembles the round from
+   several generation rounds: its zero-variance groups are replaced by informative groups of extra prompts, each
+   sampled (`sample`) and gathered there. The round's metrics cover every completion generated for it; its
+   advantages, normaliser, completions table and engine correction cover the kept round only.
+6. A synchronous training round whose sampler returned its own log-probs is compared with the trainer's at the same
+   weights (`trainer.mismatch`): where the engine correction computed them, and with `sampling_mismatch_report`
+   always. (An asynchronous round was sampled with older weights on purpose: it is not reported.)
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -47,8 +52,10 @@ from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import capture, multimodal, multiturn
+from grpo_trainer.rollout.multiturn.loop import ToolCounts
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make_generation_config
+from grpo_trainer.rollout.types import ImageInputs
 from grpo_trainer.runtime import compat
 from grpo_trainer.trainer.engine import apply_engine_correction
 from grpo_trainer.trainer.mismatch import MismatchReport, sampler_logps
@@ -56,7 +63,7 @@ from grpo_trainer.trainer.resample import Resampler, Selection
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.schedule import Schedule
 
-__all__ = ["PolicyView", "RoundBuilder", "RoundSettings"]
+__all__ = ["PolicyView", "RoundBuilder", "RoundSettings", "Sampled"]
 
 logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")  # the trainer's one logger (as TRL's is)
 
@@ -84,8 +91,24 @@ class PolicyView:
 
 
 @dataclass
+class Sampled:
+    """A round's local half (`RoundBuilder.sample`): what the collective half needs."""
+
+    prompts: list  # [B] as the model saw them (images attached, a tool round's resets appended)
+    completions: list  # [B] texts, or chat messages
+    rollout: rollout.Rollout
+    prompt_images: ImageInputs | None  # the processor's image inputs of the prompts
+    images: list | None  # [B] the rows' images, for the completions table
+    local_rewards: Tensor  # [B, F] this process's rewards, NaN where a source returned None
+    reward_logs: RewardLogs  # what the round's reward functions logged
+    tool_counts: ToolCounts | None
+    rows: int  # dataset rows of the round on this process
+    version: int  # the optimizer step of the weights that sampled it
+
+
+@dataclass
 class CompletionRows:
-    """Every process's rows of one round for the completions table, in global row order."""
+    """Every process's rows of one generation round for the completions table, in global row order."""
 
     prompts: list
     completions: list
@@ -95,14 +118,15 @@ class CompletionRows:
 
 @dataclass
 class Generated:
-    """One generation round on this process: its `Round` (no advantages yet) and what the round's metrics and log
-    need, gathered over every process."""
+    """One generation round after its collective half's gathers: its `Round` (no advantages yet) and what the
+    round's metrics and log need, over every process."""
 
     round: Round
     rewards: Tensor  # [B_global, F]
     lengths: Tensor  # [B_global] tokens the policy sampled per completion
     truncated: Tensor  # [B_global] int
     prompt_tokens: Tensor  # [] prompt tokens over every process
+    reward_logs: RewardLogs  # what its reward functions logged (metrics; the columns are in `log`)
     log: CompletionRows | None  # with `log_completions`
 
 
@@ -113,7 +137,7 @@ class RoundBuilder:
     def __init__(self, *, settings: RoundSettings, schedule: Schedule, processing_class: Any,
                  backend: rollout.RolloutBackend, rewards: RewardSources, estimator: Callable,
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
-                 reward_logs: RewardLogs, score: Callable[[nn.Module, Round], LogProbs],
+                 score: Callable[[nn.Module, Round], LogProbs],
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
@@ -121,12 +145,10 @@ class RoundBuilder:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
-        self.accelerator, self.metrics, self.completions, self.reward_logs = (accelerator, metrics_window,
-                                                                              completions, reward_logs)
+        self.accelerator, self.metrics, self.completions = accelerator, metrics_window, completions
         self.score, self.engine_correction = score, engine_correction
         self.multi_turn, self.first_turn = multi_turn, first_turn
-        self.resampler = resampler  # decision 4
-        self.mismatch = mismatch  # decision 5
+        self.resampler, self.mismatch = resampler, mismatch  # decisions 5 and 6
 
     def num_generations(self, mode: str) -> int:
         return self.settings.num_generations_eval if mode == "eval" else self.settings.num_generations
@@ -134,41 +156,11 @@ class RoundBuilder:
     # ------------------------------------------------------------------------------------------------ the round
 
     def build(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Round:
-        """This process's share of one round from its dataset rows `batch` (each prompt G times in a row); with
-        dynamic sampling (`resampler`, training only), the round after its zero-variance groups were replaced
-        (decision 4)."""
-        generated = [self._generate(batch, mode, policy, state)]
-        if self.resampler is None or mode != "train":
-            round_, rewards = generated[0].round, generated[0].rewards
-            log = generated[0].log
-        else:
-            def sample(rows: list[dict]) -> Tensor:
-                generated.append(self._generate(rows, mode, policy, state))
-                return generated[-1].rewards
+        """This process's share of one round from its dataset rows `batch` (each prompt G times in a row)."""
+        return self.finish(self.sample(batch, mode, policy, state), mode, policy, state)
 
-            selection = self.resampler.fill(generated[0].rewards, len(batch), sample)
-            round_, rewards, log = self._kept(generated, selection)
-            for key, value in metrics.resample_metrics(selection.extra_rounds, selection.prompts_generated,
-                                                       selection.zero_variance_fraction,
-                                                       selection.kept_zero_variance).items():
-                self.metrics.add(mode, key, value)
-        all_advantages = self.rewards.advantages(self.estimator, rewards.cpu(), self.num_generations(mode))
-        start = self.accelerator.process_index * round_.rows
-        advantages = all_advantages[start:start + round_.rows].to(self.accelerator.device)
-        self._record_round_metrics(mode, generated, state)
-        round_ = dataclasses.replace(round_, advantages=advantages,
-                                     window_tokens=self._window_tokens(round_.loss_mask, mode))
-        round_, trainer_scores = self._correct_for_engine(round_, mode, policy)
-        columns = self._report_mismatch(round_, trainer_scores, mode, policy)
-        if log is not None and mode == "train":
-            extra = {**log.extra, **{name: gather_object(values) for name, values in columns.items()}}
-            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, extra,
-                                 images=log.images)
-        return round_
-
-    def _generate(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Generated:
-        """One generation round of this process's rows `batch`: rollout, rewards over every process, and what the
-        round's metrics and log need; the `Round` has no advantages yet."""
+    def sample(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Sampled:
+        """The round's local half (decision 4): rollout and this process's rewards, no collective."""
         device = self.accelerator.device
         if self.multi_turn is None:
             prompts = [row["prompt"] for row in batch]
@@ -180,93 +172,151 @@ class RoundBuilder:
                                             prompt_settings.chat_template_kwargs,
                                             prompt_settings.pad_to_multiple_of).to(device)
             out = self.rollout(prompt_batch, mode, policy)
-            completions, episode_columns = self._completion_texts(out, prompts), {}
+            completions, episode_columns, tool_counts = self._completion_texts(out, prompts), {}, None
             prompt_images = prompt_batch.images
         else:
-            prompts, out, completions, episode_columns = self._episode(batch, mode, policy)
+            episode = self.multi_turn.run(batch, self._turns(mode, policy), self.first_turn, device)
+            prompts, out, completions = episode.prompts, episode.rollout, episode.completions
+            episode_columns, tool_counts = episode.reward_kwargs, episode.tool_counts
             images = prompt_images = None  # multi-turn rounds are text-only (`rollout.prompts` rejects images)
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
         columns.update(episode_columns)
-        rewards = self._rewards(prompts, completions, out, columns, state)
-        loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
-            if self.settings.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
-        round_ = Round.from_rollout(out, prompt_images, None, loss_mask, None, self.settings.prompts.pad_to_multiple_of,
-                                    self.tokenizer.pad_token_id)
-        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
-        prompt_tokens = gather(out.prompt_mask.sum().reshape(1)).sum()
-        return Generated(round_, rewards, lengths, gather(out.is_truncated.int()), prompt_tokens,
-                         self._completion_log(prompts, completions, images))
-
-    def _rewards(self, prompts: list, completions: list, out: rollout.Rollout, columns: dict,
-                 state: TrainerState) -> Tensor:
-        """Every process's rewards `[B_global, F]` of one generation round (decision 2)."""
+        reward_logs = RewardLogs()  # what this round's reward functions pass to log_extra / log_metric
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
         local_rewards = self.rewards.score(prompts, completions, completion_ids, columns, trainer_state=state,
-                                           log_extra=self.reward_logs.log_extra,
-                                           log_metric=self.reward_logs.log_metric).to(self.accelerator.device)
+                                           log_extra=reward_logs.log_extra,
+                                           log_metric=reward_logs.log_metric).to(device)  # [B, F]
         unrewarded = torch.isnan(local_rewards).all(dim=1).nonzero()  # rows no reward function scored
         if len(unrewarded):
             row = int(unrewarded[0])
             sample = {**{k: v[row] for k, v in columns.items()}, "prompt": prompts[row], "completion": completions[row]}
             logger.warning(f"All reward functions returned None for the following kwargs:\n{sample}\nSuch completions "
                            "get advantage 0; make sure at least one reward function returns a valid reward.")
-        return gather(local_rewards)  # [B_global, F]
+        return Sampled(prompts, completions, out, prompt_images, images, local_rewards, reward_logs, tool_counts,
+                       len(batch), policy.version)
 
-    def _completion_log(self, prompts: list, completions: list, images: list | None) -> CompletionRows | None:
+    def finish(self, sampled: Sampled, mode: str, policy: PolicyView, state: TrainerState) -> Round:
+        """The round's collective half (decision 4): every process's rewards, the advantages, the round's metrics
+        and log, and the `Round`; with dynamic sampling, after its zero-variance groups were replaced (decision 5).
+        `policy`: the weights the loss starts from (the engine correction's forward, extra prompts' rollouts)."""
+        generated = [self._gathered(sampled, mode)]
+        if self.resampler is None or mode != "train":
+            round_, rewards, log = generated[0].round, generated[0].rewards, generated[0].log
+        else:
+            def more(rows: list[dict]) -> Tensor:
+                generated.append(self._gathered(self.sample(rows, mode, policy, state), mode))
+                return generated[-1].rewards
+
+            selection = self.resampler.fill(generated[0].rewards, sampled.rows, more)
+            round_, rewards, log = self._kept(generated, selection)
+            for key, value in metrics.resample_metrics(selection.extra_rounds, selection.prompts_generated,
+                                                       selection.zero_variance_fraction,
+                                                       selection.kept_zero_variance).items():
+                self.metrics.add(mode, key, value)
+        all_advantages = self.rewards.advantages(self.estimator, rewards.cpu(), self.num_generations(mode))
+        start = self.accelerator.process_index * round_.rows
+        advantages = all_advantages[start:start + round_.rows].to(self.accelerator.device)  # [B]
+        self._record_round_metrics(mode, generated, state)
+        round_ = dataclasses.replace(round_, advantages=advantages,
+                                     window_tokens=self._window_tokens(round_.loss_mask, mode))
+        asynchronous = mode == "train" and self.schedule.rounds_ahead > 0  # sampled ahead (`trainer.producer`)
+        round_, scores = self._correct(round_, mode, policy, asynchronous)
+        columns = {} if asynchronous else self._report_mismatch(round_, scores, mode, policy)
+        if log is not None and mode == "train":
+            extra = {**log.extra, **{name: gather_object(values) for name, values in columns.items()}}
+            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, extra,
+                                 images=log.images)
+        return round_
+
+    def _gathered(self, sampled: Sampled, mode: str) -> Generated:
+        """One generation round's gathers (rewards, lengths, the completions table's rows) and its `Round` without
+        advantages."""
+        out = sampled.rollout
+        if sampled.tool_counts is not None:
+            counts = torch.tensor([sampled.tool_counts.calls, sampled.tool_counts.failures, sampled.rows],
+                                  device=self.accelerator.device)
+            for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
+                self.metrics.add(mode, key, value)
+        rewards = gather(sampled.local_rewards)  # [B_global, F]
+        loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
+            if self.settings.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
+        round_ = Round.from_rollout(out, sampled.prompt_images, None, loss_mask, None,
+                                    self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
+        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
+        prompt_tokens = gather(out.prompt_mask.sum().reshape(1)).sum()
+        return Generated(round_, rewards, lengths, gather(out.is_truncated.int()), prompt_tokens, sampled.reward_logs,
+                         self._completion_rows(sampled))
+
+    def _completion_rows(self, sampled: Sampled) -> CompletionRows | None:
         """Every process's rows of one generation round for the completions table (`log_completions` only)."""
-        log = self.settings.log_completions
-        extra = self.reward_logs.gather_columns(len(prompts), gather_object) if log else {}
-        self.reward_logs.columns.clear()
-        if not log:
+        if not self.settings.log_completions:
             return None
+        extra = sampled.reward_logs.gather_columns(len(sampled.prompts), gather_object)
+        images = sampled.images
         logged_images = gather_object(images) if images is not None and self.settings.log_multimodal else None
-        return CompletionRows(gather_object([strip_images(p) for p in prompts]), gather_object(completions), extra,
-                              logged_images)
+        return CompletionRows(gather_object([strip_images(p) for p in sampled.prompts]),
+                              gather_object(sampled.completions), extra, logged_images)
 
     def _kept(self, generated: list[Generated], selection: Selection) -> tuple[Round, Tensor, CompletionRows | None]:
         """The kept round on this process, its rewards over every process `[B_global, F]` and its logged rows, from
         the generation rounds `generated` (`resample.Selection`)."""
-        pieces = []
-        for chunk, first, rows in selection.blocks:
-            pieces.append(generated[chunk].round.select(slice(first, first + rows)))
+        pieces = [generated[chunk].round.select(slice(first, first + rows)) for chunk, first, rows in selection.blocks]
         round_ = Round.concat(pieces, self.tokenizer.pad_token_id)
         rewards = torch.stack([generated[chunk].rewards[row] for chunk, row in selection.global_rows])
-        log = None
-        if generated[0].log is not None:
-            logs = [generated[chunk].log for chunk, _ in selection.global_rows]
-            rows = [row for _, row in selection.global_rows]
-            names = sorted({name for entry in logs for name in entry.extra})
-            log = CompletionRows([entry.prompts[r] for entry, r in zip(logs, rows)],
-                                 [entry.completions[r] for entry, r in zip(logs, rows)],
-                                 {name: [entry.extra[name][r] if name in entry.extra else None
-                                         for entry, r in zip(logs, rows)] for name in names},
-                                 None if any(entry.images is None for entry in logs)
-                                 else [entry.images[r] for entry, r in zip(logs, rows)])
+        if generated[0].log is None:
+            return round_, rewards, None
+        logs = [generated[chunk].log for chunk, _ in selection.global_rows]
+        rows = [row for _, row in selection.global_rows]
+        names = sorted({name for entry in logs for name in entry.extra})
+        log = CompletionRows([entry.prompts[r] for entry, r in zip(logs, rows)],
+                             [entry.completions[r] for entry, r in zip(logs, rows)],
+                             {name: [entry.extra[name][r] if name in entry.extra else None
+                                     for entry, r in zip(logs, rows)] for name in names},
+                             None if any(entry.images is None for entry in logs)
+                             else [entry.images[r] for entry, r in zip(logs, rows)])
         return round_, rewards, log
 
-    def _correct_for_engine(self, round_: Round, mode: str, policy: PolicyView) -> tuple[Round, LogProbs | None]:
-        """Decision 3; records the `sampling/*` metrics. Also returns the trainer's log-probs at the sampling weights
-        (None when no correction ran)."""
-        if round_.engine_logps is None or self.engine_correction is None:
+    def correct_off_policy(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False) -> Round:
+        """Decision 3, for a round whose `engine_logps` are the sampler's (an engine's; or, `asynchronous`, the
+        producer's behaviour policy, `trainer.producer`): the trainer's log-probs under `policy`'s weights become the
+        old ones, weighed against the sampler's by `engine_correction` (when set); records the `sampling/*` metrics
+        and, `asynchronous`, the raw importance ratio before truncation."""
+        return self._correct(round_, mode, policy, asynchronous)[0]
+
+    def _correct(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False
+                 ) -> tuple[Round, LogProbs | None]:
+        """`correct_off_policy`, and the trainer's log-probs it computed (None when it computed none). Under
+        truncated sampling the kept supports that forward used become the round's, for every later forward."""
+        if round_.engine_logps is None or (self.engine_correction is None and not asynchronous):
             return round_, None
         with torch.no_grad():
             scores = self.score(policy.model, round_.trimmed())
         width = round_.completion_ids.shape[1]
-        old = nn.functional.pad(scores.logps, (0, width - scores.logps.shape[1]))
-        if scores.sampling_mask is not None:  # the supports at the sampling weights, for every later forward
+        old = nn.functional.pad(scores.logps, (0, width - scores.logps.shape[1]))  # [B, T]
+        if scores.sampling_mask is not None:
             round_ = dataclasses.replace(round_, sampling_mask=nn.functional.pad(
                 scores.sampling_mask, (0, 0, 0, width - scores.sampling_mask.shape[1])))
-        round_, values = apply_engine_correction(round_, old, self.engine_correction, self.schedule.on_policy(mode))
+        if asynchronous:
+            mask = round_.loss_mask.bool()
+            raw = torch.exp(old - round_.engine_logps.nan_to_num())[mask]  # pi_old / pi_behaviour per token
+            empty = raw.numel() == 0  # every process records every key (they are reduced together)
+            self.metrics.add(mode, "async/importance_ratio_raw_mean", math.nan if empty else raw.mean())
+            self.metrics.add_min(mode, "async/importance_ratio_raw_min", math.inf if empty else float(raw.min()))
+            self.metrics.add_max(mode, "async/importance_ratio_raw_max", -math.inf if empty else float(raw.max()))
+        if self.engine_correction is None:
+            return dataclasses.replace(round_, old_logps=old, engine_logps=None), scores
+        round_, values = apply_engine_correction(round_, old, self.engine_correction,
+                                                 self.schedule.on_policy(mode) and not asynchronous)
         for key, value in values.items():
             self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
         return round_, scores
 
     def _report_mismatch(self, round_: Round, scores: LogProbs | None, mode: str, policy: PolicyView
                          ) -> dict[str, list]:
-        """The mismatch report of a training round (`trainer.mismatch`, decision 1): with the trainer's log-probs
-        at the sampling weights from the engine correction, else from a no-grad forward when asked for. This
-        process's completions-table columns."""
+        """The mismatch report of a training round (decision 6, `trainer.mismatch`): with the trainer's log-probs at
+        the sampling weights from the engine correction, else from a no-grad forward when asked for. This process's
+        completions-table columns."""
         if self.mismatch is None or mode != "train" or sampler_logps(round_) is None:
             return {}
         corrected = scores is not None
@@ -304,21 +354,14 @@ class RoundBuilder:
                 out = backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, sampling.temperature, plan)
 
-    def _episode(self, batch: list[dict], mode: str, policy: PolicyView
-                 ) -> tuple[list, rollout.Rollout, list, dict[str, list]]:
-        """A multi-turn round (`rollout.multiturn`): the prompts as the model saw them, the rollout, the completions
-        as chat messages, and the extra reward-function keyword arguments."""
+    def _turns(self, mode: str, policy: PolicyView) -> Callable:
+        """A multi-turn round's turn on the rollout backend (`rollout.multiturn`'s `generate`)."""
         device = self.accelerator.device
 
         def generate(prompts: rollout.PromptBatch, max_new_tokens: int | None, continuation: bool) -> rollout.Rollout:
             return self.rollout(prompts.to(device), mode, policy, max_new_tokens, continuation)
 
-        episode = self.multi_turn.run(batch, generate, self.first_turn, device)
-        if episode.tool_counts is not None:
-            counts = torch.tensor([episode.tool_counts.calls, episode.tool_counts.failures, len(batch)], device=device)
-            for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
-                self.metrics.add(mode, key, value)
-        return episode.prompts, episode.rollout, episode.completions, episode.reward_kwargs
+        return generate
 
     def _suppressed(self, model: nn.Module) -> list[int] | None:
         """Tokens sampling must never produce: a vision-language model's image placeholders (TRL's rule)."""
@@ -351,10 +394,14 @@ class RoundBuilder:
         if mode == "train":
             state.num_input_tokens_seen += int(sum(g.prompt_tokens for g in generated) + lengths.sum())
         self.metrics.set(mode, "num_tokens", state.num_input_tokens_seen)
+        reward_logs = generated[0].reward_logs
+        for g in generated[1:]:  # every value logged for the round, whichever generation round logged it
+            for name, values in g.reward_logs.metrics.items():
+                reward_logs.metrics[name].extend(values)
         scale = self.rewards.settings.scale_rewards
         round_metrics = {**metrics.completion_length_metrics(lengths, truncated),
                          **metrics.reward_metrics(rewards, self.rewards.weights, self.rewards.names,
                                                   self.num_generations(mode), scale, with_pass_at_k=mode == "eval"),
-                         **self.reward_logs.gather_metrics(gather_object)}
+                         **reward_logs.gather_metrics(gather_object)}
         for key, value in round_metrics.items():
             self.metrics.add(mode, key, value)

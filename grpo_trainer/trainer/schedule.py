@@ -32,14 +32,16 @@ class Schedule:
     steps_per_generation: int = 1
     num_iterations: int = 1
     gradient_accumulation_steps: int = 1
+    rounds_ahead: int = 0  # `async_rollouts`: training rounds were sampled before the latest weights
 
     @property
     def micro_steps_per_round(self) -> int:
         return self.steps_per_generation * self.num_iterations
 
     def on_policy(self, mode: str) -> bool:
-        """Decision 2."""
-        return mode != "train" or self.gradient_accumulation_steps % self.micro_steps_per_round == 0
+        """Decision 2 (a round sampled ahead, `trainer.producer`, is not: the weights moved since)."""
+        return mode != "train" or (self.rounds_ahead == 0
+                                   and self.gradient_accumulation_steps % self.micro_steps_per_round == 0)
 
     def position(self, micro_step: int) -> tuple[int, int]:
         """(iteration, micro-batch index) that `micro_step` trains on (decision 1)."""

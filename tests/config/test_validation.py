@@ -63,6 +63,8 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"zero_variance_groups": "skip", "top_entropy_quantile": 0.5}, "but top_entropy_quantile=0.5 (its quantile "
                                                                     "counts every completion's tokens)"),
     ({"max_resample_rounds": -1}, "max_resample_rounds must be >= 0 (got -1)"),
+    ({"zero_variance_groups": "resample", "async_rollouts": 1}, "zero_variance_groups='resample' generates its extra "
+                                                                "prompts while the round is assembled"),
     ({"sampling_mismatch_threshold": 0.0}, "sampling_mismatch_threshold must be > 0 nats (got 0.0)"),
 ])
 def test_config_rejects(overrides, message):

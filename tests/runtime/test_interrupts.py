@@ -42,7 +42,8 @@ STUCK_SCRIPT = textwrap.dedent('''
     tokenizer = make_tokenizer()
     args = GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=4, learning_rate=0.01, max_steps=100, save_strategy="no",
-                      report_to="none", disable_tqdm=True, seed=0, signal_grace_period=float(sys.argv[2]))
+                      report_to="none", disable_tqdm=True, seed=0, signal_grace_period=float(sys.argv[2]),
+                      async_rollouts=int(sys.argv[4]))
     trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=7), reward_from_a_dead_server, args=args,
                           train_dataset=copy_digits_dataset(32), processing_class=tokenizer)
     trainer.train()
@@ -53,12 +54,12 @@ STUCK_SCRIPT = textwrap.dedent('''
 class Run:
     """A training subprocess whose output lines arrive on a queue, so waiting for one can time out."""
 
-    def __init__(self, tmp_path, grace_period, stuck_in="python"):
+    def __init__(self, tmp_path, grace_period, stuck_in="python", async_rollouts=0):
         script = tmp_path / "train.py"
         script.write_text(STUCK_SCRIPT)
         env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         self.output_dir = tmp_path / "out"
-        command = [sys.executable, str(script), str(self.output_dir), str(grace_period), stuck_in]
+        command = [sys.executable, str(script), str(self.output_dir), str(grace_period), stuck_in, str(async_rollouts)]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines, self.seen = queue.Queue(), []
         threading.Thread(target=self._read, daemon=True).start()
@@ -99,13 +100,16 @@ class Run:
             self.process.wait()
 
 
-@pytest.mark.parametrize("signum, stuck_in", [
-    (signal.SIGTERM, "python"), (signal.SIGINT, "python"),
-    pytest.param(signal.SIGTERM, "C", marks=pytest.mark.skipif(sys.platform != "linux", reason="glibc pthreads")),
+@pytest.mark.parametrize("signum, stuck_in, async_rollouts", [
+    (signal.SIGTERM, "python", 0), (signal.SIGINT, "python", 0),
+    pytest.param(signal.SIGTERM, "C", 0, marks=pytest.mark.skipif(sys.platform != "linux", reason="glibc pthreads")),
+    # asynchronous rollouts: the reward hangs on the producer thread (round 3, sampled while step 3 trains); the
+    # main thread waits for it before the optimizer step, with the last finished step intact
+    (signal.SIGTERM, "python", 1),
 ])
 def test_a_stuck_step_ends_within_the_grace_period_with_the_last_step_saved(tmp_path, tokenizer, toy_dataset,
-                                                                            signum, stuck_in):
-    run = Run(tmp_path, grace_period=3, stuck_in=stuck_in)
+                                                                            signum, stuck_in, async_rollouts):
+    run = Run(tmp_path, grace_period=3, stuck_in=stuck_in, async_rollouts=async_rollouts)
     try:
         run.wait_for("STUCK", START_TIMEOUT)
         sent = time.monotonic()
@@ -121,7 +125,7 @@ def test_a_stuck_step_ends_within_the_grace_period_with_the_last_step_saved(tmp_
     assert "RETURNED" not in output
     checkpoint = run.output_dir / "checkpoint-2"
     assert latest_complete(str(run.output_dir)) == str(checkpoint) and (checkpoint / MANIFEST).is_file()
-    if stuck_in == "python" and signum == signal.SIGTERM:  # what was saved resumes
+    if stuck_in == "python" and signum == signal.SIGTERM:  # what was saved resumes (synchronously here)
         resumed = copy_task_trainer(run.output_dir, tokenizer, toy_dataset, max_steps=3)
         resumed.train(resume_from_checkpoint=True)
         assert resumed.state.global_step == 3

@@ -1,0 +1,258 @@
+"""Asynchronous rollouts (`async_rollouts`, `trainer.producer`): round n + k is sampled with the weights of step n on
+a producer thread, deterministically, resumably, with the off-policy correction chosen, and refused where unsafe.
+Real tiny training runs on the copy task."""
+
+import dataclasses
+import hashlib
+import random
+import time
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model
+from grpo_trainer.rewards.scoring import RewardError
+from grpo_trainer.trainer import round_builder
+from grpo_trainer.trainer.producer import ProducerError, round_seed
+from tests.helpers import copy_task_trainer
+
+
+def _digest(model) -> str:
+    values = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return hashlib.sha1(values.numpy().tobytes()).hexdigest()
+
+
+class WeightLog(TrainerCallback):
+    """The weights' digest after each optimizer step (version v = the weights after v steps)."""
+
+    def __init__(self, model):
+        self.model, self.versions = model, {0: _digest(model)}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.versions[state.global_step] = _digest(self.model)
+
+
+@pytest.fixture
+def sampled_log(monkeypatch):
+    """Every round `RoundBuilder.sample` makes: (version, the digest of the weights it sampled with, the
+    completions' token ids)."""
+    log = []
+    sample = round_builder.RoundBuilder.sample
+
+    def recording(self, batch, mode, policy, state):
+        with policy.for_generation() as model:
+            weights = _digest(model)
+        out = sample(self, batch, mode, policy, state)
+        log.append((policy.version, weights, out.rollout.completion_ids.clone()))
+        return out
+
+    monkeypatch.setattr(round_builder.RoundBuilder, "sample", recording)
+    return log
+
+
+def _run(tmp_path, tokenizer, dataset, reward=None, **overrides):
+    settings = dict(async_rollouts=1, max_steps=4, per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=6, learning_rate=0.05)
+    settings.update(overrides)
+    trainer = copy_task_trainer(tmp_path, tokenizer, dataset, reward_funcs=reward, **settings)
+    weights = WeightLog(trainer.model)
+    trainer.add_callback(weights)
+    trainer.train()
+    return trainer, weights
+
+
+def jittery_reward(completions, **kwargs):
+    """The copy reward after a random pause (not seeded): the producer's timing differs from run to run."""
+    time.sleep(random.random() * 0.05)
+    return copy_digits_reward(completions, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["fast", "generate"])
+def test_round_n_plus_1_is_sampled_with_the_weights_of_step_n(tmp_path, tokenizer, toy_dataset, sampled_log,
+                                                              backend):
+    trainer, weights = _run(tmp_path, tokenizer, toy_dataset, generation_backend=backend)
+    # round 0 is sampled before any step (version 0); round r + 1 while round r trains, with the weights after r
+    # steps; the run of 4 steps samples no round past its last
+    assert [version for version, _, _ in sampled_log] == [0, 0, 1, 2]
+    for version, digest, _ in sampled_log:
+        assert digest == weights.versions[version]
+    staleness = [row["async/staleness"] for row in trainer.state.log_history if "async/staleness" in row]
+    assert staleness == [0.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("backend", ["fast", "generate"])
+def test_the_same_seed_gives_the_same_run_whatever_the_timing(tmp_path, tokenizer, toy_dataset, sampled_log,
+                                                              backend):
+    first, _ = _run(tmp_path / "a", tokenizer, toy_dataset, jittery_reward, generation_backend=backend)
+    rounds_a = [ids for _, _, ids in sampled_log]
+    sampled_log.clear()
+    second, _ = _run(tmp_path / "b", tokenizer, toy_dataset, jittery_reward, generation_backend=backend)
+    rounds_b = [ids for _, _, ids in sampled_log]
+    assert len(rounds_a) == 4 and all(torch.equal(a, b) for a, b in zip(rounds_a, rounds_b))
+    assert _digest(first.model) == _digest(second.model)
+    # and the rounds are not all alike: each has its own sampling seed
+    assert round_seed(0, 1) != round_seed(0, 2) and not torch.equal(rounds_a[1], rounds_a[2])
+
+
+def test_two_rounds_ahead_are_at_most_two_steps_stale(tmp_path, tokenizer, toy_dataset, sampled_log):
+    trainer, weights = _run(tmp_path, tokenizer, toy_dataset, async_rollouts=2, max_steps=5)
+    # rounds 0, 1 and 2 go out before step 0 (version 0); round r + 2 at the start of round r
+    assert [version for version, _, _ in sampled_log] == [0, 0, 0, 1, 2]
+    assert [digest for _, digest, _ in sampled_log] == [weights.versions[v] for v, _, _ in sampled_log]
+    assert max(row["async/staleness_max"] for row in trainer.state.log_history if "async/staleness_max" in row) == 2
+
+
+def test_behaviour_mode_takes_the_samplers_log_probs_as_the_old_ones(tmp_path, tokenizer, toy_dataset,
+                                                                    monkeypatch):
+    prepared = []
+    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, async_rollouts=1, async_correction="behaviour",
+                                max_steps=2, per_device_train_batch_size=8, num_generations=4)
+    finish = trainer.async_rounds.builder.finish
+
+    def finishing(sampled, mode, policy, state):
+        round_ = finish(sampled, mode, policy, state)
+        prepared.append((sampled.rollout.sampling_logps.clone(), round_))
+        return round_
+
+    monkeypatch.setattr(trainer.async_rounds.builder, "finish", finishing)
+    trainer.train()
+    behaviour, _ = prepared[1]
+    served = trainer.buffer.parts[0]  # round 1's micro-batch, trimmed
+    width = served.completion_ids.shape[1]
+    assert served.engine_ratio is None and served.engine_logps is None
+    assert torch.equal(served.old_logps, behaviour[:, :width])
+
+
+def test_recompute_mode_weighs_old_against_behaviour_with_the_truncation(tmp_path, tokenizer, toy_dataset):
+    """'recompute': old log-probs under the round's start weights (the weights after step r for round r + 1), and a
+    token-level truncated weight min(exp(old - behaviour), 3) (vllm_importance_sampling_mode='token_truncate')."""
+    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, async_rollouts=1, max_steps=2,
+                                per_device_train_batch_size=8, num_generations=4,
+                                vllm_importance_sampling_mode="token_truncate",
+                                vllm_importance_sampling_clip_max=3.0)
+    trainer.train()
+    served = trainer.buffer.parts[0]  # round 1: sampled with the weights after step 0, trained at step 1
+    with torch.no_grad():
+        recomputed = trainer.scorer.no_grad_logps(trainer.model, dataclasses.replace(
+            served, old_logps=None, engine_logps=None, engine_ratio=None))
+    # the model has since taken step 1: the old log-probs are those of the weights the round started with, which a
+    # recomputation now does not reproduce; the ratio is rebuilt from the round's own old and behaviour values
+    mask = served.loss_mask.bool()
+    expected = torch.exp(served.old_logps - served.engine_logps).clamp(max=3.0)
+    torch.testing.assert_close(served.engine_ratio[mask], expected[mask], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(recomputed[mask], served.old_logps[mask])
+    logged = trainer.state.log_history[1]
+    assert {"async/importance_ratio_raw_mean", "async/importance_ratio_raw_min",
+            "async/importance_ratio_raw_max", "sampling/importance_sampling_ratio/mean"} <= set(logged)
+    assert logged["async/importance_ratio_raw_min"] <= logged["async/importance_ratio_raw_mean"] \
+        <= logged["async/importance_ratio_raw_max"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_iterations": 2, "steps_per_generation": 2}])
+def test_two_steps_save_resume_two_steps_equals_four_straight(tmp_path, tokenizer, toy_dataset, sampled_log,
+                                                              overrides):
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2 or control.should_training_stop
+
+    def run(output_dir, stop=False, resume=None):
+        torch.manual_seed(123)
+        trainer = copy_task_trainer(output_dir, tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
+                                    async_rollouts=1, max_steps=4, save_strategy="steps", save_steps=2,
+                                    per_device_train_batch_size=8, num_generations=4, learning_rate=0.05,
+                                    **overrides)
+        if stop:
+            trainer.add_callback(StopAt())
+        trainer.train(resume_from_checkpoint=resume)
+        return _digest(trainer.model)
+
+    straight = run(tmp_path / "straight")
+    straight_rounds = [ids for _, _, ids in sampled_log]
+    sampled_log.clear()
+    run(tmp_path / "split", stop=True)
+    resumed = run(tmp_path / "split", resume=True)
+    split_rounds = [ids for _, _, ids in sampled_log]
+    assert resumed == straight
+    # the round sampled ahead before the save came from the checkpoint: no round was sampled twice
+    assert len(split_rounds) == len(straight_rounds)
+    assert all(torch.equal(a, b) for a, b in zip(split_rounds, straight_rounds))
+
+
+def test_a_producer_failure_surfaces_on_the_main_thread_with_its_round(tmp_path, tokenizer, toy_dataset):
+    def fails_on_round_2(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:  # round 2 is submitted at the start of round 1
+            raise KeyError("the judge's answer had no 'score'")
+        return copy_digits_reward(completions, **kwargs)
+
+    failed = r"sampling round 2 on the producer thread failed: RewardError: reward function 'fails_on_round_2'"
+    with pytest.raises(ProducerError, match=failed) as raised:
+        _run(tmp_path, tokenizer, toy_dataset, fails_on_round_2)
+    assert isinstance(raised.value.__cause__, RewardError)  # the original error and its traceback, chained
+    assert "KeyError" in str(raised.value.__cause__) and raised.value.__cause__.__traceback__ is not None
+
+
+def test_a_round_past_the_time_limit_stops_the_run(tmp_path, tokenizer, toy_dataset):
+    def slow_after_round_1(completions, trainer_state, **kwargs):
+        if trainer_state.global_step >= 1:
+            time.sleep(3)
+        return copy_digits_reward(completions, **kwargs)
+
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match="took more than async_rollout_timeout=0.5 s"):
+        _run(tmp_path, tokenizer, toy_dataset, slow_after_round_1, async_rollout_timeout=0.5)
+    assert time.monotonic() - started < 60
+
+
+def test_the_producer_thread_ends_with_the_run(tmp_path, tokenizer, toy_dataset):
+    trainer, _ = _run(tmp_path, tokenizer, toy_dataset, max_steps=2)
+    thread = trainer.async_rounds.producer._thread
+    assert thread.daemon and not thread.is_alive()
+
+
+def test_unsafe_combinations_are_refused_before_any_model_loads(tmp_path, tokenizer, toy_dataset, monkeypatch):
+    from datasets import IterableDataset
+
+    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from grpo_trainer.runtime import models
+
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+
+    def trainer(dataset=toy_dataset, **overrides):
+        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                          report_to="none", async_rollouts=1, max_steps=2, **overrides)
+        extra = overrides.pop("trainer_kwargs", {}) if "trainer_kwargs" in overrides else {}
+        return GRPOTrainer("unused-model-id", copy_digits_reward, args=args, train_dataset=dataset,
+                           processing_class=tokenizer, **extra)
+
+    with pytest.raises(ValueError, match="a rollout_func receives the trainer"):
+        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                          report_to="none", async_rollouts=1)
+        GRPOTrainer("unused-model-id", copy_digits_reward, args=args, train_dataset=toy_dataset,
+                    processing_class=tokenizer, rollout_func=lambda prompts, trainer: None)
+    stream = IterableDataset.from_generator(lambda: iter(toy_dataset))
+    with pytest.raises(ValueError, match="a streamed train_dataset cannot be read rounds ahead"):
+        trainer(stream)
+    with pytest.raises(ValueError, match="continuous batching switches the model between train and eval"):
+        trainer(use_transformers_continuous_batching=True)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="which FSDP shards.*vllm_mode='server'"):
+        trainer()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    with pytest.raises(ValueError, match="async_rollouts must be an integer >= 0"):
+        GRPOConfig(output_dir=str(tmp_path), async_rollouts=-1, report_to="none")
+    with pytest.raises(ValueError, match="async_correction must be 'recompute' or 'behaviour'"):
+        GRPOConfig(output_dir=str(tmp_path), async_correction="new", report_to="none")
+
+
+def test_active_dropout_is_refused_with_an_in_process_backend(tmp_path, tokenizer, toy_dataset):
+    model = make_tiny_model(tokenizer)
+    model.model.layers[0].mlp.extra = torch.nn.Dropout(0.1)
+    with pytest.raises(ValueError, match=r"needs dropout off, but model\.layers\.0\.mlp\.extra drops"):
+        copy_task_trainer(tmp_path, tokenizer, toy_dataset, model=model, async_rollouts=1)
+    trainer = copy_task_trainer(tmp_path, tokenizer, toy_dataset, model=model, async_rollouts=1,
+                                disable_dropout=True)
+    assert trainer.model.model.layers[0].mlp.extra.p == 0.0
+    model.model.layers[1].self_attn.attention_dropout = 0.1  # Qwen2's attention dropout, a float the forward reads
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn drops with p > 0"):
+        copy_task_trainer(tmp_path, tokenizer, toy_dataset, model=model, async_rollouts=1, disable_dropout=True)
