@@ -12,10 +12,11 @@ Decisions:
    `sampling/sampling_logp_difference/{mean,max}` (unless the engine correction already logged them this round),
    the quantiles of |delta| (`/p50`, `/p90`, `/p99`) and its mean per completion-position bucket
    (`/position_<first>-<last>/mean`).
-3. The per-token table (count, mean and max |delta| of the tokens that disagree most in total) and the worst tokens
-   with the text before them are written by the main process to `output_dir/sampling_mismatch/step_<N>.json`;
-   with `log_completions`, each completion's mean and max |delta| and its worst token are columns of the
-   completions table.
+3. With `sampling_mismatch_report`, the per-token table (count, mean and max |delta| of the tokens that disagree
+   most in total) and the worst tokens with the text before them are written by the main process to
+   `output_dir/sampling_mismatch/step_<N>.json` (a run that did not ask for the report gets no files); with
+   `log_completions`, each completion's mean and max |delta| and its worst token are columns of the completions
+   table.
 4. Above `threshold` (mean |delta|, nats per token) a warning names the likely cause (`algorithms.mismatch`), once
    per cause per run; the cause of every reported round is in its file. The first reported round is the baseline
    the stale-weights rule compares with.
@@ -117,8 +118,11 @@ class MismatchReport:
             self.warned.add(cause)
             logger.warning(f"The sampler's and the trainer's log-probs of the sampled tokens differ by "
                            f"{mean_delta:.3g} nats per token on average (sampling_mismatch_threshold="
-                           f"{self.settings.threshold}). Likely cause: {cause}: {why}. Details by position and token: "
-                           f"{os.path.join(self.settings.output_dir or '.', 'sampling_mismatch')}.")
+                           f"{self.settings.threshold}). Likely cause: {cause}: {why}. " + (
+                               "Details by position and token: "
+                               f"{os.path.join(self.settings.output_dir or '.', 'sampling_mismatch')}."
+                               if self.settings.enabled else "sampling_mismatch_report=True writes the details by "
+                               "position and token."))
         self._write(version, round_, delta, mask, metrics, cause, why, mean_delta)
         return self._completion_columns(round_, delta, known)
 
@@ -168,7 +172,7 @@ class MismatchReport:
                          for token, (count, total, largest) in by_token],
             "worst_tokens": worst,
         }
-        if self.settings.output_dir is not None:
+        if self.settings.enabled and self.settings.output_dir is not None:
             folder = os.path.join(self.settings.output_dir, "sampling_mismatch")
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, f"step_{version:06d}.json"), "w") as f:

@@ -136,3 +136,18 @@ def test_the_report_by_position_by_token_and_in_the_completions_table(tmp_path, 
     extra = trainer._logs["extra"]
     assert len(extra["logp_difference_mean"]) == 8 and all(v is not None for v in extra["logp_difference_max"])
     assert max(extra["logp_difference_max"]) == pytest.approx(logs[0]["sampling/sampling_logp_difference/max"])
+
+
+def test_a_round_reported_without_the_option_logs_metrics_but_writes_no_file(tmp_path, tokenizer, toy_dataset):
+    """What an engine correction's round gets without `sampling_mismatch_report` (the report called as the correction
+    calls it): the metrics, the completions-table columns, no file."""
+    trainer = GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, processing_class=tokenizer,
+                          args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                                          max_completion_length=6, report_to="none", save_strategy="no"),
+                          train_dataset=toy_dataset)
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    trainer._metrics["train"].clear()
+    columns = trainer.rounds.mismatch.report(round_, round_.sampling_logps + 0.1, None, 0, torch.float32, False)
+    assert trainer._metrics["train"]["sampling/sampling_logp_difference/mean"][0] == pytest.approx(0.1, abs=1e-6)
+    assert len(columns["logp_difference_mean"]) == 8
+    assert not (tmp_path / "sampling_mismatch").exists()
