@@ -12,7 +12,7 @@ from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECT
 from grpo_trainer.algorithms.engine_correction import IS_MODES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
-__all__ = ["PENDING", "advisories", "check_config", "check_pending"]
+__all__ = ["PENDING", "ZERO_VARIANCE_CHOICES", "advisories", "check_config", "check_pending"]
 
 # Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
 # Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
@@ -66,6 +66,21 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"signal_grace_period must be >= 0 seconds (got {args.signal_grace_period})."),
         (args.sync_ref_model and args.beta == 0,
          "sync_ref_model=True needs beta > 0: with beta == 0 there is no reference model to sync."),
+        (args.zero_variance_groups not in ZERO_VARIANCE_CHOICES,
+         f"unknown zero_variance_groups {args.zero_variance_groups!r}; choose one of {ZERO_VARIANCE_CHOICES}."),
+        (args.zero_variance_groups == "skip" and _skip_changes_gradient(args) is not None,
+         f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage completion adds "
+         f"nothing to the loss, but {_skip_changes_gradient(args)} gives it a gradient; use 'train' (the same "
+         "gradient, every row run) or 'resample'."),
+        (args.zero_variance_groups == "resample" and isinstance(args.async_rollouts, int) and args.async_rollouts > 0,
+         f"zero_variance_groups='resample' generates its extra prompts while the round is assembled, with the latest "
+         f"weights, but async_rollouts={args.async_rollouts} samples rounds ahead with older ones; use "
+         "async_rollouts=0, or zero_variance_groups='train' or 'skip'."),
+        (args.max_resample_rounds < 0,
+         f"max_resample_rounds must be >= 0 (got {args.max_resample_rounds}); 0 draws no extra prompt."),
+        (not args.sampling_mismatch_threshold > 0,
+         f"sampling_mismatch_threshold must be > 0 nats (got {args.sampling_mismatch_threshold}); 0.05 is the "
+         "default."),
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
         (not isinstance(args.padding_free, bool),
          f"padding_free must be True or False (got {args.padding_free!r})."),
@@ -120,6 +135,20 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"{args.world_size} processes) must be divisible by the evaluation's num_generations "
          f"({args.num_generations_eval or G}): each prompt's completions are scored together."),
     ]
+
+
+ZERO_VARIANCE_CHOICES = ("train", "skip", "resample")
+
+
+def _skip_changes_gradient(args: Any) -> str | None:
+    """The setting under which a completion with advantage 0 still has a loss gradient (None: there is none)."""
+    if args.beta != 0:
+        return f"beta={args.beta} (the KL term)"
+    if args.entropy_coef != 0 or args.use_adaptive_entropy:
+        return "the entropy bonus (entropy_coef / use_adaptive_entropy)"
+    if args.top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={args.top_entropy_quantile} (its quantile counts every completion's tokens)"
+    return None
 
 
 def _sequence_parallel(args: Any) -> bool:

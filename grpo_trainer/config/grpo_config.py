@@ -171,6 +171,15 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "sums; pair it with importance_sampling_level='sequence') or 'vespo' (a Gamma-shaped sequence weight).")
     importance_sampling_level: str = _opt("token", "'token' or 'sequence' (GSPO).")
     mask_truncated_completions: bool = _opt(False, "Leave completions that never emitted EOS out of the loss.")
+    zero_variance_groups: str = _opt(
+        "train", "Groups whose G rewards are all equal (advantage 0, no policy-gradient signal): 'train' trains on "
+        "them as TRL does (they still count in every loss normaliser); 'skip' leaves out their forward and backward "
+        "with the gradient unchanged (beta = 0, no entropy bonus or mask, no router loss); 'resample' (DAPO's dynamic "
+        "sampling) generates extra prompts, drawn by a seeded sampler saved in checkpoints, until the round holds "
+        "informative groups only, then normalises over the kept tokens as usual (docs/TRAINING_DATA.md).")
+    max_resample_rounds: int = _opt(
+        4, "zero_variance_groups='resample': the most extra generation rounds per round; past them the round keeps "
+        "zero-variance groups in the free places, with a warning.")
     top_entropy_quantile: float = _opt(
         1.0, "rho: train the policy term on the top-rho highest-entropy completion tokens only (the quantile is over "
         "every process's tokens). 1.0 keeps every token, 0.0 the highest-entropy ones.")
@@ -197,6 +206,19 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     entropy_coef_delta: float = _opt(0.005, "Adaptive entropy control: the coefficient's step per optimizer step.")
     entropy_target: float = _opt(
         0.2, "Adaptive entropy control: target mean per-token entropy in nats, over the loss's tokens.")
+    keep_sampling_mask: bool = _opt(
+        True, "With top_k / top_p / min_p, score every log-prob (old, current, reference) with a softmax over the "
+        "tokens the sampler could draw at that position (its kept support, from the rollout backend where it "
+        "returns it, else recomputed from the trainer's logits by transformers' rules), so the ratio to the sampler "
+        "is 1, not the kept probability mass (DeepSeek-V3.2's keep-sampling-mask). False: the full softmax, as TRL; "
+        "the mean log kept mass is logged either way (sampling/log_kept_mass).")
+    sampling_mismatch_report: bool = _opt(
+        False, "Each round, compare the sampler's log-probs of the sampled tokens with the trainer's at the same "
+        "weights (by completion position and by token, worst tokens with context; docs/TRAINING_DATA.md), and warn "
+        "with the likely cause above sampling_mismatch_threshold. Costs a no-grad forward where the round has none "
+        "(the fast decoder on-policy); vLLM rounds with the importance-sampling correction are always reported.")
+    sampling_mismatch_threshold: float = _opt(
+        0.05, "Mean |sampler - trainer| log-prob difference (nats per token) above which the mismatch report warns.")
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
                                          "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
     memory_check: str = _opt(

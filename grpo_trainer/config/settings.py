@@ -11,18 +11,31 @@ from grpo_trainer.algorithms.engine_correction import EngineCorrection
 from grpo_trainer.algorithms.entropy import EntropyControl
 from grpo_trainer.algorithms.losses import LossSettings
 from grpo_trainer.algorithms.surrogates import SurrogateParams
+from grpo_trainer.algorithms.truncation import Truncation
 from grpo_trainer.config.grpo_config import GRPOConfig
 from grpo_trainer.rewards.sources import RewardSettings
 from grpo_trainer.rollout.multiturn import TurnSettings
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings
 
 __all__ = ["engine_correction", "entropy_control", "loss_settings", "prompt_settings", "reward_settings",
-           "sampling_settings", "surrogate_params", "turn_settings"]
+           "sampling_settings", "surrogate_params", "truncation", "turn_settings"]
 
 
 def sampling_settings(args: GRPOConfig) -> SamplingSettings:
     return SamplingSettings(args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p,
                             args.repetition_penalty, args.cache_implementation, dict(args.generation_kwargs or {}))
+
+
+def truncation(args: GRPOConfig) -> Truncation:
+    """The sampler's top-k / top-p / min-p, `generation_kwargs` overriding the named fields as in the rollout
+    (`rollout.settings.make_generation_config`; vLLM's sampling parameters use the same three names)."""
+    settings = {"do_sample": True, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+                **{k: v for k, v in (args.generation_kwargs or {}).items() if k in ("do_sample", "top_k", "top_p",
+                                                                                     "min_p")}}
+    if not settings["do_sample"]:
+        return Truncation()
+    top_k, top_p = settings["top_k"] or 0, settings["top_p"]
+    return Truncation(max(top_k, 0), 1.0 if top_p is None else float(top_p), settings["min_p"])  # vLLM: -1 is off
 
 
 def prompt_settings(args: GRPOConfig) -> PromptSettings:
@@ -56,8 +69,10 @@ def entropy_control(args: GRPOConfig) -> EntropyControl:
 
 
 def engine_correction(args: GRPOConfig) -> EngineCorrection | None:
-    """The engine importance-sampling correction's settings; None when it is off."""
-    if not args.vllm_importance_sampling_correction:
+    """The importance-sampling correction's settings; None when it is off, or when no engine or asynchronous
+    producer samples (TRL applies it with `use_vllm` only: a `rollout_func`'s log-probs then feed the off-policy
+    mask alone)."""
+    if not args.vllm_importance_sampling_correction or not (args.use_vllm or args.async_rollouts):
         return None
     return EngineCorrection(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                             args.vllm_importance_sampling_clip_max)

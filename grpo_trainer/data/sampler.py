@@ -9,6 +9,10 @@ each process its own slice.
 
     G=3, prompts per round=2, repeat_count=2, permutation [4, 1, 7, 0, ...]:
     4 4 4 1 1 1 | 4 4 4 1 1 1 | 7 7 7 0 0 0 | 7 7 7 0 0 0 | ...
+
+`PromptDraws` is a second, independent stream of prompt indices (dynamic sampling's extra prompts): successive seeded
+permutations of the dataset, read in order, whose position is saved in checkpoints so a resumed run draws the same
+prompts.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, Sampler
 
-__all__ = ["RepeatSampler", "RoundSource", "repeat_iterable"]
+__all__ = ["PromptDraws", "RepeatSampler", "RoundSource", "repeat_iterable"]
 
 
 class RepeatSampler(Sampler[int]):
@@ -115,3 +119,45 @@ class RoundSource:
 
     def rows(self, round_index: int) -> list[dict]:
         return [self.data_source[i] for i in self.indices(round_index)]
+
+
+class PromptDraws:
+    """An endless stream of indices of a dataset of `num_prompts` rows: permutation 0, then permutation 1, ...,
+    permutation `e` seeded by `seed` and `e` alone, so every process that builds one with the same seed draws the
+    same indices, and `state_dict` (the permutation and the position in it) is all a resumed run needs. Its seeds
+    are apart from `RepeatSampler`'s (`seed + epoch`), so it does not replay the main stream's order."""
+
+    _SEED_STRIDE = 1_000_003  # a prime: permutation e of seed s never shares a seed with RepeatSampler's seed + epoch
+
+    def __init__(self, num_prompts: int, seed: int = 0) -> None:
+        if num_prompts < 1:
+            raise ValueError("PromptDraws needs a dataset with at least one row.")
+        self.num_prompts, self.seed = num_prompts, seed
+        self.permutation, self.position = 0, 0
+
+    def _order(self, permutation: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * self._SEED_STRIDE + permutation + 1)
+        return torch.randperm(self.num_prompts, generator=generator).tolist()
+
+    def draw(self, count: int) -> list[int]:
+        """The next `count` indices of the stream."""
+        drawn: list[int] = []
+        while len(drawn) < count:
+            order = self._order(self.permutation)
+            take = order[self.position:self.position + count - len(drawn)]
+            drawn.extend(take)
+            self.position += len(take)
+            if self.position == self.num_prompts:
+                self.permutation, self.position = self.permutation + 1, 0
+        return drawn
+
+    def state_dict(self) -> dict[str, int]:
+        return {"permutation": self.permutation, "position": self.position, "seed": self.seed,
+                "num_prompts": self.num_prompts}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if (state["seed"], state["num_prompts"]) != (self.seed, self.num_prompts):
+            raise ValueError(f"the checkpoint's extra-prompt stream was drawn from {state['num_prompts']} prompts with "
+                             f"seed {state['seed']}; this run has {self.num_prompts} prompts and seed {self.seed}. "
+                             "Resume with the same train_dataset and seed.")
+        self.permutation, self.position = state["permutation"], state["position"]

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from grpo_trainer.modeling import replay
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, is_fsdp_module, scoring_head
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
+from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.modeling.unwrap import causal_lm
 
 logger = logging.getLogger(__name__)
@@ -230,12 +231,14 @@ def _no_cache(model: nn.Module, out: Any) -> None:
 
 def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSettings, with_entropy: bool = False,
                     known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
-                    layer_outputs: Tensor | None = None) -> LogProbs:
+                    layer_outputs: Tensor | None = None, support: KeptSupport | None = None) -> LogProbs:
     """`completion_logprobs` on a packed micro-batch: the same `[B, T]` values on the completion tokens, 0 elsewhere.
 
     Args:
         known: the rollout's (logps `[B, T]`, entropies `[B, T]`, tempered softmax `[B, T, V]`), or Nones.
         layer_outputs: `[B, L, S + T, E]` the rollout's layer outputs to replay (`modeling.replay`), or None.
+        support: the sampler's truncation, its supports `[B*T, W]` in row order where given (gathered into the
+            packed order of the scored tokens, and the supports used scattered back).
     """
     lm = causal_lm(model)
     extra: dict[str, Any] = packed.flash_kwargs() if _varlen(lm) else {}
@@ -253,8 +256,15 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
     logps, entropies = known[0], known[1]
     values = None if logps is None else (packed.gather(logps), None if entropies is None else packed.gather(entropies),
                                          known[2], None if known[2] is None else packed.target_cells)
-    chosen, entropy = scorer.score(hidden, packed.tokens, settings.temperature, with_entropy, values)  # [N] each
-    return LogProbs(packed.scatter(chosen), packed.scatter(entropy) if with_entropy else None)
+    if support is not None and support.packed is not None:
+        B, _, T = packed.padded_shape
+        support = dataclasses.replace(support, packed=packed.gather(support.packed.view(B, T, -1)))  # [N, W]
+    chosen, entropy, masses, kept = scorer.score(hidden, packed.tokens, settings.temperature, with_entropy, values,
+                                                 support)  # [N] each; [N], [N, W] or empty
+    return LogProbs(packed.scatter(chosen), packed.scatter(entropy) if with_entropy else None,
+                    log_kept_mass=packed.scatter(masses) if masses.numel() else None,
+                    sampling_mask=packed.scatter(kept) if support is not None and support.collect and kept.numel()
+                    else None)
 
 
 @contextlib.contextmanager
@@ -355,13 +365,15 @@ def _packing_refused(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
 def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
           settings: ForwardSettings, with_entropy: bool = False,
           known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None), with_aux_loss: bool = False,
-          model_inputs: dict | None = None, layer_outputs: Tensor | None = None) -> LogProbs:
+          model_inputs: dict | None = None, layer_outputs: Tensor | None = None, support: KeptSupport | None = None
+          ) -> LogProbs:
     """Log-probs (and entropies) `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`: packed
     when `settings.padding_free` and the model and call allow it (decision 1), else padded.
 
     Args:
         known: the rollout's values under these weights (logps, entropies `[B, T]`, softmax `[B, T, V]`), on-policy.
         layer_outputs: `[B, L, S + T, E]` the rollout's layer outputs, replayed by the checkpointed layers.
+        support: the sampler's truncation (`modeling.support`): log-probs over each position's kept support.
         Others: as `logprobs.completion_logprobs`.
     """
     call = Call(with_aux_loss, model_inputs)
@@ -372,10 +384,10 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
                          PackingSettings(cost=cost, pad_to_multiple_of=settings.pad_to_multiple_of))
         if cost.rows(*layout.shape) < cost.rows(*input_ids.shape):  # decision 4
             packed = PackedBatch.of(input_ids, attention_mask, completion_length, layout=layout)
-            return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs)
+            return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support)
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
     with replayed:
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
-                                   model_inputs=model_inputs)
+                                   model_inputs=model_inputs, support=support)

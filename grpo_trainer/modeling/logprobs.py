@@ -23,11 +23,17 @@ A `Float32Head` (`cast_lm_head_to_fp32`) is a plain head too: its float32 weight
 to float32, with autocast off, in the chunked path as in its own forward (generation). A Mixture-of-Experts model
 asked for its router's load-balancing loss (`with_aux_loss`) returns it from the same forward; the result is one
 typed `LogProbs`, whatever was asked for.
+
+Truncated sampling (top-k / top-p / min-p, `modeling.support`): each token is scored with a softmax over the tokens
+the sampler could draw at its position (the rest of the vocabulary masked to -inf before the softmax, in the forward
+and in the recomputing backward alike), and the log of the probability mass those tokens hold under the full
+softmax is returned with the log-probs (`LogProbs.log_kept_mass`, not differentiated).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import weakref
@@ -39,7 +45,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpo_trainer.algorithms.truncation import pack
 from grpo_trainer.modeling import kernels
+from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.modeling.unwrap import causal_lm, output_head
 
 logger = logging.getLogger(__name__)
@@ -69,6 +77,11 @@ class LogProbs:
     logps: Tensor  # [B, T] float32 log pi(token)
     entropy: Tensor | None = None  # [B, T] float32 entropy of each position's distribution (with_entropy)
     aux_loss: Tensor | None = None  # [] the MoE router's load-balancing loss, differentiable (with_aux_loss)
+    # With a truncating `support`: log of the full softmax's mass on the kept tokens `[B, T]` (None where the
+    # forward projected nothing: the rollout's values stood in), and with `support.collect` the supports used,
+    # packed `[B, T, W]`.
+    log_kept_mass: Tensor | None = None
+    sampling_mask: Tensor | None = None
 
 
 class Float32Head(nn.Linear):
@@ -94,27 +107,49 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     return chosen, entropy
 
 
-def _head_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    return token_logprobs(head(hidden), tokens, temperature)
+def _supported_scores(logits: Tensor, tokens: Tensor, temperature: float, support: KeptSupport | None
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`token_logprobs` over each row's kept support (module docstring): log-probs, entropies, log kept masses
+    `[N]` (empty without a support) and the packed supports `[N, W]` (empty unless collected)."""
+    if support is None:
+        chosen, entropy = token_logprobs(logits, tokens, temperature)
+        return chosen, entropy, chosen.new_empty(0), tokens.new_empty(0, dtype=torch.uint8)
+    z = logits.float() / temperature  # [N, V]
+    kept = support.mask(z.detach(), tokens, slice(None))
+    full = torch.logsumexp(z.detach(), dim=-1)
+    masked = z.masked_fill(~kept, -torch.inf)
+    mass = torch.logsumexp(masked.detach(), dim=-1) - full
+    log_p = torch.log_softmax(masked if support.renormalise else z, dim=-1)
+    chosen = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    finite = log_p.masked_fill(~kept, 0.0) if support.renormalise else log_p  # 0 log 0 = 0 off the support
+    entropy = -(log_p.exp() * finite).sum(-1)
+    return chosen, entropy, mass, pack(kept) if support.collect else tokens.new_empty(0, dtype=torch.uint8)
 
 
-def chunked_scores(score: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]], rows: Tensor, tokens: Tensor,
-                   temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """`score(rows, tokens, temperature)` (`token_logprobs` on logits, or a head's scorer on hidden states) over
-    chunks of `chunk_size` rows `[N, *]`, `[N]`; each chunk recomputed in the backward pass when differentiable, so
-    only one chunk's float32 logits are alive at a time. Log-probs and entropies `[N]` (both differentiable: the
-    entropy bonus trains through them)."""
-    logps, entropies = [], []
+def _head_logprobs(head: nn.Module, hidden: Tensor, tokens: Tensor, temperature: float,
+                   support: KeptSupport | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _supported_scores(head(hidden), tokens, temperature, support)
+
+
+def chunked_scores(score: Callable[..., tuple[Tensor, ...]], rows: Tensor, tokens: Tensor, temperature: float,
+                   chunk_size: int, support: KeptSupport | None = None) -> tuple[Tensor, ...]:
+    """`score(rows, tokens, temperature, support)` (`_supported_scores` on logits, or a head's scorer on hidden
+    states) over chunks of `chunk_size` rows `[N, *]`, `[N]`; each chunk recomputed in the backward pass when
+    differentiable, so only one chunk's float32 logits are alive at a time. Log-probs and entropies `[N]` (both
+    differentiable: the entropy bonus trains through them), then the log kept masses `[N]` and packed supports
+    `[N, W]` (empty without a support)."""
+    outputs: list[list[Tensor]] = [[], [], [], []]
     for start in range(0, tokens.numel(), chunk_size):
-        args = (rows[start:start + chunk_size], tokens[start:start + chunk_size], temperature)
+        index = slice(start, start + chunk_size)
+        args = (rows[index], tokens[index], temperature, None if support is None else support.rows(index))
         if torch.is_grad_enabled() and rows.requires_grad:
             # no randomness to replay: leave torch's generator alone (a producer thread may be drawing from it)
-            chosen, entropy = checkpoint(score, *args, use_reentrant=False, preserve_rng_state=False)
+            values = checkpoint(score, *args, use_reentrant=False, preserve_rng_state=False)
         else:
-            chosen, entropy = score(*args)
-        logps.append(chosen)
-        entropies.append(entropy)
-    return torch.cat(logps), torch.cat(entropies)
+            values = score(*args)
+        for collected, value in zip(outputs, values):
+            collected.append(value)
+    return tuple(torch.cat(collected) for collected in outputs)
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -145,37 +180,59 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
-                chunk_size: int, with_entropy: bool, known: Known | None = None) -> tuple[Tensor, Tensor]:
+                chunk_size: int, with_entropy: bool, known: Known | None = None, support: KeptSupport | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         N = tokens.shape[0]
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.support = temperature, chunk_size, support
         ctx.probs_index = None if known is None else known[3]
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
+        masses, packed = hidden.new_empty(0, dtype=torch.float32), tokens.new_empty(0, dtype=torch.uint8)
         if known is not None:
             logps = known[0].to(torch.float32, copy=True)
             entropies = known[1].to(torch.float32, copy=True) if with_entropy else logps.new_empty(0)
             ctx.save_for_backward(hidden, weight, bias, tokens, None, known[2], entropies)
-            return logps, entropies
+            ctx.mark_non_differentiable(masses, packed)
+            return logps, entropies, masses, packed
         logps = hidden.new_empty(N, dtype=torch.float32)
         lses = torch.empty_like(logps)
         entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        if support is not None:
+            masses = torch.empty_like(logps)
+            if support.collect:
+                packed = tokens.new_empty(N, -(-weight.shape[0] // 8), dtype=torch.uint8)
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [n, V]
+            kept = full = None
+            if support is not None:  # module docstring: the kept support, and the full softmax's mass on it
+                kept = support.mask(logits, tokens[rows], rows)  # [n, V]
+                full = torch.logsumexp(logits, dim=-1)
+                if support.collect:
+                    packed[rows] = pack(kept)
+                if support.renormalise:
+                    logits.masked_fill_(~kept, -torch.inf)
+                else:
+                    masses[rows] = torch.logsumexp(logits.masked_fill(~kept, -torch.inf), dim=-1) - full
+                    kept = None  # scored over the full softmax
             chosen = logits.gather(-1, tokens[rows, None]).squeeze(-1)  # z_token [n]
             if with_entropy:  # H = -sum p log p needs log p and p side by side: a second [n, V] buffer
                 log_p = torch.log_softmax(logits, dim=-1)
                 del logits
                 logps[rows] = log_p.gather(-1, tokens[rows, None]).squeeze(-1)
                 lses[rows] = chosen - logps[rows]
-                entropies[rows] = -torch.linalg.vecdot(log_p.exp(), log_p)
+                p = log_p.exp()
+                entropies[rows] = -torch.linalg.vecdot(p, log_p if kept is None else log_p.masked_fill_(~kept, 0.0))
             else:
                 lses[rows] = _logsumexp_(logits)
                 logps[rows] = chosen - lses[rows]
+            if kept is not None:
+                masses[rows] = lses[rows] - full
         ctx.save_for_backward(hidden, weight, bias, tokens, lses, None, entropies)
-        return logps, entropies
+        ctx.mark_non_differentiable(masses, packed)
+        return logps, entropies, masses, packed
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor | None, grad_entropies: Tensor | None):
+    def backward(ctx, grad_logps: Tensor | None, grad_entropies: Tensor | None, *unused: Tensor | None):
         hidden, weight, bias, tokens, lses, known_probs, entropies = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -191,7 +248,7 @@ class _HeadLogProbs(torch.autograd.Function):
             scale = (grad_logps[rows] / ctx.temperature).to(weight.dtype)[:, None]  # [n, 1]
             with_entropy_grad = grad_entropies is not None
             probs, log_probs = _chunk_softmax(h, weight, bias, ctx.temperature, lses, known_probs, ctx.probs_index,
-                                              rows, with_log=with_entropy_grad)
+                                              rows, with_log=with_entropy_grad, support=ctx.support, tokens=token)
             if with_entropy_grad:
                 # dH/dz = -p * (log p + H): the vocab-side term is no longer a row scaling of p, so build it.
                 g, g_h = grad_logps[rows, None], grad_entropies[rows, None]  # [n, 1] each
@@ -211,15 +268,16 @@ class _HeadLogProbs(torch.autograd.Function):
             if want_bias:
                 row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]
                 grad_bias.addmv_(dense.T, row_weights, alpha=-1).index_add_(0, token, scale[:, 0])
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _chunk_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, lses: Tensor | None,
-                   known_probs: Tensor | None, probs_index: tuple[Tensor, Tensor] | None, rows: slice, with_log: bool
-                   ) -> tuple[Tensor, Tensor | None]:
-    """The tempered softmax `[n, V]` float32 of one chunk, from the rollout's (`known_probs`, read at `probs_index`
-    when given), from the saved log-sum-exp, or recomputed; with `with_log` also p * log p `[n, V]` (0 where p = 0),
-    for the entropy's gradient."""
+                   known_probs: Tensor | None, probs_index: tuple[Tensor, Tensor] | None, rows: slice, with_log: bool,
+                   support: KeptSupport | None = None, tokens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The tempered softmax `[n, V]` float32 of one chunk (over each row's kept support when `support`
+    renormalises: the forward's mask, rebuilt from the same logits), from the rollout's (`known_probs`, read at
+    `probs_index` when given), from the saved log-sum-exp, or recomputed; with `with_log` also p * log p `[n, V]`
+    (0 where p = 0), for the entropy's gradient."""
     if known_probs is not None:
         chunk = known_probs[rows] if probs_index is None else known_probs[probs_index[0][rows], probs_index[1][rows]]
         if not with_log:
@@ -227,11 +285,16 @@ def _chunk_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: 
         probs = chunk.float()
         return probs, torch.special.xlogy(probs, probs)
     logits = _chunk_logits(h, weight, bias, temperature)  # [n, V]
+    kept = None
+    if support is not None and support.renormalise:
+        kept = support.mask(logits, tokens, rows)
+        logits.masked_fill_(~kept, -torch.inf)
     log_p = torch.log_softmax(logits, dim=-1) if lses is None else logits.sub_(lses[rows, None])
     if not with_log:
         return log_p.exp_(), None
     probs = log_p.exp()
-    return probs, log_p.mul_(probs)
+    p_log_p = log_p.mul_(probs)
+    return probs, p_log_p if kept is None else p_log_p.masked_fill_(~kept, 0.0)
 
 
 def _is_plain_linear(head: nn.Module) -> bool:
@@ -328,8 +391,8 @@ def is_fsdp_module(model: nn.Module) -> bool:
 
 
 def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-                                temperature: float, chunk_size: int, with_entropy: bool, forward_kwargs: dict
-                                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                                temperature: float, chunk_size: int, with_entropy: bool, forward_kwargs: dict,
+                                support: KeptSupport | None = None) -> LogProbs:
     """The model's own logits for the completion positions `[B, T, V]` in the model's dtype, scored chunk by chunk
     (each chunk upcast to float32 under activation checkpointing, so one float32 chunk is alive at a time).
 
@@ -341,10 +404,18 @@ def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_m
                 use_cache=False, **forward_kwargs)
     logits = out.logits[:, :-1]  # [B, T, V]
     tokens = input_ids[:, -completion_length:]
-    logps, entropies = chunked_scores(token_logprobs, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1),
-                                      temperature, chunk_size)
-    return (logps.view(tokens.shape), entropies.view(tokens.shape) if with_entropy else None,
-            getattr(out, "aux_loss", None))
+    scores = chunked_scores(_supported_scores, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), temperature,
+                            chunk_size, support)
+    return _log_probs(scores, tokens.shape, with_entropy, getattr(out, "aux_loss", None), support)
+
+
+def _log_probs(scores: tuple[Tensor, ...], shape: torch.Size, with_entropy: bool, aux_loss: Tensor | None,
+               support: KeptSupport | None) -> LogProbs:
+    """`LogProbs` from flat per-position scores: log-probs, entropies, log kept masses, packed supports."""
+    logps, entropies, masses, packed = scores
+    return LogProbs(logps.view(shape), entropies.view(shape) if with_entropy else None, aux_loss,
+                    masses.view(shape) if masses.numel() else None,
+                    packed.view(*shape, -1) if support is not None and support.collect and packed.numel() else None)
 
 
 def completion_logprobs(
@@ -360,6 +431,7 @@ def completion_logprobs(
     known_probs: Tensor | None = None,
     with_aux_loss: bool = False,
     model_inputs: dict | None = None,
+    support: KeptSupport | None = None,
 ) -> LogProbs:
     """Log-probs of the last `completion_length` tokens of each row.
 
@@ -380,8 +452,12 @@ def completion_logprobs(
             for its router logits, `output_router_logits=True`).
         model_inputs: more keyword arguments of the forward (a vision-language model's pixel values, image grids,
             token types); a `position_ids` entry replaces the attention-mask positions (None: the model's own).
+        support: the sampler's truncation (`modeling.support.KeptSupport`, its packed supports `[B*T, W]` in row
+            order where the rollout returned them): every log-prob and entropy over each position's kept support,
+            and the log kept mass measured. `known_*` values must have been computed the same way.
     Returns:
-        `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None).
+        `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None), and with a
+        support the log kept masses `[B, T]` (None where the known values stood in) and the supports used.
     """
     # Positions count real tokens only, as in `generate`, so left padding does not shift them.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -389,10 +465,11 @@ def completion_logprobs(
     if with_aux_loss:
         extra["output_router_logits"] = True
     if is_fsdp_module(model):  # decision: the head runs inside the forward (see `_logprobs_from_model_logits`)
-        logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(
+        out = _logprobs_from_model_logits(
             model, input_ids, attention_mask, completion_length, temperature,
-            chunk_rows(chunk_size, causal_lm(model).config.get_text_config().vocab_size), with_entropy, extra)
-        return LogProbs(logps_t, entropies_t, aux_loss if with_aux_loss else None)
+            chunk_rows(chunk_size, causal_lm(model).config.get_text_config().vocab_size), with_entropy, extra,
+            support)
+        return out if with_aux_loss else dataclasses.replace(out, aux_loss=None)
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, output_hidden_states=True,
                 use_cache=False, **extra)
     aux_loss = getattr(out, "aux_loss", None) if with_aux_loss else None
@@ -401,20 +478,17 @@ def completion_logprobs(
                          "auxiliary loss needs a Mixture-of-Experts model that computes it (router_aux_loss_coef=0).")
     scorer = scoring_head(model, out, chunk_size)
     if scorer is None:
-        logps_t, entropies_t, aux_loss = _logprobs_from_model_logits(
-            model, input_ids, attention_mask, completion_length, temperature,
-            chunk_rows(chunk_size, out.logits.shape[-1]), with_entropy, extra)
-        return LogProbs(logps_t, entropies_t, aux_loss)
+        return _logprobs_from_model_logits(model, input_ids, attention_mask, completion_length, temperature,
+                                           chunk_rows(chunk_size, out.logits.shape[-1]), with_entropy, extra, support)
     # Position t predicts token t+1: the hidden states S-1 .. S+T-2 score completion tokens S .. S+T-1.
     hidden = out.hidden_states[-1][:, -completion_length - 1 : -1]  # [B, T, H]
     tokens = input_ids[:, -completion_length:]  # [B, T]
     known = None if known_logps is None else (
         known_logps.reshape(-1), None if known_entropy is None else known_entropy.reshape(-1),
         None if known_probs is None else known_probs.reshape(-1, known_probs.shape[-1]), None)
-    logps_t, entropies_t = scorer.score(hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1), temperature,
-                                        with_entropy, known)  # [B*T] each
-    shape = tokens.shape
-    return LogProbs(logps_t.view(shape), entropies_t.view(shape) if with_entropy else None, aux_loss)
+    scores = scorer.score(hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1), temperature, with_entropy, known,
+                          support)  # [B*T] each
+    return _log_probs(scores, tokens.shape, with_entropy, aux_loss, support)
 
 
 @dataclass(frozen=True)
@@ -426,10 +500,11 @@ class ScoringHead:
     chunk_size: int  # rows per chunk (`chunk_rows`)
 
     def score(self, hidden: Tensor, tokens: Tensor, temperature: float, with_entropy: bool,
-              known: Known | None = None) -> tuple[Tensor, Tensor]:
+              known: Known | None = None, support: KeptSupport | None = None) -> tuple[Tensor, ...]:
         """Log-probs and entropies `[N]` float32 of `tokens` `[N]` given the final hidden states `[N, H]` that
-        predict them (entropies empty unless `with_entropy`). `known`: see `_HeadLogProbs`; used by a plain head
-        only, and only when it holds every value asked for (any other case recomputes)."""
+        predict them (entropies empty unless `with_entropy`), then the log kept masses `[N]` and supports `[N, W]`
+        (empty without a `support`). `known`: see `_HeadLogProbs`; used by a plain head only, and only when it
+        holds every value asked for (any other case recomputes)."""
         head = self.head
         if not self.transform.identity:
             head = _TransformedHead(head, self.transform)  # through the checkpointed per-chunk path below
@@ -442,8 +517,9 @@ class ScoringHead:
                 precision = torch.autocast(hidden.device.type, enabled=False)
             with precision:
                 return _HeadLogProbs.apply(hidden, head.weight, head.bias, tokens, temperature, self.chunk_size,
-                                           with_entropy, known)
-        return chunked_scores(functools.partial(_head_logprobs, head), hidden, tokens, temperature, self.chunk_size)
+                                           with_entropy, known, support)
+        return chunked_scores(functools.partial(_head_logprobs, head), hidden, tokens, temperature, self.chunk_size,
+                              support)
 
 
 def scoring_head(model: nn.Module, out: Any, chunk_size: int) -> ScoringHead | None:

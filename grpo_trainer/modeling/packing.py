@@ -204,9 +204,11 @@ class PackedBatch:
                    sequence_lengths=tuple(sequence_lengths), padded_shape=(B, width, T), real_tokens=int(k.numel()))
 
     def scatter(self, values: Tensor) -> Tensor:
-        """`values` `[N]` of the scored tokens in their `[B, T]` places, 0 elsewhere, same dtype; differentiable."""
+        """`values` `[N, ...]` of the scored tokens in their `[B, T, ...]` places, 0 elsewhere, same dtype;
+        differentiable."""
         B, _, T = self.padded_shape
-        return values.new_zeros(B * T).index_copy(0, self.targets, values).view(B, T)
+        rest = values.shape[1:]
+        return values.new_zeros(B * T, *rest).index_copy(0, self.targets, values).view(B, T, *rest)
 
     def gather(self, padded: Tensor) -> Tensor:
         """The scored tokens' entries `[N, ...]` of a `[B, T, ...]` tensor."""

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from grpo_trainer.algorithms.advantage import as_reward_vector, group_std, nanstd
 
-__all__ = ["MetricsWindow", "completion_length_metrics", "pass_at_k", "reward_metrics", "tool_metrics", "window_means",
-           "window_totals", "zero_std_fraction"]
+__all__ = ["MetricsWindow", "completion_length_metrics", "pass_at_k", "resample_metrics", "reward_metrics",
+           "tool_metrics", "window_means", "window_totals", "zero_std_fraction"]
 
 
 def completion_length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, Tensor]:
@@ -80,6 +80,17 @@ def reward_metrics(rewards: Tensor, weights: Tensor, reward_names: Sequence[str]
     if with_pass_at_k:
         out.update(pass_at_k(total.cpu(), num_generations))
     return out
+
+
+def resample_metrics(extra_rounds: int, prompts_generated: int, zero_variance_fraction: float,
+                     kept_zero_variance: int) -> dict[str, float]:
+    """Dynamic sampling's statistics of one round (`trainer.resample`): extra generation rounds, prompts generated
+    (the round's own included), the share of every generated group whose rewards were all equal, and the groups
+    trained on although their rewards were equal (the extra rounds ran out)."""
+    return {"zero_variance_groups/extra_rounds": float(extra_rounds),
+            "zero_variance_groups/prompts_generated": float(prompts_generated),
+            "zero_variance_groups/fraction": float(zero_variance_fraction),
+            "zero_variance_groups/kept": float(kept_zero_variance)}
 
 
 def tool_metrics(calls: Tensor, failures: Tensor, rollouts: Tensor) -> dict[str, Tensor]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 from transformers import GenerationConfig
 
@@ -81,6 +82,14 @@ class RolloutBackend(ABC):
     def start(self, model: nn.Module, processing_class: Any) -> None:
         """Called once when the trainer's models are built: a backend with an engine starts it here."""
         return None
+
+    def sampler_dtype(self, model: nn.Module) -> torch.dtype | None:
+        """The floating-point type this backend computes log-probs in when it samples `model` (the mismatch
+        report's dtype rule, `algorithms.mismatch`): the model's own, or None for an engine with its own copy of the
+        weights (unknown here)."""
+        if self.capabilities.own_weights:
+            return None
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Make the engine's weights those of `model` (the unwrapped policy) at `version` (the optimizer step);

@@ -18,6 +18,11 @@ Every backend returns the tokens and masks. Beyond them:
    tool tokens were never sampled, so no sampler value exists for them, and the loss must not read one there
    (on-policy stand-ins, old log-probs, replay). The loss computes what it needs with a forward instead. The turns
    after a tool result are rolled out keeping nothing (`KEEP_NOTHING`): only their tokens are used.
+5. Truncated sampling (top-k / top-p / min-p) with the loss's `keep_sampling_mask` (`Capture.kept_support`): the
+   sampling log-probs are those of the softmax over each position's kept support, as the loss computes them, and
+   the supports themselves are kept, packed, while they fit in `SUPPORT_MAX_BYTES` (`support_buffer`). Without
+   them the loss would recompute the supports from its own logits by the truncation rules, which need not be the
+   sampler's (other processors, rounding at the boundary), so then the sampling log-probs are dropped too.
 
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens (the maximum), `L` layers, `E` hidden size, `V` vocab.
 """
@@ -33,13 +38,15 @@ from transformers import GenerationConfig
 
 from grpo_trainer.rollout.types import Rollout
 
-__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "Capture", "drop_for_tool_results", "drop_unusable", "plan",
-           "replay_buffers"]
+__all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "SUPPORT_MAX_BYTES", "Capture", "drop_for_tool_results",
+           "drop_unusable", "plan", "replay_buffers", "support_buffer"]
 
 # A round of 8 x 1280-token rows of a 24-layer, 896-wide model in float32 keeps 0.9 GB of layer outputs (the tensors
 # activation checkpointing keeps during the loss forward anyway); 8 x 256 tokens x a 32k vocabulary of softmax is
 # 0.26 GB. A 152k vocabulary at 1024 tokens (5 GB) does not fit and is recomputed instead.
 REPLAY_MAX_BYTES = 2**30
+# Packed kept supports take one bit per vocabulary entry per position: 8 x 1024 tokens of a 152k vocabulary is 155 MB.
+SUPPORT_MAX_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -49,16 +56,29 @@ class Capture:
     layer_outputs: bool = False
     probs: bool = False
     max_bytes: int = REPLAY_MAX_BYTES
+    kept_support: bool = False  # decision 5: the loss scores over the kept supports (`keep_sampling_mask`)
 
 
 KEEP_NOTHING = Capture()  # tokens, masks and sampling log-probs only
 
 
-def plan(*, training: bool, on_policy: bool, plain_single_process: bool, checkpointing: bool) -> Capture:
-    """The replay tensors worth keeping for a round (decision 2), within `REPLAY_MAX_BYTES`."""
+def plan(*, training: bool, on_policy: bool, plain_single_process: bool, checkpointing: bool,
+         kept_support: bool = False) -> Capture:
+    """The replay tensors worth keeping for a round (decision 2), within `REPLAY_MAX_BYTES`; `kept_support`:
+    decision 5."""
     replayable = training and on_policy
     return Capture(layer_outputs=replayable and plain_single_process and checkpointing,
-                   probs=replayable, max_bytes=REPLAY_MAX_BYTES)
+                   probs=replayable, max_bytes=REPLAY_MAX_BYTES, kept_support=kept_support)
+
+
+def support_buffer(capture: Capture, *, rows: int, max_new_tokens: int, vocab_size: int, device: torch.device
+                   ) -> Tensor | None:
+    """An empty `[B, T, ceil(V / 8)]` uint8 buffer for the packed kept supports, when the loss wants them and they
+    fit in `SUPPORT_MAX_BYTES` (decision 5)."""
+    shape = (rows, max_new_tokens, -(-vocab_size // 8))
+    if not capture.kept_support or math.prod(shape) > SUPPORT_MAX_BYTES:
+        return None
+    return torch.zeros(shape, dtype=torch.uint8, device=device)
 
 
 def replay_buffers(capture: Capture, *, rows: int, prompt_length: int, max_new_tokens: int, layers: int,
@@ -78,13 +98,16 @@ def replay_buffers(capture: Capture, *, rows: int, prompt_length: int, max_new_t
     return outputs, torch.empty(probs_shape, device=device) if keep_probs else None
 
 
-def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float) -> Rollout:
+def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float, capture: Capture = KEEP_NOTHING
+                  ) -> Rollout:
     """The rollout without its sampling tensors when they are not the distribution the loss scores (decision 1):
-    greedy decoding, or sampling at another temperature than the loss's; and without engine log-probs when greedy
-    (no sampling distribution to correct for)."""
+    greedy decoding, sampling at another temperature than the loss's, or a truncated sampler whose supports the
+    loss would recompute (decision 5); and without the sampler's own values when greedy (no sampling distribution
+    to correct for or compare with)."""
     if not config.do_sample:
-        rollout = replace(rollout, engine_logps=None)
-    if config.do_sample and config.temperature == temperature:
+        rollout = replace(rollout, engine_logps=None, behaviour_logps=None, log_kept_mass=None, sampling_mask=None)
+    truncated_unknown = capture.kept_support and rollout.log_kept_mass is not None and rollout.sampling_mask is None
+    if config.do_sample and config.temperature == temperature and not truncated_unknown:
         return rollout
     return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)
 
@@ -93,4 +116,5 @@ def drop_for_tool_results(rollout: Rollout) -> Rollout:
     """The rollout without any sampling tensor when tools wrote part of its completions (decision 4)."""
     if rollout.env_mask is None:
         return rollout
-    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None, layer_outputs=None)
+    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None, layer_outputs=None,
+                   sampling_mask=None, log_kept_mass=None, behaviour_logps=None)

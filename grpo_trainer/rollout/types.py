@@ -58,6 +58,14 @@ class ImageInputs:
         padded = {k: nn.functional.pad(v, widths) for k, v in self.token_fields.items()}
         return ImageInputs(padded, self.image_fields, self.units)
 
+    @staticmethod
+    def concat(parts: list[ImageInputs]) -> ImageInputs:
+        """The rows of `parts` in order (their token fields already of one width: `pad_columns`)."""
+        first = parts[0]
+        return ImageInputs({k: torch.cat([p.token_fields[k] for p in parts]) for k in first.token_fields},
+                           {k: torch.cat([p.image_fields[k] for p in parts]) for k in first.image_fields},
+                           {k: torch.cat([p.units[k] for p in parts]) for k in first.units})
+
     def to(self, device: torch.device | str) -> ImageInputs:
         return ImageInputs({k: v.to(device) for k, v in self.token_fields.items()},
                            {k: v.to(device) for k, v in self.image_fields.items()},
@@ -125,6 +133,13 @@ class Rollout:
     # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
     # environment wrote. None: the policy sampled every completion token.
     env_mask: Tensor | None = None  # [B, T] int
+    # Truncated sampling (`algorithms.truncation`), from a backend that knows it at draw time (the fast loop): the
+    # kept support of each position, packed (bit v % 8 of byte v // 8: token v could be drawn; on request), the log
+    # of the mass the tempered softmax put on it, and each token's log-prob under the processed distribution it was
+    # drawn from (after every logits processor). None: not known, or nothing but the temperature processed logits.
+    sampling_mask: Tensor | None = None  # [B, T, ceil(V / 8)] uint8
+    log_kept_mass: Tensor | None = None  # [B, T] float32
+    behaviour_logps: Tensor | None = None  # [B, T] float32
 
     @property
     def sampled_mask(self) -> Tensor:

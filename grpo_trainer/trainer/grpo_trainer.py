@@ -46,6 +46,7 @@ from trl.models.utils import prepare_deepspeed, prepare_fsdp
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import masks, surrogates
 from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
+from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
@@ -62,7 +63,9 @@ from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, memory, setup
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard, pooled_high_entropy_mask
+from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
 from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings, ProducerPacing
+from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
@@ -172,22 +175,30 @@ class GRPOTrainer(Trainer):
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
         scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
-                                  args.beta, args.padding_free, args.pad_to_multiple_of)
+                                  args.beta, args.padding_free, args.pad_to_multiple_of,
+                                  skip_zero_advantages=args.zero_variance_groups == "skip",
+                                  truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
         self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
+        if args.zero_variance_groups == "skip" and self.router_aux_loss_coef != 0.0:
+            raise ValueError(f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage "
+                             f"completion adds nothing to the loss, but this Mixture-of-Experts model's router loss "
+                             f"(router_aux_loss_coef={self.router_aux_loss_coef}) covers every row; use 'train', or "
+                             "set router_aux_loss_coef=0.")
         self.objective = GRPOLoss(LossPartSettings(typed.loss_settings(args), args.gradient_accumulation_steps,
-                                              args.max_completion_length, args.top_entropy_quantile,
-                                              self.router_aux_loss_coef),
-                             self.scorer, typed.entropy_control(args), self.accelerator, self.metrics)
+                                                   args.max_completion_length, args.top_entropy_quantile,
+                                                   self.router_aux_loss_coef, args.zero_variance_groups == "skip"),
+                                  self.scorer, typed.entropy_control(args), self.accelerator, self.metrics)
         self.rounds = RoundBuilder(
             settings=RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                                    args.num_generations_eval or args.num_generations,
-                                   args.mask_truncated_completions, args.log_completions, args.log_multimodal),
+                                   args.mask_truncated_completions, args.log_completions, args.log_multimodal,
+                                   args.keep_sampling_mask),
             schedule=schedule, processing_class=processing_class, backend=backend, rewards=self.reward_sources,
             estimator=self.advantage_fn, accelerator=self.accelerator, metrics_window=self.metrics,
             completions=self.completions,
-            score=self.scorer.no_grad_logps, engine_correction=typed.engine_correction(args),
+            score=self.scorer.sampling_scores, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
-            else None)
+            else None, resampler=self._resampler(args), mismatch=self._mismatch_report(args))
         self.buffer = RoundBuffer(schedule)
         self.async_rounds = self._async_rounds(args, backend, schedule) if args.async_rollouts else None
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
@@ -214,6 +225,25 @@ class GRPOTrainer(Trainer):
         self._pacing = ProducerPacing(rounds, self.buffer, self._signal_stop)
         self.add_callback(self._pacing)
         return rounds
+
+    def _resampler(self, args: GRPOConfig) -> Resampler | None:
+        """Dynamic sampling's part (`zero_variance_groups='resample'`): extra prompts from the training set."""
+        if args.zero_variance_groups != "resample":
+            return None
+        aggregation, weights = args.multi_objective_aggregation, self.reward_sources.weights
+        return Resampler(ResampleSettings(args.max_resample_rounds), self.train_dataset,
+                         Layout(self.accelerator.num_processes, self.accelerator.process_index, args.num_generations),
+                         args.seed, lambda rewards: zero_variance_groups(rewards.cpu(), args.num_generations, weights,
+                                                                         aggregation))
+
+    def _mismatch_report(self, args: GRPOConfig) -> MismatchReport:
+        """The sampler/trainer mismatch report (`trainer.mismatch`)."""
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(
+            (p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        settings = MismatchSettings(args.sampling_mismatch_report, args.sampling_mismatch_threshold,
+                                    typed.truncation(args).active and not args.keep_sampling_mask, dtype,
+                                    args.output_dir)
+        return MismatchReport(settings, self._tokenizer, self.accelerator, self.metrics)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -424,8 +454,9 @@ class GRPOTrainer(Trainer):
         elif self.async_rounds is not None:  # the rounds sampled ahead
             self.async_rounds.producer.drain()
             state["producer"] = self.async_rounds.producer.state_dict()
+        resampler = self.rounds.resampler
         lifecycle.save_run_state(output_dir, self.accelerator.process_index, state, self.objective.entropy,
-                                 self.args.should_save)
+                                 self.args.should_save, None if resampler is None else resampler.state_dict())
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
@@ -436,6 +467,8 @@ class GRPOTrainer(Trainer):
                 self.buffer.load_state_dict(state)
                 if self.async_rounds is not None and "producer" in state:
                     self.async_rounds.producer.load_state_dict(state["producer"])
+                if self.rounds.resampler is not None and "resample" in state:
+                    self.rounds.resampler.load_state_dict(state["resample"])
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, written completely or not at all (`runtime.checkpoints`): a manifest last, the

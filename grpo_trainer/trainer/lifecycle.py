@@ -1,5 +1,6 @@
 """What a checkpoint holds beyond the Trainer's own files, so that a resumed run continues exactly: the round buffer
-and its position (each process its own file), and the adaptive entropy controller (one file, TRL's name and keys).
+and its position, and dynamic sampling's prompt stream (each process its own file), and the adaptive entropy
+controller (one file, TRL's name and keys).
 Both live inside the checkpoint folder, so its manifest covers them (`runtime.checkpoints`)."""
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ def _buffer_file(folder: str, process_index: int) -> str:
 
 
 def save_run_state(folder: str, process_index: int, buffer_state: dict[str, Any], entropy: EntropyControl,
-                   writes_shared_files: bool) -> None:
-    """`buffer_state` (`RoundBuffer.state_dict`) for this process; the entropy controller's state once
-    (`writes_shared_files`: the process that writes the run's shared files)."""
-    torch.save(buffer_state, _buffer_file(folder, process_index))
+                   writes_shared_files: bool, resample_state: dict[str, int] | None = None) -> None:
+    """`buffer_state` (`RoundBuffer.state_dict`) and `resample_state` (`Resampler.state_dict`, under the key
+    "resample") for this process; the entropy controller's state once (`writes_shared_files`: the process that
+    writes the run's shared files)."""
+    state = buffer_state if resample_state is None else {**buffer_state, "resample": resample_state}
+    torch.save(state, _buffer_file(folder, process_index))
     if entropy.adaptive and writes_shared_files:  # the same on every process
         with open(os.path.join(folder, ENTROPY_STATE), "w") as f:
             json.dump(entropy.state_dict(), f)

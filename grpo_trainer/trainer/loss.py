@@ -36,6 +36,9 @@ class LossPartSettings:
     max_completion_length: int = 256  # `dr_grpo`'s constant
     top_entropy_quantile: float = 1.0
     router_aux_loss_coef: float = 0.0
+    # `zero_variance_groups='skip'`: zero-advantage rows skip the policy forward (the config refuses the settings
+    # that would give them a gradient; `scoring`, decision 3)
+    skip_zero_advantages: bool = False
 
 
 class GRPOLoss:
@@ -54,10 +57,12 @@ class GRPOLoss:
 
     def __call__(self, model: nn.Module, inputs: Round, mode: str, sync_gradients: bool = True) -> Tensor:
         settings, objective = self.settings, self.settings.objective
-        # The forward of zero-advantage rows can be skipped only where they add nothing (`scoring`, decision 3).
-        skip = mode == "train" and objective.beta == 0.0 and settings.top_entropy_quantile >= 1.0 \
-            and not self.entropy.enabled and not self.aux_loss_enabled
-        logps, entropy, measured, aux_loss = self.scorer.policy_logps(model, inputs, skip, self.aux_loss_enabled)
+        # The forward of zero-advantage rows is skipped only where they add nothing (`scoring`, decision 3): the
+        # config refuses 'skip' otherwise; the conditions are re-checked so no setting changed later can slip by.
+        skip = settings.skip_zero_advantages and mode == "train" and objective.beta == 0.0 \
+            and settings.top_entropy_quantile >= 1.0 and not self.entropy.enabled and not self.aux_loss_enabled
+        logps, entropy, measured, aux_loss, masses = self.scorer.policy_logps(model, inputs, skip,
+                                                                              self.aux_loss_enabled)
         mask = inputs.loss_mask
         entropy_mask = None
         if settings.top_entropy_quantile < 1.0:
@@ -76,6 +81,10 @@ class GRPOLoss:
         for key, values in out.per_sequence.items():  # extremes over every process's completions
             self.metrics.add(mode, key, losses.SEQUENCE_METRICS[key][1](gather(values)))
         self.metrics.add(mode, "entropy", (entropy.detach() * measured).sum() / measured.sum().clamp(min=1))
+        masses = masses if masses is not None else inputs.log_kept_mass  # the forward's, else the sampler's
+        if masses is not None:  # truncated sampling: the bias a full-softmax ratio would carry, always shown
+            mean_mass = (masses * measured).sum() / measured.sum().clamp(min=1)
+            self.metrics.add(mode, "sampling/log_kept_mass/mean", mean_mass)
         if bonus and mode == "train":
             self.control_entropy(entropy, mask if entropy_mask is None else mask * entropy_mask, sync_gradients)
         loss = out.loss

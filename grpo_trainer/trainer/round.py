@@ -72,6 +72,12 @@ class Round:
     # sequence modes); None without an engine or without the correction.
     engine_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
     engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    # Truncated sampling (`rollout.types.Rollout`): the sampler's kept supports, packed (from the backend, or
+    # collected by the trainer's first forward at the sampling weights), the log of the mass the sampler's softmax
+    # put on them, and each token's log-prob under the processed distribution it was drawn from.
+    sampling_mask: Tensor | None = _columns(_COMPLETION)  # [B, T, ceil(V / 8)] uint8
+    log_kept_mass: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    behaviour_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
     # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
@@ -86,7 +92,8 @@ class Round:
                    window_tokens=window_tokens, sampling_logps=out.sampling_logps,
                    sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
                    layer_outputs=out.layer_outputs, images=images, engine_logps=out.engine_logps,
-                   pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
+                   sampling_mask=out.sampling_mask, log_kept_mass=out.log_kept_mass,
+                   behaviour_logps=out.behaviour_logps, pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
 
     @property
     def rows(self) -> int:
@@ -163,7 +170,14 @@ class Round:
         multiples of `pad_to_multiple_of` (itself when None): token ids with `pad_token_id`, every other field
         (masks, log-probs, replay tensors) with zeros."""
         S, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
-        left, right = _round_up(S, self.pad_to_multiple_of) - S, _round_up(T, self.pad_to_multiple_of) - T
+        return self._widened(_round_up(S, self.pad_to_multiple_of), _round_up(T, self.pad_to_multiple_of),
+                             pad_token_id)
+
+    def _widened(self, prompt_width: int, completion_width: int, pad_token_id: int) -> Round:
+        """This round padded to `prompt_width` prompt and `completion_width` completion columns (decision 4's
+        fill values); itself when it is that wide already."""
+        S, T = self.prompt_ids.shape[1], self.completion_ids.shape[1]
+        left, right = prompt_width - S, completion_width - T
         if left == right == 0:
             return self
         sides = {_PROMPT: (left, 0), _COMPLETION: (0, right), _SEQUENCE: (left, right)}
@@ -178,3 +192,31 @@ class Round:
             fill = pad_token_id if f.metadata.get("token_ids") else 0
             values[f.name] = torch.nn.functional.pad(value, widths, value=fill)
         return Round(**values)
+
+    @classmethod
+    def concat(cls, parts: list[Round], pad_token_id: int) -> Round:
+        """The rows of `parts` in order, as one round (dynamic sampling's rounds are assembled from several
+        generation rounds): every part widened to the widest prompt and completion (decision 4 kept), then each
+        per-row field concatenated. A field some parts lack is dropped (None), except `env_mask`, whose None means
+        "every token sampled" (ones). The normaliser (`window_tokens`) is the caller's to set."""
+        if len(parts) == 1:
+            return dataclasses.replace(parts[0], window_tokens=None)
+        multiple = parts[0].pad_to_multiple_of
+        S = _round_up(max(p.prompt_ids.shape[1] for p in parts), multiple)
+        T = _round_up(max(p.completion_ids.shape[1] for p in parts), multiple)
+        if any(p.env_mask is not None for p in parts):
+            parts = [p if p.env_mask is not None else dataclasses.replace(p, env_mask=torch.ones_like(
+                p.completion_mask)) for p in parts]
+        parts = [p._widened(S, T, pad_token_id) for p in parts]
+        values: dict[str, Any] = {"pad_to_multiple_of": multiple, "window_tokens": None}
+        for f in dataclasses.fields(cls):
+            if f.name in values:
+                continue
+            column = [getattr(p, f.name) for p in parts]
+            if any(v is None for v in column):
+                values[f.name] = None
+            elif isinstance(column[0], ImageInputs):
+                values[f.name] = ImageInputs.concat(column)
+            else:
+                values[f.name] = torch.cat(column)
+        return cls(**values)

@@ -13,6 +13,13 @@ Decisions:
 4. A round is built in two halves: `sample` (prompts, rollout, this process's rewards: no collective, so it may run
    on a producer thread, `trainer.producer`) and `finish` (gathers, advantages, metrics, the completions table,
    the `Round`: on the main thread). `build` is one after the other.
+5. With dynamic sampling (`zero_variance_groups='resample'`, `trainer.resample`), `finish` assembles the round from
+   several generation rounds: its zero-variance groups are replaced by informative groups of extra prompts, each
+   sampled (`sample`) and gathered there. The round's metrics cover every completion generated for it; its
+   advantages, normaliser, completions table and engine correction cover the kept round only.
+6. A synchronous training round whose sampler returned its own log-probs is compared with the trainer's at the same
+   weights (`trainer.mismatch`): where the engine correction computed them, and with `sampling_mismatch_report`
+   always. (An asynchronous round was sampled with older weights on purpose: it is not reported.)
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
@@ -37,6 +44,7 @@ from grpo_trainer import rollout
 from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS, EngineCorrection
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import attach_images, row_images, strip_images
+from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting import metrics
 from grpo_trainer.reporting.completions import CompletionLog
@@ -50,6 +58,8 @@ from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make
 from grpo_trainer.rollout.types import ImageInputs
 from grpo_trainer.runtime import compat
 from grpo_trainer.trainer.engine import apply_engine_correction
+from grpo_trainer.trainer.mismatch import MismatchReport, sampler_logps
+from grpo_trainer.trainer.resample import Resampler, Selection
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.schedule import Schedule
 
@@ -67,6 +77,7 @@ class RoundSettings:
     mask_truncated_completions: bool = False
     log_completions: bool = False
     log_multimodal: bool = True
+    keep_sampling_mask: bool = True  # the loss scores over the sampler's kept supports (`rollout.capture`, 5)
 
 
 @dataclass(frozen=True)
@@ -95,22 +106,49 @@ class Sampled:
     version: int  # the optimizer step of the weights that sampled it
 
 
+@dataclass
+class CompletionRows:
+    """Every process's rows of one generation round for the completions table, in global row order."""
+
+    prompts: list
+    completions: list
+    extra: dict[str, list]  # the `log_extra` columns
+    images: list | None
+
+
+@dataclass
+class Generated:
+    """One generation round after its collective half's gathers: its `Round` (no advantages yet) and what the
+    round's metrics and log need, over every process."""
+
+    round: Round
+    rewards: Tensor  # [B_global, F]
+    lengths: Tensor  # [B_global] tokens the policy sampled per completion
+    truncated: Tensor  # [B_global] int
+    prompt_tokens: Tensor  # [] prompt tokens over every process
+    reward_logs: RewardLogs  # what its reward functions logged (metrics; the columns are in `log`)
+    log: CompletionRows | None  # with `log_completions`
+
+
 class RoundBuilder:
-    """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward)."""
+    """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward), and
+    under truncated sampling the kept supports it used (`PolicyScorer.sampling_scores`)."""
 
     def __init__(self, *, settings: RoundSettings, schedule: Schedule, processing_class: Any,
                  backend: rollout.RolloutBackend, rewards: RewardSources, estimator: Callable,
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
-                 score: Callable[[nn.Module, Round], Tensor],
+                 score: Callable[[nn.Module, Round], LogProbs],
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
-                 first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None) -> None:
+                 first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
+                 resampler: Resampler | None = None, mismatch: MismatchReport | None = None) -> None:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
         self.accelerator, self.metrics, self.completions = accelerator, metrics_window, completions
         self.score, self.engine_correction = score, engine_correction
         self.multi_turn, self.first_turn = multi_turn, first_turn
+        self.resampler, self.mismatch = resampler, mismatch  # decisions 5 and 6
 
     def num_generations(self, mode: str) -> int:
         return self.settings.num_generations_eval if mode == "eval" else self.settings.num_generations
@@ -160,47 +198,105 @@ class RoundBuilder:
 
     def finish(self, sampled: Sampled, mode: str, policy: PolicyView, state: TrainerState) -> Round:
         """The round's collective half (decision 4): every process's rewards, the advantages, the round's metrics
-        and log, and the `Round`. `policy`: the weights the loss starts from (the engine correction's forward)."""
+        and log, and the `Round`; with dynamic sampling, after its zero-variance groups were replaced (decision 5).
+        `policy`: the weights the loss starts from (the engine correction's forward, extra prompts' rollouts)."""
+        generated = [self._gathered(sampled, mode)]
+        if self.resampler is None or mode != "train":
+            round_, rewards, log = generated[0].round, generated[0].rewards, generated[0].log
+        else:
+            def more(rows: list[dict]) -> Tensor:
+                generated.append(self._gathered(self.sample(rows, mode, policy, state), mode))
+                return generated[-1].rewards
+
+            selection = self.resampler.fill(generated[0].rewards, sampled.rows, more)
+            round_, rewards, log = self._kept(generated, selection)
+            for key, value in metrics.resample_metrics(selection.extra_rounds, selection.prompts_generated,
+                                                       selection.zero_variance_fraction,
+                                                       selection.kept_zero_variance).items():
+                self.metrics.add(mode, key, value)
+        all_advantages = self.rewards.advantages(self.estimator, rewards.cpu(), self.num_generations(mode))
+        start = self.accelerator.process_index * round_.rows
+        advantages = all_advantages[start:start + round_.rows].to(self.accelerator.device)  # [B]
+        self._record_round_metrics(mode, generated, state)
+        round_ = dataclasses.replace(round_, advantages=advantages,
+                                     window_tokens=self._window_tokens(round_.loss_mask, mode))
+        asynchronous = mode == "train" and self.schedule.rounds_ahead > 0  # sampled ahead (`trainer.producer`)
+        round_, scores = self._correct(round_, mode, policy, asynchronous)
+        columns = {} if asynchronous else self._report_mismatch(round_, scores, mode, policy)
+        if log is not None and mode == "train":
+            extra = {**log.extra, **{name: gather_object(values) for name, values in columns.items()}}
+            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, extra,
+                                 images=log.images)
+        return round_
+
+    def _gathered(self, sampled: Sampled, mode: str) -> Generated:
+        """One generation round's gathers (rewards, lengths, the completions table's rows) and its `Round` without
+        advantages."""
         out = sampled.rollout
         if sampled.tool_counts is not None:
             counts = torch.tensor([sampled.tool_counts.calls, sampled.tool_counts.failures, sampled.rows],
                                   device=self.accelerator.device)
             for key, value in metrics.tool_metrics(*gather(counts[None]).sum(0)).items():
                 self.metrics.add(mode, key, value)
-        all_rewards = gather(sampled.local_rewards)  # [B_global, F]
-        all_advantages = self.rewards.advantages(self.estimator, all_rewards.cpu(), self.num_generations(mode))
-        start = self.accelerator.process_index * len(sampled.prompts)
-        advantages = all_advantages[start:start + len(sampled.prompts)].to(self.accelerator.device)  # [B]
+        rewards = gather(sampled.local_rewards)  # [B_global, F]
         loss_mask = out.completion_mask * (~out.is_truncated).unsqueeze(1) \
             if self.settings.mask_truncated_completions else out.completion_mask  # [B, T]; tool tokens: `env_mask`
-        self._record_rollout_metrics(mode, out, all_rewards, sampled.reward_logs, state)
-        self._log_completions(mode, sampled, all_rewards, all_advantages)
-        round_ = Round.from_rollout(out, sampled.prompt_images, advantages, loss_mask, self._window_tokens(
-            loss_mask if out.env_mask is None else loss_mask * out.env_mask, mode),
-            self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
-        asynchronous = mode == "train" and self.schedule.rounds_ahead > 0  # sampled ahead (`trainer.producer`)
-        return self.correct_off_policy(round_, mode, policy, asynchronous)
+        round_ = Round.from_rollout(out, sampled.prompt_images, None, loss_mask, None,
+                                    self.settings.prompts.pad_to_multiple_of, self.tokenizer.pad_token_id)
+        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
+        prompt_tokens = gather(out.prompt_mask.sum().reshape(1)).sum()
+        return Generated(round_, rewards, lengths, gather(out.is_truncated.int()), prompt_tokens, sampled.reward_logs,
+                         self._completion_rows(sampled))
 
-    def _log_completions(self, mode: str, sampled: Sampled, all_rewards: Tensor, all_advantages: Tensor) -> None:
-        log = self.settings.log_completions
-        extra = sampled.reward_logs.gather_columns(len(sampled.prompts), gather_object) if log else {}
-        if log and mode == "train":
-            images = sampled.images
-            logged_images = gather_object(images) if images is not None and self.settings.log_multimodal else None
-            self.completions.add(gather_object([strip_images(p) for p in sampled.prompts]),
-                                 gather_object(sampled.completions), all_rewards.cpu(), all_advantages, extra,
-                                 images=logged_images)
+    def _completion_rows(self, sampled: Sampled) -> CompletionRows | None:
+        """Every process's rows of one generation round for the completions table (`log_completions` only)."""
+        if not self.settings.log_completions:
+            return None
+        extra = sampled.reward_logs.gather_columns(len(sampled.prompts), gather_object)
+        images = sampled.images
+        logged_images = gather_object(images) if images is not None and self.settings.log_multimodal else None
+        return CompletionRows(gather_object([strip_images(p) for p in sampled.prompts]),
+                              gather_object(sampled.completions), extra, logged_images)
+
+    def _kept(self, generated: list[Generated], selection: Selection) -> tuple[Round, Tensor, CompletionRows | None]:
+        """The kept round on this process, its rewards over every process `[B_global, F]` and its logged rows, from
+        the generation rounds `generated` (`resample.Selection`)."""
+        pieces = [generated[chunk].round.select(slice(first, first + rows)) for chunk, first, rows in selection.blocks]
+        round_ = Round.concat(pieces, self.tokenizer.pad_token_id)
+        rewards = torch.stack([generated[chunk].rewards[row] for chunk, row in selection.global_rows])
+        if generated[0].log is None:
+            return round_, rewards, None
+        logs = [generated[chunk].log for chunk, _ in selection.global_rows]
+        rows = [row for _, row in selection.global_rows]
+        names = sorted({name for entry in logs for name in entry.extra})
+        log = CompletionRows([entry.prompts[r] for entry, r in zip(logs, rows)],
+                             [entry.completions[r] for entry, r in zip(logs, rows)],
+                             {name: [entry.extra[name][r] if name in entry.extra else None
+                                     for entry, r in zip(logs, rows)] for name in names},
+                             None if any(entry.images is None for entry in logs)
+                             else [entry.images[r] for entry, r in zip(logs, rows)])
+        return round_, rewards, log
 
     def correct_off_policy(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False) -> Round:
         """Decision 3, for a round whose `engine_logps` are the sampler's (an engine's; or, `asynchronous`, the
         producer's behaviour policy, `trainer.producer`): the trainer's log-probs under `policy`'s weights become the
         old ones, weighed against the sampler's by `engine_correction` (when set); records the `sampling/*` metrics
         and, `asynchronous`, the raw importance ratio before truncation."""
+        return self._correct(round_, mode, policy, asynchronous)[0]
+
+    def _correct(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False
+                 ) -> tuple[Round, LogProbs | None]:
+        """`correct_off_policy`, and the trainer's log-probs it computed (None when it computed none). Under
+        truncated sampling the kept supports that forward used become the round's, for every later forward."""
         if round_.engine_logps is None or (self.engine_correction is None and not asynchronous):
-            return round_
+            return round_, None
         with torch.no_grad():
-            old = self.score(policy.model, round_.trimmed())
-        old = nn.functional.pad(old, (0, round_.completion_ids.shape[1] - old.shape[1]))  # [B, T]
+            scores = self.score(policy.model, round_.trimmed())
+        width = round_.completion_ids.shape[1]
+        old = nn.functional.pad(scores.logps, (0, width - scores.logps.shape[1]))  # [B, T]
+        if scores.sampling_mask is not None:
+            round_ = dataclasses.replace(round_, sampling_mask=nn.functional.pad(
+                scores.sampling_mask, (0, 0, 0, width - scores.sampling_mask.shape[1])))
         if asynchronous:
             mask = round_.loss_mask.bool()
             raw = torch.exp(old - round_.engine_logps.nan_to_num())[mask]  # pi_old / pi_behaviour per token
@@ -209,12 +305,29 @@ class RoundBuilder:
             self.metrics.add_min(mode, "async/importance_ratio_raw_min", math.inf if empty else float(raw.min()))
             self.metrics.add_max(mode, "async/importance_ratio_raw_max", -math.inf if empty else float(raw.max()))
         if self.engine_correction is None:
-            return dataclasses.replace(round_, old_logps=old, engine_logps=None)
+            return dataclasses.replace(round_, old_logps=old, engine_logps=None), scores
         round_, values = apply_engine_correction(round_, old, self.engine_correction,
                                                  self.schedule.on_policy(mode) and not asynchronous)
         for key, value in values.items():
             self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
-        return round_
+        return round_, scores
+
+    def _report_mismatch(self, round_: Round, scores: LogProbs | None, mode: str, policy: PolicyView
+                         ) -> dict[str, list]:
+        """The mismatch report of a training round (decision 6, `trainer.mismatch`): with the trainer's log-probs at
+        the sampling weights from the engine correction, else from a no-grad forward when asked for. This process's
+        completions-table columns."""
+        if self.mismatch is None or mode != "train" or sampler_logps(round_) is None:
+            return {}
+        corrected = scores is not None
+        if not corrected:
+            if not self.mismatch.settings.enabled:
+                return {}
+            with torch.no_grad():
+                scores = self.score(policy.model, round_.trimmed())
+        # a rollout_func samples with whatever it likes: its dtype is unknown here
+        dtype = self.backend.sampler_dtype(causal_lm(policy.model)) if self.first_turn is None else None
+        return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, policy.version, dtype, corrected)
 
     # ------------------------------------------------------------------------------------------------ the rollout
 
@@ -225,7 +338,8 @@ class RoundBuilder:
         lm = causal_lm(policy.model)
         plan = capture.KEEP_NOTHING if continuation else capture.plan(
             training=mode == "train", on_policy=self.schedule.on_policy(mode),
-            plain_single_process=policy.plain_single_process, checkpointing=compat.checkpointing_is_on(lm))
+            plain_single_process=policy.plain_single_process, checkpointing=compat.checkpointing_is_on(lm),
+            kept_support=self.settings.keep_sampling_mask)
         sampling = self.settings.sampling
         backend = rollout.serving(self.backend, prompts)
         if backend.capabilities.own_weights:  # an engine: new weights in, nothing gathered to generate
@@ -233,13 +347,13 @@ class RoundBuilder:
             config = make_generation_config(sampling, lm.generation_config, self.tokenizer, max_new_tokens,
                                             suppress_tokens=self._suppressed(lm))
             out = backend.generate(policy.model, prompts, config, plan)
-            return capture.drop_unusable(out, config, sampling.temperature)
+            return capture.drop_unusable(out, config, sampling.temperature, plan)
         with policy.for_generation() as model:
             config = make_generation_config(sampling, model.generation_config, self.tokenizer, max_new_tokens,
                                             suppress_tokens=self._suppressed(model))
             with torch.no_grad():
                 out = backend.generate(model, prompts, config, plan)
-        return capture.drop_unusable(out, config, sampling.temperature)
+        return capture.drop_unusable(out, config, sampling.temperature, plan)
 
     def _turns(self, mode: str, policy: PolicyView) -> Callable:
         """A multi-turn round's turn on the rollout backend (`rollout.multiturn`'s `generate`)."""
@@ -270,19 +384,25 @@ class RoundBuilder:
         return global_tokens / self.accelerator.num_processes * self.schedule.gradient_accumulation_steps \
             / self.schedule.steps_per_generation
 
-    def _record_rollout_metrics(self, mode: str, out: rollout.Rollout, all_rewards: Tensor, reward_logs: RewardLogs,
-                                state: TrainerState) -> None:
-        """TRL's round metrics, from the gathered round, and the round's `log_metric` values. `num_tokens` is the
-        running total of prompt and completion tokens trained on (`state.num_input_tokens_seen`)."""
-        lengths = gather(out.sampled_mask.sum(1))  # [B_global]; TRL: the tokens the policy sampled, no tool's
+    def _record_round_metrics(self, mode: str, generated: list[Generated], state: TrainerState) -> None:
+        """TRL's round metrics over every completion generated for the round (with dynamic sampling, the extra
+        rounds' too: the policy's own reward and lengths, not those of the groups kept), and the round's
+        `log_metric` values. `num_tokens` is the running total of prompt and completion tokens generated
+        (`state.num_input_tokens_seen`)."""
+        lengths = torch.cat([g.lengths for g in generated])  # [B_generated]
+        truncated = torch.cat([g.truncated for g in generated])
+        rewards = torch.cat([g.rewards for g in generated])  # [B_generated, F]
         if mode == "train":
-            state.num_input_tokens_seen += int(gather(out.prompt_mask.sum().reshape(1)).sum() + lengths.sum())
+            state.num_input_tokens_seen += int(sum(g.prompt_tokens for g in generated) + lengths.sum())
         self.metrics.set(mode, "num_tokens", state.num_input_tokens_seen)
+        reward_logs = generated[0].reward_logs
+        for g in generated[1:]:  # every value logged for the round, whichever generation round logged it
+            for name, values in g.reward_logs.metrics.items():
+                reward_logs.metrics[name].extend(values)
         scale = self.rewards.settings.scale_rewards
-        round_metrics = {**metrics.completion_length_metrics(lengths, gather(out.is_truncated.int())),
-                         **metrics.reward_metrics(all_rewards, self.rewards.weights, self.rewards.names,
+        round_metrics = {**metrics.completion_length_metrics(lengths, truncated),
+                         **metrics.reward_metrics(rewards, self.rewards.weights, self.rewards.names,
                                                   self.num_generations(mode), scale, with_pass_at_k=mode == "eval"),
                          **reward_logs.gather_metrics(gather_object)}
         for key, value in round_metrics.items():
             self.metrics.add(mode, key, value)
-

@@ -11,11 +11,19 @@ Decisions:
    outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`). Every forward goes through
    `modeling.forwards.score`, which runs it packed (`padding_free`) where the model allows, else padded.
 3. With beta == 0, no entropy mask, no entropy bonus and no auxiliary loss, a completion whose advantage is exactly 0
-   adds 0 to the loss and to its gradient whatever its log-probs, so only the other rows run forward and backward
-   (`policy_logps`); skipped rows keep their place in every loss normaliser, with log-probs equal to the old ones (a
-   ratio of exactly 1).
+   adds 0 to the loss and to its gradient whatever its log-probs. With `zero_variance_groups='skip'` only the other
+   rows run forward and backward (`policy_logps`), and off-policy only they get old log-probs (`prepare`); skipped
+   rows keep their place in every loss normaliser, with log-probs equal to the old ones (a ratio of exactly 1; 0
+   and 0 where no old forward ran for them).
 
-Shapes: `B` completions, `T` completion tokens.
+4. Under truncated sampling (top-k / top-p / min-p) every forward scores over the sampler's kept supports
+   (`modeling.support`; a softmax over them with `keep_sampling_mask`, else the full softmax with the kept mass
+   measured): the round's own (`Round.sampling_mask`) where it has them, else the truncation rules on the forward's
+   logits. A no-grad forward at the sampling weights (`sampling_scores`: the engine correction's, the old
+   log-probs') keeps the supports it used, so that later forwards (after an update, the reference model's) score
+   over the same supports.
+
+Shapes: `B` completions, `T` completion tokens, `W = ceil(V / 8)`.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from grpo_trainer.algorithms.truncation import Truncation
 from grpo_trainer.modeling import forwards
 from grpo_trainer.modeling.logprobs import LogProbs
+from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.rollout import multimodal
 from grpo_trainer.runtime import models
 from grpo_trainer.trainer.round import Round
@@ -45,6 +55,9 @@ class ScoringSettings:
     beta: float = 0.0
     padding_free: bool = True  # packed forwards where the model allows (`modeling.forwards`)
     pad_to_multiple_of: int | None = None  # packed rows' width rounded up to a multiple of this
+    skip_zero_advantages: bool = False  # decision 3
+    truncation: Truncation = Truncation()  # the sampler's (decision 4)
+    keep_sampling_mask: bool = True  # decision 4
 
 
 class PolicyLogProbs(NamedTuple):
@@ -52,6 +65,7 @@ class PolicyLogProbs(NamedTuple):
     entropy: Tensor  # [B, T]
     measured: Tensor  # [B, T] the tokens whose entropy was computed
     aux_loss: Tensor | None  # [] the router's auxiliary loss, when asked for
+    log_kept_mass: Tensor | None = None  # [B, T] under truncated sampling, where the forward measured it
 
 
 class PolicyScorer:
@@ -62,10 +76,20 @@ class PolicyScorer:
         self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
                                                 settings.pad_to_multiple_of)
 
+    def support(self, part: Round, collect: bool = False) -> KeptSupport | None:
+        """How a forward over the trimmed `part` scores under the sampler's truncation (decision 4); None without
+        one. `collect`: return the supports used, when the round has none of its own."""
+        if not self.settings.truncation.active:
+            return None
+        packed = None if part.sampling_mask is None else part.sampling_mask.reshape(-1, part.sampling_mask.shape[-1])
+        return KeptSupport(self.settings.truncation, packed, self.settings.keep_sampling_mask,
+                           collect=collect and packed is None)
+
     def logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False,
-              with_aux_loss: bool = False) -> LogProbs:
+              with_aux_loss: bool = False, collect: bool = False) -> LogProbs:
         """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
-        this round, on-policy (decision 2). `with_aux_loss`: also the MoE router's auxiliary loss."""
+        this round, on-policy (decision 2). `with_aux_loss`: also the MoE router's auxiliary loss. `collect`: keep
+        the kept supports used (decision 4)."""
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
@@ -73,14 +97,29 @@ class PolicyScorer:
         known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
         replayed = inputs.layer_outputs if policy and model.training else None
         return forwards.score(model, input_ids, attention_mask, width, self.forward, with_entropy, known,
-                              with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed)
+                              with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed,
+                              support=self.support(inputs, collect))
 
     def no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
         """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward."""
+        return self.sampling_scores(model, part, collect=False).logps
+
+    def sampling_scores(self, model: nn.Module, part: Round, collect: bool = True) -> LogProbs:
+        """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward, and under truncated
+        sampling the log kept masses and (`collect`, when the round has none) the kept supports used, `[B, T, W]`
+        (decision 4)."""
         size, width = self.settings.rows_per_forward, part.completion_ids.shape[1]
-        pieces = [self.logps(model, part.select(slice(i, i + size)).trimmed()).logps
+        pieces = [self.logps(model, part.select(slice(i, i + size)).trimmed(), collect=collect)
                   for i in range(0, part.rows, size)]
-        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
+
+        def joined(values: list[Tensor | None]) -> Tensor | None:
+            if any(v is None for v in values):
+                return None
+            pad = [(0, 0, 0, width - v.shape[1]) if v.dim() == 3 else (0, width - v.shape[1]) for v in values]
+            return torch.cat([nn.functional.pad(v, p) for v, p in zip(values, pad)])
+
+        return LogProbs(joined([p.logps for p in pieces]), log_kept_mass=joined([p.log_kept_mass for p in pieces]),
+                        sampling_mask=joined([p.sampling_mask for p in pieces]))
 
     def prepare(self, part: Round, mode: str, model: nn.Module) -> Round:
         """`part` trimmed once, with the old and reference log-probs its loss needs (decision 1)."""
@@ -89,7 +128,9 @@ class PolicyScorer:
         with torch.no_grad():
             if not self.schedule.on_policy(mode):
                 old = part.old_logps if part.old_logps is not None else part.sampling_logps
-                old = old if old is not None else self.no_grad_logps(model, part)
+                if old is None:
+                    old, mask = self._old_logps(model, part)
+                    part = part if mask is None else dataclasses.replace(part, sampling_mask=mask)
                 part = dataclasses.replace(part, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
                                            layer_outputs=None)
             if self.settings.beta != 0.0:
@@ -100,6 +141,22 @@ class PolicyScorer:
                         ref = self.no_grad_logps(model, part)
         return dataclasses.replace(part, old_logps=old, ref_logps=ref)
 
+    def _old_logps(self, model: nn.Module, part: Round) -> tuple[Tensor, Tensor | None]:
+        """Old log-probs `[B, T]` by a no-grad forward, and the kept supports it collected (decision 4); with
+        `skip_zero_advantages` only of the rows with a non-zero advantage, the others 0 (decision 3: their loss
+        terms are 0 whatever the values; their supports are left to be recomputed)."""
+        if not self.settings.skip_zero_advantages:
+            scores = self.sampling_scores(model, part)
+            return scores.logps, scores.sampling_mask
+        advantages = part.advantages
+        nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
+        old = torch.zeros(part.completion_ids.shape, device=part.completion_ids.device)
+        keep = nonzero.nonzero().squeeze(1)
+        if keep.numel():
+            values = self.no_grad_logps(model, part.select(keep).trimmed())
+            old[keep, :values.shape[1]] = values
+        return old, None
+
     def policy_logps(self, model: nn.Module, inputs: Round, skip_zero_advantages: bool, with_aux_loss: bool = False
                      ) -> PolicyLogProbs:
         """The policy's log-probs and entropies `[B, T]` for the loss, and with `with_aux_loss` the router's auxiliary
@@ -109,7 +166,7 @@ class PolicyScorer:
         nonzero = advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(1)  # [B]
         if not skip_zero_advantages or bool(nonzero.all()):
             out = self.logps(model, inputs, with_entropy=True, policy=True, with_aux_loss=with_aux_loss)
-            return PolicyLogProbs(out.logps, out.entropy, mask, out.aux_loss)
+            return PolicyLogProbs(out.logps, out.entropy, mask, out.aux_loss, out.log_kept_mass)
         keep = nonzero.nonzero().squeeze(1)
         keep = keep if keep.numel() else keep.new_zeros(1)  # one row keeps the graph (and DDP's hooks) alive
         part = self.logps(model, inputs.select(keep).trimmed(), True, policy=True)
@@ -121,4 +178,8 @@ class PolicyScorer:
         entropy[keep, :width] = part.entropy
         measured = torch.zeros_like(mask)
         measured[keep] = mask[keep]
-        return PolicyLogProbs(logps, entropy, measured, None)
+        masses = None
+        if part.log_kept_mass is not None:
+            masses = part.logps.new_zeros(B, T)
+            masses[keep, :width] = part.log_kept_mass
+        return PolicyLogProbs(logps, entropy, measured, None, masses)

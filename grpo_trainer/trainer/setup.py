@@ -20,6 +20,7 @@ from typing import Any
 
 from accelerate.utils import set_seed
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.settings import reward_settings, turn_settings
@@ -46,11 +47,19 @@ def check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset:
         check_dataset(dataset, f"eval_dataset[{name!r}]" if name != "eval" else "eval_dataset", processing_class,
                       prompt_optional=prompt_optional)
     prepare_for_streaming(train_dataset, eval_dataset, args)
+    if args.zero_variance_groups == "resample" and not _indexable(train_dataset):
+        raise ValueError("zero_variance_groups='resample' draws its extra prompts from train_dataset by index, and "
+                         f"a {type(train_dataset).__name__} has none; pass a map-style dataset (datasets.Dataset, "
+                         "a list of rows), or use zero_variance_groups='train' or 'skip'.")
     if args.use_liger_kernel:
         args.liger_kernel_config = models.liger_kernel_config(args.liger_kernel_config)
     if args.sync_ref_model and (peft_config is not None or unwrap.is_peft_model(model)):
         raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                          "model, which never changes. Set sync_ref_model=False.")
+
+
+def _indexable(dataset: Any) -> bool:
+    return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and not isinstance(dataset, IterableDataset)
 
 
 def check_processor_setup(args: GRPOConfig, processing_class: Any) -> None:

@@ -54,6 +54,20 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
     ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
     ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),
+    ({"zero_variance_groups": "drop"}, "unknown zero_variance_groups 'drop'; choose one of ('train', 'skip', "
+                                       "'resample')"),
+    ({"zero_variance_groups": "skip", "beta": 0.1}, "zero_variance_groups='skip' leaves the gradient unchanged only "
+                                                    "when a zero-advantage completion adds nothing to the loss, but "
+                                                    "beta=0.1 (the KL term) gives it a gradient"),
+    ({"zero_variance_groups": "skip", "entropy_coef": 0.1}, "but the entropy bonus (entropy_coef / "
+                                                            "use_adaptive_entropy) gives it a gradient"),
+    ({"zero_variance_groups": "skip", "use_adaptive_entropy": True}, "but the entropy bonus"),
+    ({"zero_variance_groups": "skip", "top_entropy_quantile": 0.5}, "but top_entropy_quantile=0.5 (its quantile "
+                                                                    "counts every completion's tokens)"),
+    ({"max_resample_rounds": -1}, "max_resample_rounds must be >= 0 (got -1)"),
+    ({"zero_variance_groups": "resample", "async_rollouts": 1}, "zero_variance_groups='resample' generates its extra "
+                                                                "prompts while the round is assembled"),
+    ({"sampling_mismatch_threshold": 0.0}, "sampling_mismatch_threshold must be > 0 nats (got 0.0)"),
 ])
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError) as error:

@@ -169,3 +169,10 @@ def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path, tokenizer, to
     with torch.no_grad():
         torch.testing.assert_close(trainer.compute_loss(trainer.model, padded),
                                    trainer.compute_loss(trainer.model, inputs), atol=1e-6, rtol=0)
+
+
+def test_skipping_zero_advantage_rows_is_refused_with_a_router_loss(tmp_path, tokenizer, toy_dataset):
+    """The router's load-balancing loss covers every row: 'skip' would change the gradient."""
+    with pytest.raises(ValueError, match="zero_variance_groups='skip' .* this Mixture-of-Experts model's router loss"):
+        GRPOTrainer(moe_model(tokenizer), varied_reward, train_dataset=toy_dataset, processing_class=tokenizer,
+                    args=make_args(tmp_path, router_aux_loss_coef=0.5, zero_variance_groups="skip"))

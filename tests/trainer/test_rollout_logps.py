@@ -77,12 +77,13 @@ def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokeniz
 def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(tmp_path, tokenizer, toy_dataset,
                                                                                monkeypatch, loss_type,
                                                                                num_iterations):
-    """beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its gradient, so only the
-    other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens, dr_grpo's B * T,
-    dapo's window). With num_iterations = 2 the round carries old log-probs, used as the skipped rows' values."""
+    """zero_variance_groups='skip', beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its
+    gradient, so only the other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens,
+    dr_grpo's B * T, dapo's window). With num_iterations = 2 the round carries old log-probs, used as the skipped
+    rows' values."""
     # padding_free=False: the rows of each forward are counted (packed forwards have other shapes).
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, loss_type=loss_type, num_iterations=num_iterations,
-                       padding_free=False)
+                       zero_variance_groups="skip", padding_free=False)
     model = trainer.model
     inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset),
                                  advantages=torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75]))
@@ -109,16 +110,35 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
     assert any(g.abs().sum() > 0 for g in skipped[1])
 
 
-@pytest.mark.parametrize("setting", [{"beta": 0.1}, {"entropy_coef": 0.1}, {"use_adaptive_entropy": True}])
-def test_zero_advantage_rows_are_not_skipped_with_a_kl_term_or_an_entropy_bonus(tmp_path, tokenizer, toy_dataset,
-                                                                                setting):
-    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, padding_free=False, **setting)  # rows counted
+def test_zero_advantage_rows_run_by_default_as_in_trl(tmp_path, tokenizer, toy_dataset):
+    """zero_variance_groups='train' (the default): every row runs forward, as TRL's trainer runs them."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, padding_free=False)  # rows counted
     inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset), advantages=torch.zeros(8))
-    rows_seen = []  # the KL term and the entropy still have a gradient on every row
+    rows_seen = []
     trainer.model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
                                             with_kwargs=True)
     trainer.compute_loss(trainer.model, inputs)
     assert rows_seen == [8]
+
+
+def test_skip_computes_old_logps_only_for_rows_that_train(tmp_path, tokenizer, toy_dataset):
+    """Off-policy with 'skip' (generate backend: no rollout log-probs to take as old ones): the old-log-prob forward
+    runs on the rows with a non-zero advantage only; the others get 0, which their loss never reads."""
+    trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, num_iterations=2, zero_variance_groups="skip",
+                       generation_backend="generate")
+    round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
+    round_ = dataclasses.replace(round_, advantages=torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75]))
+    rows_seen = []
+    trainer.model.register_forward_pre_hook(lambda module, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    part = trainer.scorer.prepare(round_, "train", trainer.model)
+    assert rows_seen == [5]
+    assert (part.old_logps[[1, 2, 5]] == 0).all()
+    with torch.no_grad():
+        full = trainer.scorer.no_grad_logps(trainer.model, part)
+    kept = torch.tensor([0, 3, 4, 6, 7])
+    active = part.completion_mask[kept].bool()
+    torch.testing.assert_close(part.old_logps[kept][active], full[kept][active], atol=1e-5, rtol=0)
 
 
 def test_a_micro_batch_drops_its_replay_tensors_after_its_last_loss(tmp_path, tokenizer, toy_dataset):

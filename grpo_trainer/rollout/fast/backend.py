@@ -43,7 +43,7 @@ from grpo_trainer.rollout.fast.decoder import Decoder
 from grpo_trainer.rollout.fast.guard import decoder_blocker, resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
+from grpo_trainer.rollout.types import PromptBatch, Rollout, special_tokens
 
 __all__ = ["FastBackend"]
 
@@ -91,24 +91,22 @@ def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
     B, S = prompts.ids.shape
     decoder_stack = lm.get_decoder()
     embed = decoder_stack.embed_tokens.weight
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    max_new = max_new_tokens(config, S)
     outputs, probs = capture_.replay_buffers(
-        capture, rows=B, prompt_length=S, max_new_tokens=max_new_tokens(config, S),
-        layers=len(decoder_stack.layers), hidden_size=embed.shape[1],
-        vocab_size=lm.get_output_embeddings().weight.shape[0], dtype=embed.dtype, device=prompts.ids.device)
+        capture, rows=B, prompt_length=S, max_new_tokens=max_new, layers=len(decoder_stack.layers),
+        hidden_size=embed.shape[1], vocab_size=vocab, dtype=embed.dtype, device=prompts.ids.device)
+    masks = capture_.support_buffer(capture, rows=B, max_new_tokens=max_new, vocab_size=vocab,
+                                    device=prompts.ids.device)
     threads = torch.get_num_threads()
     decode_threads = _decode_threads(lm, B) if prompts.ids.device.type == "cpu" else threads
     try:
         torch.set_num_threads(min(threads, decode_threads))
         with torch.inference_mode():
-            completion_ids, logps, entropy = _decode(lm, config, prompts, outputs, probs)
+            decoded = _decode(lm, config, prompts, outputs, probs, masks, capture.kept_support)
     finally:
         torch.set_num_threads(threads)
-    completion_ids, logps, entropy = completion_ids.clone(), logps.clone(), entropy.clone()
-    T = completion_ids.shape[1]  # the used part of the buffers (views made out here)
-    outputs = None if outputs is None else outputs[:, :, :S + T]
-    probs = None if probs is None else probs[:, :T]
-    completion_ids, mask, truncated = end_at_first_eos(completion_ids, config)
-    return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, logps, entropy, probs, outputs)
+    return loop.to_rollout(prompts, config, decoded, probs, masks, outputs)
 
 
 def _decode_threads(lm: nn.Module, rows: int) -> int:
@@ -119,9 +117,10 @@ def _decode_threads(lm: nn.Module, rows: int) -> int:
 
 
 def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outputs: Tensor | None = None,
-            probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """`loop.run` over the decoder: completion tokens, log-probs and entropies `[B, T']`. Fills the given
-    buffers: every layer's output `outputs[:, :, :S + T']`, the tempered softmax `probs[:, :T']`."""
+            probs: Tensor | None = None, masks: Tensor | None = None, renormalise: bool = False) -> loop.Decoded:
+    """`loop.run` over the decoder: completion tokens, log-probs and entropies `[B, T']` (and what the loop keeps
+    of a truncated sampler). Fills the given buffers: every layer's output `outputs[:, :, :S + T']`, the tempered
+    softmax `probs[:, :T']`, the packed kept supports `masks[:, :T']`."""
     prompt_ids, prompt_mask = prompts.ids, prompts.mask
     B, S = prompt_ids.shape
     max_new = max_new_tokens(config, S)
@@ -152,4 +151,4 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outpu
         return decoder.logits(decoder.step(tokens, S + t, cos[:, t], sin[:, t], key_mask[..., :S + t + 1]))
 
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), special_tokens(config)[1])], 1)
-    return loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs)
+    return loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs, masks, renormalise)

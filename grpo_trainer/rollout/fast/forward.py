@@ -45,7 +45,7 @@ from grpo_trainer.rollout.fast import loop
 from grpo_trainer.rollout.fast.guard import resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
+from grpo_trainer.rollout.types import PromptBatch, Rollout, special_tokens
 from grpo_trainer.runtime import compat
 
 __all__ = ["GENERATION_HELPERS", "ForwardBackend", "forward_blocker", "forward_rollout"]
@@ -124,21 +124,22 @@ def forward_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfi
     """Completions for `prompts` under resolved settings `config`, through `lm`'s own forward."""
     B, S = prompts.ids.shape
     max_new = max_new_tokens(config, S)
+    vocab = lm.get_output_embeddings().weight.shape[0]
     _, probs = capture_.replay_buffers(
         dataclasses.replace(capture, layer_outputs=False), rows=B, prompt_length=S, max_new_tokens=max_new,
-        layers=0, hidden_size=0, vocab_size=lm.get_output_embeddings().weight.shape[0], dtype=lm.dtype,
-        device=prompts.ids.device)
+        layers=0, hidden_size=0, vocab_size=vocab, dtype=lm.dtype, device=prompts.ids.device)
+    masks = capture_.support_buffer(capture, rows=B, max_new_tokens=max_new, vocab_size=vocab,
+                                    device=prompts.ids.device)
     with torch.no_grad():
-        completion_ids, logps, entropy, plain_logits = _decode(lm, config, prompts, max_new, probs)
-    completion_ids, mask, truncated = end_at_first_eos(completion_ids, config)
-    if not plain_logits:  # decision 2
-        logps = entropy = probs = None
-    probs = None if probs is None else probs[:, :completion_ids.shape[1]]
-    return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, logps, entropy, probs)
+        decoded, plain_logits = _decode(lm, config, prompts, max_new, probs, masks, capture.kept_support)
+    rollout = loop.to_rollout(prompts, config, decoded, probs, masks)
+    if not plain_logits:  # decision 2: the sampler's own values stay (the processed log-probs, the supports)
+        rollout = dataclasses.replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)
+    return rollout
 
 
-def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_new: int, probs: Tensor | None
-            ) -> tuple[Tensor, Tensor, Tensor, bool]:
+def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_new: int, probs: Tensor | None,
+            masks: Tensor | None = None, renormalise: bool = False) -> tuple[loop.Decoded, bool]:
     """`loop.run` over the model's forward; also whether its logits are its head's output (decision 2)."""
     B, S = prompts.ids.shape
     first, group = prompts.distinct_rows()
@@ -181,4 +182,5 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, max_n
 
     # generate's decode-time switches (MoE expert kernels on accelerators), after the prefill as there
     with getattr(lm, "_optimize_model_for_decode", contextlib.nullcontext)():
-        return *loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs), plain_logits
+        return loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs, masks,
+                        renormalise), plain_logits

@@ -4,8 +4,14 @@ in, one token per row out, with `generate`'s token selection and its stopping ru
 Decisions:
 
 1. Token selection is transformers' own logits processors on the same sequences `generate` passes them, then
-   argmax or a categorical draw (`sampling`). Each token's log-prob and entropy under the full tempered softmax
-   of the raw logits are kept (`Rollout.sampling_logps`), and on request that softmax itself (`replay`).
+   argmax or a categorical draw (`sampling`). Each token's log-prob and entropy under the tempered softmax of the
+   raw logits are kept (`Rollout.sampling_logps`), and on request that softmax itself (`replay`).
+5. With processors beyond the temperature (top-k / top-p / min-p, penalties, suppressed tokens), the loop also keeps
+   what the sampler knows at draw time (`algorithms.truncation`): the log of the mass the tempered softmax puts on
+   the kept support (the finite processed scores), the log-prob of each token under the processed distribution it
+   was drawn from (`Rollout.behaviour_logps`), and on request the kept supports, packed. With `renormalise` (the
+   loss's `keep_sampling_mask`) the kept log-probs, entropies and softmax are those of the tempered softmax over
+   the kept support, as the loss computes them.
 2. Rows stop at their first EOS and are padded after it; the loop stops once every row has.
 3. Logits that are not finite stop the rollout at the step they appear, naming the step and the rows, so that a
    broken model is reported as one, not as a non-finite loss later. The check reads the log-probs already
@@ -19,17 +25,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
+from grpo_trainer.algorithms.truncation import pack
 from grpo_trainer.rollout.fast.guard import processors
 from grpo_trainer.rollout.fast.sampling import sample_from_logits, sample_from_probs
-from grpo_trainer.rollout.types import PromptBatch, special_tokens
+from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
 
-__all__ = ["NonFiniteLogitsError", "choose", "run"]
+__all__ = ["Decoded", "Draw", "NonFiniteLogitsError", "choose", "run", "to_rollout"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,39 +46,83 @@ class NonFiniteLogitsError(RuntimeError):
     """The model returned NaN or infinite logits during a rollout."""
 
 
+class Draw(NamedTuple):
+    """One step's draw for `B` rows (decisions 1 and 5)."""
+
+    tokens: Tensor  # [B]
+    logps: Tensor  # [B] as the loss scores them (over the kept support with `renormalise`)
+    entropy: Tensor  # [B] of that distribution
+    log_kept_mass: Tensor | None = None  # [B] None: only the temperature processed the logits
+    behaviour_logps: Tensor | None = None  # [B] under the processed distribution drawn from
+    kept: Tensor | None = None  # [B, V] bool, the kept support
+
+
 def choose(scores: Tensor, sequences: Tensor, processor_list: LogitsProcessorList, config: GenerationConfig,
-           temperature: float, probs_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Next tokens `[B]`, and their log-probs and the entropies `[B]` under the full tempered softmax of the raw
-    logits `scores` `[B, V]` (also written to `probs_out` when given). When the only processor is the temperature
-    (the trainer's default settings), the distribution sampled from is that softmax, computed once."""
+           temperature: float, probs_out: Tensor | None = None, renormalise: bool = False) -> Draw:
+    """Next tokens `[B]`, and their log-probs and the entropies `[B]` under the tempered softmax of the raw logits
+    `scores` `[B, V]` (also written to `probs_out` when given); over the kept support with `renormalise`
+    (decision 5). When the only processor is the temperature (the trainer's default settings), the distribution
+    sampled from is that softmax, computed once."""
     log_p = torch.log_softmax(scores if temperature == 1.0 else scores / temperature, dim=-1)  # [B, V]
-    probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
     if config.do_sample and all(type(p) is TemperatureLogitsWarper for p in processor_list):
+        probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
         tokens = sample_from_probs(probs)
-    else:
-        tokens = sample_from_logits(processor_list(sequences, scores), config.do_sample)
-    return tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, log_p)
+        return Draw(tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, log_p))
+    processed = processor_list(sequences, scores)  # [B, V]
+    tokens = sample_from_logits(processed, config.do_sample)
+    if not config.do_sample:  # greedy: no sampling distribution (`capture` drops the sampler's values)
+        probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
+        return Draw(tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, log_p))
+    kept = processed > -torch.inf  # [B, V]
+    behaviour = torch.log_softmax(processed, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    mass = torch.logsumexp(log_p.masked_fill(~kept, -torch.inf), dim=-1)  # log p(S): log_p is normalised
+    finite = log_p
+    if renormalise:
+        log_p = (log_p - mass[:, None]).masked_fill_(~kept, -torch.inf)
+        finite = log_p.masked_fill(~kept, 0.0)  # 0 log 0 = 0 off the support
+    probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
+    return Draw(tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, finite), mass,
+                behaviour, kept)
+
+
+class Decoded(NamedTuple):
+    """A rollout's tokens and what the loop kept of each, `[B, T']`."""
+
+    completion_ids: Tensor
+    logps: Tensor
+    entropy: Tensor
+    log_kept_mass: Tensor | None = None  # None: only the temperature processed the logits (decision 5)
+    behaviour_logps: Tensor | None = None
 
 
 def run(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, scores: Tensor,
         next_scores: Callable[[Tensor, int], Tensor], sequences: Tensor, max_new: int,
-        probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        probs: Tensor | None = None, masks: Tensor | None = None, renormalise: bool = False) -> Decoded:
     """Completion tokens `[B, T']` (T' <= max_new: the loop stops once every row has ended), and their log-probs
-    and entropies `[B, T']`. `scores` `[B, V]`: float32 logits after the prompt; `next_scores(tokens, t)`: the
-    logits after feeding token `t` `[B]`; `sequences` `[B, S + max_new]`: the prompt, then filled with the tokens
-    (processors and `next_scores` may read it). Fills `probs[:, :T']` (the tempered softmax) when given."""
+    and entropies `[B, T']` (decision 5 for the rest). `scores` `[B, V]`: float32 logits after the prompt;
+    `next_scores(tokens, t)`: the logits after feeding token `t` `[B]`; `sequences` `[B, S + max_new]`: the prompt,
+    then filled with the tokens (processors and `next_scores` may read it). Fills `probs[:, :T']` (the tempered
+    softmax) and `masks[:, :T']` (the packed kept supports, `[B, max_new, ceil(V / 8)]` uint8) when given."""
     eos, pad = special_tokens(config)
     B, S = prompts.ids.shape
     eos_ids = torch.tensor(eos, device=scores.device, dtype=torch.long)
     processor_list = processors(lm, config, prompts.ids, prompts.mask)
     finished = torch.zeros(B, dtype=torch.bool, device=scores.device)
     logps, entropy = torch.zeros(2, B, max_new, device=scores.device)  # [B, T] each
+    masses = behaviour = None
     temperature = config.temperature if config.do_sample and config.temperature is not None else 1.0
     limit = getattr(lm.config, "max_position_embeddings", None)
     warn_step = None if limit is None else max(0, limit - S)  # generate warns once S + t + 1 columns > limit
     for t in range(max_new):
-        tokens, logps[:, t], entropy[:, t] = choose(scores, sequences[:, :S + t], processor_list, config,
-                                                    temperature, None if probs is None else probs[:, t])
+        draw = choose(scores, sequences[:, :S + t], processor_list, config, temperature,
+                      None if probs is None else probs[:, t], renormalise)
+        tokens, logps[:, t], entropy[:, t] = draw.tokens, draw.logps, draw.entropy
+        if draw.log_kept_mass is not None:
+            if masses is None:
+                masses, behaviour = torch.zeros(2, B, max_new, device=scores.device)
+            masses[:, t], behaviour[:, t] = draw.log_kept_mass, draw.behaviour_logps
+            if masks is not None:
+                masks[:, t] = pack(draw.kept)
         if not bool((torch.isfinite(logps[:, t]) | finished).all()):
             _raise_non_finite(logps[:, t], finished, t)
         tokens.masked_fill_(finished, pad)  # [B]
@@ -84,7 +136,24 @@ def run(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, scores: T
         if t == max_new - 1 or bool(finished.all()):
             break
         scores = next_scores(tokens, t)
-    return sequences[:, S:S + t + 1], logps[:, :t + 1], entropy[:, :t + 1]
+    T = t + 1
+    return Decoded(sequences[:, S:S + T], logps[:, :T], entropy[:, :T], None if masses is None else masses[:, :T],
+                   None if behaviour is None else behaviour[:, :T])
+
+
+def to_rollout(prompts: PromptBatch, config: GenerationConfig, decoded: Decoded, probs: Tensor | None,
+                 masks: Tensor | None, outputs: Tensor | None = None) -> Rollout:
+    """The `Rollout` of a `loop.run` (its tensors cloned out of inference mode; the buffers cut to the length
+    decoded): tokens after each row's first EOS become padding."""
+    completion_ids, logps, entropy = (t.clone() for t in decoded[:3])
+    masses, behaviour = (None if t is None else t.clone() for t in decoded[3:])
+    S, T = prompts.ids.shape[1], completion_ids.shape[1]  # the used part of the buffers (views made out here)
+    outputs = None if outputs is None else outputs[:, :, :S + T]
+    probs = None if probs is None else probs[:, :T]
+    masks = None if masks is None or masses is None else masks[:, :T]
+    completion_ids, mask, truncated = end_at_first_eos(completion_ids, config)
+    return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, logps, entropy, probs, outputs,
+                   sampling_mask=masks, log_kept_mass=masses, behaviour_logps=behaviour)
 
 
 def _raise_non_finite(logps: Tensor, finished: Tensor, step: int) -> None:

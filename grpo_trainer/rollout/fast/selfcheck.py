@@ -71,7 +71,7 @@ def _hooks(hooks: dict) -> tuple:
 
 
 def decoder_mismatch(lm: nn.Module, prompts: PromptBatch,
-                     decode: Callable[..., tuple[Tensor, Tensor, Tensor]]) -> str | None:
+                     decode: Callable[..., tuple[Tensor, ...]]) -> str | None:
     """Why `decode` (the fast backend's loop: `decode(lm, config, prompts, outputs, probs)`) does not reproduce
     `lm`'s forward, or None; computed once per model and structure (decision 1)."""
     key = fingerprint(lm)
@@ -101,7 +101,7 @@ def _measure(lm: nn.Module, prompts: PromptBatch, decode: Callable) -> tuple[flo
     config = GenerationConfig(do_sample=False, max_new_tokens=CHECK_TOKENS, pad_token_id=0)
     probs = torch.empty(len(rows), CHECK_TOKENS, lm.get_output_embeddings().weight.shape[0], device=ids.device)
     with torch.inference_mode():
-        tokens, _, _ = decode(lm, config, PromptBatch(ids, mask), None, probs)
+        tokens = decode(lm, config, PromptBatch(ids, mask), None, probs)[0]
     tokens, probs = tokens.clone(), probs[:, :tokens.shape[1]].clone()
     full_ids = torch.cat([ids, tokens[:, :-1]], 1)
     full_mask = torch.cat([mask, torch.ones_like(tokens[:, :-1])], 1)

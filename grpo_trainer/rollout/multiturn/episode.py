@@ -14,6 +14,7 @@ loaded: the tools' schemas, the chat template's support for tools and its tool-c
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,7 +165,9 @@ class MultiTurn:
 
     def _from_token_lists(self, output: RolloutFuncOutput, device: torch.device | str) -> Rollout:
         """A rollout_func's token lists as a `Rollout` (TRL: every returned completion token is in the completion;
-        it is truncated when its last token is neither EOS nor padding)."""
+        it is truncated when its last token is neither EOS nor padding). Its `logprobs` are the behaviour policy's,
+        the sampler's own (`Rollout.engine_logps`: TRL's `sampling_per_token_logps`, which the off-policy mask and,
+        with vLLM, the importance-sampling correction read); None is NaN (no value), padding 0."""
         pad = self.tokenizer.pad_token_id
         masks = output.env_mask or [[1] * len(c) for c in output.completion_ids]
         logprobs = output.logprobs if self.engine_logprobs else [None] * len(masks)
@@ -172,4 +175,8 @@ class MultiTurn:
                                    engine_logps=None if lp is None else [float(v) for v in lp])
                         for p, c, m, lp in zip(output.prompt_ids, output.completion_ids, masks, logprobs)]
         out = to_rollout(left_padded(output.prompt_ids, pad).to(device), trajectories, pad)
+        logps = torch.zeros(out.completion_ids.shape, dtype=torch.float32)
+        for row, values in enumerate(output.logprobs):
+            logps[row, :len(values)] = torch.tensor([math.nan if v is None else float(v) for v in values])
+        out = dataclasses.replace(out, engine_logps=logps.to(out.completion_ids.device))
         return out if output.env_mask is not None else dataclasses.replace(out, env_mask=None)

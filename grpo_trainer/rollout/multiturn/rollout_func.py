@@ -5,8 +5,11 @@ repeated `num_generations` times, as the dataset rows are), untokenised (chat me
 returns a dict with, per prompt:
 
 - `prompt_ids`, `completion_ids`: token ids (lists of ints), the completion as the loss should score it;
-- `logprobs`: one float per completion token, the sampler's log-probabilities (checked; with `use_vllm=True` they
-  are the engine's log-probs of vLLM's importance-sampling correction, as in TRL; the loss computes its own);
+- `logprobs`: one float (or None) per completion token, the sampler's log-probabilities: the behaviour policy's, as
+  in TRL. They are what the off-policy mask (`off_policy_mask_threshold`) measures drift against, what vLLM's
+  importance-sampling correction weighs by (with `use_vllm`), and the sampler's side of the mismatch report; the
+  loss computes its own log-probs. (When tools write part of a completion the rollout is rebuilt from the tool loop
+  and keeps none of them.)
 - optionally `env_mask`: one 0/1 per completion token, 0 for tokens the policy did not sample (an environment's
   feedback); they stay in the context but not in the loss;
 - any other key: passed to the reward functions as a keyword argument: a list holds one value per prompt, any

@@ -57,7 +57,7 @@ def test_choose_draws_the_processed_distribution_and_scores_the_full_one(top_k, 
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)] + ([TopKLogitsWarper(top_k)] if top_k else []))
     config = GenerationConfig(do_sample=True, temperature=0.5, top_k=top_k)
     torch.manual_seed(0)
-    tokens, logps, entropy = loop.choose(logits, torch.zeros(N, 1, dtype=torch.long), processors, config, 0.5)
+    tokens, logps, entropy = loop.choose(logits, torch.zeros(N, 1, dtype=torch.long), processors, config, 0.5)[:3]
     frequencies = torch.bincount(tokens, minlength=4).float() / N
     torch.testing.assert_close(frequencies, torch.tensor(expected), atol=0.0125, rtol=0)
     full = torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365  # tempered, unfiltered
