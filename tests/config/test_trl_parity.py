@@ -49,9 +49,6 @@ OURS_ONLY = {
     "reward_timeout": "a time limit for reward functions (a stuck call becomes a reward failure)",
     "signal_grace_period": "how long SIGTERM/SIGINT waits for the current step before the process exits",
     "ignore_output_dir_lock": "opting in to two live runs writing one output_dir (no such field in transformers 5)",
-    "async_rollouts": "asynchronous rollouts on a producer thread (TRL has a separate AsyncGRPOTrainer)",
-    "async_correction": "the off-policy correction of asynchronous rounds",
-    "async_rollout_timeout": "a time limit for a round on the producer thread",
     "zero_variance_groups": "what a group with equal rewards costs: trained ('train', TRL's behaviour), skipped or "
                             "resampled (docs/TRAINING_DATA.md)",
     "max_resample_rounds": "the cap on dynamic sampling's extra generation rounds",

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
+from grpo_trainer import GRPOTrainer
 from grpo_trainer.modeling.logprobs import Float32Head
-from tests.helpers import make_trainer, train_and_compare, varied_reward, write_remote_code_model
+from tests.helpers import make_args, make_trainer, train_and_compare, varied_reward, write_remote_code_model
 
 
 def stuck(trainer) -> list[str]:
