@@ -100,7 +100,10 @@ def build_args(config: Config, output_dir: str, device: str = "cpu", **overrides
                     beta=config.beta, learning_rate=1e-6, loss_type="dapo", gradient_checkpointing=config.checkpointing,
                     bf16=config.bf16, max_steps=config.steps, logging_steps=1, report_to="none", save_strategy="no",
                     disable_tqdm=True, seed=0, dataloader_num_workers=0, temperature=1.0,
-                    generation_backend=config.generation_backend)
+                    generation_backend=config.generation_backend,
+                    # the plan is the padded layout's (every row at its micro-batch's longest prompt and completion):
+                    # packed forwards (padding_free) only lower the peak, by how much depends on the lengths sampled
+                    padding_free=False)
     if config.bf16 and device == "cpu":
         settings["use_cpu"] = True  # TrainingArguments refuses bf16 on a machine without a GPU otherwise
     if config.zero:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -141,6 +141,17 @@ class MetricsWindow:
     def clear(self, mode: str) -> None:
         self.windows[mode].clear()
         self.maxima[mode].clear()
+
+    def reduced(self, mode: str, reduce: Callable[[Tensor, str], Tensor], device: torch.device) -> dict[str, Any]:
+        """The window's values to log, over every process: each metric's mean (`window_totals` summed), then each
+        extreme. `reduce(tensor, "sum" | "max")`: accelerate's reduction over processes. Every process must call
+        this at the same log step, with the same keys."""
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        keys, local = window_totals(self.windows[mode])
+        local = local.to(device, dtype)
+        logs: dict[str, Any] = dict(window_means(keys, reduce(local, "sum").cpu() if keys else local))
+        logs.update(self.extremes(mode, lambda values: reduce(values.to(device, dtype), "max").cpu()))
+        return logs
 
 
 def window_totals(window: dict[str, list]) -> tuple[list[str], Tensor]:

@@ -29,7 +29,6 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -41,18 +40,16 @@ from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import masks, surrogates
 from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
-from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
-from grpo_trainer.data.sampler import RepeatSampler, RoundSource, repeat_iterable
+from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
 from grpo_trainer.modeling import kernels
-from grpo_trainer.reporting import completions_hub, hub, metrics
+from grpo_trainer.reporting import completions_hub, hub
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rewards import scoring as rewards
@@ -61,15 +58,12 @@ from grpo_trainer.rewards.sources import ADVANTAGE_EPS
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
-from grpo_trainer.trainer import lifecycle, memory, setup
-from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings, NonFiniteGuard, pooled_high_entropy_mask
-from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
-from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings, ProducerPacing
-from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
+from grpo_trainer.trainer import lifecycle, memory, parts, setup
+from grpo_trainer.trainer.loss import NonFiniteGuard, pooled_high_entropy_mask
+from grpo_trainer.trainer.producer import ProducerPacing
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
-from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
 
 __all__ = ["GRPOTrainer"]
 
@@ -168,26 +162,14 @@ class GRPOTrainer(Trainer):
         set_seed(args.seed, device_specific=True)  # processes must sample different completions
 
     def _build_parts(self, args: GRPOConfig, backend: rollout.RolloutBackend, processing_class: Any) -> None:
-        """The owned parts (module docstring), once the accelerator and the prepared models exist."""
+        """The owned parts (module docstring; `trainer.parts`), once the accelerator and the prepared models exist."""
         schedule = Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
                             args.async_rollouts)
         self.metrics = MetricsWindow()
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
-        scoring = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
-                                  args.beta, args.padding_free, args.pad_to_multiple_of,
-                                  skip_zero_advantages=args.zero_variance_groups == "skip",
-                                  truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
-        self.scorer = PolicyScorer(scoring, schedule, self.ref_model)
-        if args.zero_variance_groups == "skip" and self.router_aux_loss_coef != 0.0:
-            raise ValueError(f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage "
-                             f"completion adds nothing to the loss, but this Mixture-of-Experts model's router loss "
-                             f"(router_aux_loss_coef={self.router_aux_loss_coef}) covers every row; use 'train', or "
-                             "set router_aux_loss_coef=0.")
-        self.objective = GRPOLoss(LossPartSettings(typed.loss_settings(args), args.gradient_accumulation_steps,
-                                                   args.max_completion_length, args.top_entropy_quantile,
-                                                   self.router_aux_loss_coef, args.zero_variance_groups == "skip"),
-                                  self.scorer, typed.entropy_control(args), self.accelerator, self.metrics)
+        self.scorer = parts.scorer(args, schedule, self.ref_model)
+        self.objective = parts.objective(args, self.scorer, self.router_aux_loss_coef, self.accelerator, self.metrics)
         self.rounds = RoundBuilder(
             settings=RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                                    args.num_generations_eval or args.num_generations,
@@ -198,52 +180,19 @@ class GRPOTrainer(Trainer):
             completions=self.completions,
             score=self.scorer.sampling_scores, engine_correction=typed.engine_correction(args),
             multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
-            else None, resampler=self._resampler(args), mismatch=self._mismatch_report(args))
+            else None, resampler=parts.resampler(args, self.train_dataset, self.accelerator, self.reward_weights),
+            mismatch=parts.mismatch_report(args, self.model, self._tokenizer, self.accelerator, self.metrics))
         self.buffer = RoundBuffer(schedule)
-        self.async_rounds = self._async_rounds(args, backend, schedule) if args.async_rollouts else None
+        self.async_rounds = pacing = None
+        if args.async_rollouts:
+            self.async_rounds = parts.async_rounds(args, self.train_dataset, self.accelerator, self.rounds,
+                                                   self.scorer, schedule, self.model, backend, self.metrics,
+                                                   lambda: self.state.global_step)
+            pacing = ProducerPacing(self.async_rounds, self.buffer, self._signal_stop)
+            self.add_callback(pacing)
+        self.run_parts = lifecycle.RunParts(self.buffer, self.async_rounds, pacing, self.rounds.resampler)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self._step_time, self._micro_steps_timed, self._saving_stuck = 0.0, 0, False
-
-    def _async_rounds(self, args: GRPOConfig, backend: rollout.RolloutBackend, schedule: Schedule) -> AsyncRounds:
-        """Asynchronous rollouts (`trainer.producer`, docs/ASYNC.md)."""
-        source = RoundSource(self.train_dataset, args.num_generations,
-                             args.generation_batch_size // args.num_generations, args.shuffle_dataset, args.seed,
-                             self.accelerator.process_index, self.accelerator.num_processes)
-
-        def view(version: int) -> PolicyView:  # the bare model; grad mode (per thread) keeps checkpointing out
-            return PolicyView(self.model, lambda: contextlib.nullcontext(self.accelerator.unwrap_model(self.model)),
-                              version, plain_single_process=False)
-
-        def push() -> None:
-            backend.sync_weights(self.accelerator.unwrap_model(self.model), self.state.global_step)
-
-        # each process its own sampling seeds, as `set_seed(..., device_specific=True)` gives the synchronous path
-        seed = args.seed + self.accelerator.process_index
-        rounds = AsyncRounds(AsyncSettings(args.async_rollouts, seed, args.async_rollout_timeout),
-                             args.async_correction, self.rounds, self.scorer, source, schedule, view,
-                             push if backend.capabilities.own_weights else None, self.metrics)
-        self._pacing = ProducerPacing(rounds, self.buffer, self._signal_stop)
-        self.add_callback(self._pacing)
-        return rounds
-
-    def _resampler(self, args: GRPOConfig) -> Resampler | None:
-        """Dynamic sampling's part (`zero_variance_groups='resample'`): extra prompts from the training set."""
-        if args.zero_variance_groups != "resample":
-            return None
-        aggregation, weights = args.multi_objective_aggregation, self.reward_sources.weights
-        return Resampler(ResampleSettings(args.max_resample_rounds), self.train_dataset,
-                         Layout(self.accelerator.num_processes, self.accelerator.process_index, args.num_generations),
-                         args.seed, lambda rewards: zero_variance_groups(rewards.cpu(), args.num_generations, weights,
-                                                                         aggregation))
-
-    def _mismatch_report(self, args: GRPOConfig) -> MismatchReport:
-        """The sampler/trainer mismatch report (`trainer.mismatch`)."""
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(
-            (p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        settings = MismatchSettings(args.sampling_mismatch_report, args.sampling_mismatch_threshold,
-                                    typed.truncation(args).active and not args.keep_sampling_mask, dtype,
-                                    args.output_dir)
-        return MismatchReport(settings, self._tokenizer, self.accelerator, self.metrics)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -252,24 +201,17 @@ class GRPOTrainer(Trainer):
             self.is_fsdp_enabled = True
 
     def _prepare_auxiliary_models(self) -> None:
-        """Put the reference and reward models where the policy is (DeepSpeed engines under DeepSpeed)."""
-        def prepare(module: nn.Module, shard_under_fsdp: bool = False) -> nn.Module:
-            if self.is_deepspeed_enabled:
-                return prepare_deepspeed(module, self.accelerator)
-            if shard_under_fsdp and self.is_fsdp_enabled:
-                return prepare_fsdp(module, self.accelerator)
-            # device_placement: accelerate does not move models under FSDP by default
-            return self.accelerator.prepare_model(module, evaluation_mode=True, device_placement=True)
-
+        """Put the reference and reward models where the policy is (`parts.prepare_auxiliary`)."""
+        where = (self.accelerator, self.is_deepspeed_enabled, self.is_fsdp_enabled)
         if self.ref_model is not None:
-            self.ref_model = prepare(self.ref_model, shard_under_fsdp=True)
+            self.ref_model = parts.prepare_auxiliary(self.ref_model, *where, shard_under_fsdp=True)
             if self.args.sync_ref_model:
                 from trl import SyncRefModelCallback
 
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         for func in self.reward_sources.funcs:
             if isinstance(func, rewards.RewardModel):
-                func.model = prepare(func.model)
+                func.model = parts.prepare_auxiliary(func.model, *where)
 
     # -------------------------------------------------------------------------------- TRL's attributes
 
@@ -448,15 +390,9 @@ class GRPOTrainer(Trainer):
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
-        state = self.buffer.state_dict()
-        if self.async_rounds is not None and self._saving_stuck:  # `trainer.producer`, decision 5
-            state = self._pacing.stuck_state()
-        elif self.async_rounds is not None:  # the rounds sampled ahead
-            self.async_rounds.producer.drain()
-            state["producer"] = self.async_rounds.producer.state_dict()
-        resampler = self.rounds.resampler
-        lifecycle.save_run_state(output_dir, self.accelerator.process_index, state, self.objective.entropy,
-                                 self.args.should_save, None if resampler is None else resampler.state_dict())
+        lifecycle.save_run_state(output_dir, self.accelerator.process_index,
+                                 self.run_parts.state_dict(stuck=self._saving_stuck), self.objective.entropy,
+                                 self.args.should_save)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
@@ -464,11 +400,7 @@ class GRPOTrainer(Trainer):
             state = lifecycle.load_run_state(checkpoint, self.accelerator.process_index, self.accelerator.device,
                                              self.objective.entropy)
             if state is not None:
-                self.buffer.load_state_dict(state)
-                if self.async_rounds is not None and "producer" in state:
-                    self.async_rounds.producer.load_state_dict(state["producer"])
-                if self.rounds.resampler is not None and "resample" in state:
-                    self.rounds.resampler.load_state_dict(state["resample"])
+                self.run_parts.load_state_dict(state)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, written completely or not at all (`runtime.checkpoints`): a manifest last, the
@@ -515,14 +447,8 @@ class GRPOTrainer(Trainer):
         prefix = "eval_" if mode == "eval" else ""
         if mode == "train":  # skipped micro-steps since the last log, summed over processes below
             self.metrics.set(mode, "nonfinite_steps", self.guard.take_count() * self.accelerator.num_processes)
-        keys, local = metrics.window_totals(self.metrics[mode])  # the same keys on every process
-        device = self.accelerator.device
-        local = local.to(device, torch.float32 if device.type == "mps" else torch.float64)  # MPS has no float64
-        reduced = self.accelerator.reduce(local, "sum").cpu() if keys else local
-        logs.update({prefix + k: v for k, v in metrics.window_means(keys, reduced).items()})
-        extremes = self.metrics.extremes(mode, lambda values: self.accelerator.reduce(  # the same keys everywhere
-            values.to(device, torch.float32 if device.type == "mps" else torch.float64), "max").cpu())
-        logs.update({prefix + k: v for k, v in extremes.items()})
+        reduced = self.metrics.reduced(mode, self.accelerator.reduce, self.accelerator.device)
+        logs.update({prefix + k: v for k, v in reduced.items()})
         # `logs` is updated in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
         self.metrics.clear(mode)

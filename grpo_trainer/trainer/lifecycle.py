@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from grpo_trainer.algorithms.entropy import EntropyControl
+from grpo_trainer.trainer.producer import AsyncRounds, ProducerPacing
+from grpo_trainer.trainer.resample import Resampler
+from grpo_trainer.trainer.schedule import RoundBuffer
 
-__all__ = ["ENTROPY_STATE", "load_run_state", "save_run_state"]
+__all__ = ["ENTROPY_STATE", "RunParts", "load_run_state", "save_run_state"]
 
 ENTROPY_STATE = "entropy_ctrl_state.json"  # the adaptive entropy controller's state in a checkpoint (TRL's name)
 
@@ -22,12 +26,10 @@ def _buffer_file(folder: str, process_index: int) -> str:
     return os.path.join(folder, f"grpo_state_{process_index}.pt")
 
 
-def save_run_state(folder: str, process_index: int, buffer_state: dict[str, Any], entropy: EntropyControl,
-                   writes_shared_files: bool, resample_state: dict[str, int] | None = None) -> None:
-    """`buffer_state` (`RoundBuffer.state_dict`) and `resample_state` (`Resampler.state_dict`, under the key
-    "resample") for this process; the entropy controller's state once (`writes_shared_files`: the process that
-    writes the run's shared files)."""
-    state = buffer_state if resample_state is None else {**buffer_state, "resample": resample_state}
+def save_run_state(folder: str, process_index: int, state: dict[str, Any], entropy: EntropyControl,
+                   writes_shared_files: bool) -> None:
+    """This process's `state` (`RunParts.state_dict`); the entropy controller's state once (`writes_shared_files`:
+    the process that writes the run's shared files)."""
     torch.save(state, _buffer_file(folder, process_index))
     if entropy.adaptive and writes_shared_files:  # the same on every process
         with open(os.path.join(folder, ENTROPY_STATE), "w") as f:
@@ -47,3 +49,33 @@ def load_run_state(folder: str, process_index: int, device: torch.device, entrop
         return None
     # "cpu:0" under a multi-process CPU launch is a device torch cannot map to
     return torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The trainer's parts whose state a checkpoint keeps per process: the round buffer, the producer's rounds
+    sampled ahead (asynchronous rollouts) and dynamic sampling's prompt stream."""
+
+    buffer: RoundBuffer
+    async_rounds: AsyncRounds | None = None
+    pacing: ProducerPacing | None = None
+    resampler: Resampler | None = None
+
+    def state_dict(self, stuck: bool = False) -> dict[str, Any]:
+        """`stuck`: saved from the signal watchdog while a producer job may hang (`trainer.producer`, decision 5):
+        the buffer as the step began and no sampled round."""
+        if self.pacing is not None and stuck:
+            state = self.pacing.stuck_state()
+        else:
+            state = self.buffer.state_dict()
+            if self.async_rounds is not None:  # the rounds sampled ahead, once the producer is idle
+                self.async_rounds.producer.drain()
+                state["producer"] = self.async_rounds.producer.state_dict()
+        return state if self.resampler is None else {**state, "resample": self.resampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)
+        if self.async_rounds is not None and "producer" in state:
+            self.async_rounds.producer.load_state_dict(state["producer"])
+        if self.resampler is not None and "resample" in state:
+            self.resampler.load_state_dict(state["resample"])

@@ -78,8 +78,10 @@ class PolicyScorer:
 
     def support(self, part: Round, collect: bool = False) -> KeptSupport | None:
         """How a forward over the trimmed `part` scores under the sampler's truncation (decision 4); None without
-        one. `collect`: return the supports used, when the round has none of its own."""
-        if not self.settings.truncation.active:
+        one. The round's own supports count even where the config truncates nothing (a logits processor of the
+        model's, e.g. one that bans or forces tokens, truncated them): the rollout's values were taken over them, so
+        every forward must be. `collect`: return the supports used, when the round has none of its own."""
+        if not self.settings.truncation.active and part.sampling_mask is None:
             return None
         packed = None if part.sampling_mask is None else part.sampling_mask.reshape(-1, part.sampling_mask.shape[-1])
         return KeptSupport(self.settings.truncation, packed, self.settings.keep_sampling_mask,

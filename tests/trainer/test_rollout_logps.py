@@ -125,7 +125,7 @@ def test_skip_computes_old_logps_only_for_rows_that_train(tmp_path, tokenizer, t
     """Off-policy with 'skip' (generate backend: no rollout log-probs to take as old ones): the old-log-prob forward
     runs on the rows with a non-zero advantage only; the others get 0, which their loss never reads."""
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, num_iterations=2, zero_variance_groups="skip",
-                       generation_backend="generate")
+                       generation_backend="generate", padding_free=False)  # rows counted per forward
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
     round_ = dataclasses.replace(round_, advantages=torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75]))
     rows_seen = []

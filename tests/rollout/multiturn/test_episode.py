@@ -179,7 +179,9 @@ def test_a_turn_without_engine_logps_leaves_the_rollout_without_any():
     assert multi_turn.run(rows(1, 2), script, None, "cpu").rollout.engine_logps is None
 
 
-def test_a_rollout_funcs_logprobs_are_engine_logps_with_vllm_only():
+def test_a_rollout_funcs_logprobs_are_the_samplers_with_or_without_vllm():
+    """TRL 1.16: a rollout_func's `logprobs` are `sampling_per_token_logps` whatever samples (the off-policy mask
+    reads them; the importance-sampling correction, with vLLM only, is gated in the round builder)."""
     def rollout_func(prompts, trainer):
         return {"prompt_ids": [[5, 6], [7]], "completion_ids": [[8, 9, END], [10]],
                 "logprobs": [[-0.5, -0.25, -0.125], [-1.0]]}
@@ -188,4 +190,5 @@ def test_a_rollout_funcs_logprobs_are_engine_logps_with_vllm_only():
     first_turn = lambda p: call_rollout_func(rollout_func, p, None)  # noqa: E731
     with_vllm = make(use_vllm=True).run(prompts, Script(), first_turn, "cpu").rollout
     assert with_vllm.engine_logps.tolist() == [[-0.5, -0.25, -0.125], [-1.0, 0.0, 0.0]]
-    assert make().run(prompts, Script(), first_turn, "cpu").rollout.engine_logps is None
+    assert make().run(prompts, Script(), first_turn, "cpu").rollout.engine_logps.tolist() == \
+        [[-0.5, -0.25, -0.125], [-1.0, 0.0, 0.0]]

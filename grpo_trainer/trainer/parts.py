@@ -1,0 +1,106 @@
+"""The trainer's owned parts, each built from a `GRPOConfig` and what the trainer has made by then (its accelerator,
+prepared models, metrics window): `GRPOTrainer._build_parts` calls these in order, and each part is otherwise
+constructed from its own typed settings (tests build them alone)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from trl.models.utils import prepare_deepspeed, prepare_fsdp
+
+from grpo_trainer import rollout
+from grpo_trainer.algorithms.zero_variance import zero_variance_groups
+from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config import settings as typed
+from grpo_trainer.data.sampler import RoundSource
+from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
+from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
+from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings
+from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
+from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder
+from grpo_trainer.trainer.schedule import Schedule
+from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
+
+__all__ = ["async_rounds", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "scorer"]
+
+
+def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
+    """The log-prob forwards (`trainer.scoring`)."""
+    settings = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
+                               args.beta, args.padding_free, args.pad_to_multiple_of,
+                               skip_zero_advantages=args.zero_variance_groups == "skip",
+                               truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
+    return PolicyScorer(settings, schedule, ref_model)
+
+
+def objective(args: GRPOConfig, policy_scorer: PolicyScorer, router_aux_loss_coef: float, accelerator: Accelerator,
+              metrics: MetricsWindow) -> GRPOLoss:
+    """The loss (`trainer.loss`); refuses `zero_variance_groups='skip'` under a router loss, which covers every row."""
+    skip = args.zero_variance_groups == "skip"
+    if skip and router_aux_loss_coef != 0.0:
+        raise ValueError(f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage "
+                         f"completion adds nothing to the loss, but this Mixture-of-Experts model's router loss "
+                         f"(router_aux_loss_coef={router_aux_loss_coef}) covers every row; use 'train', or "
+                         "set router_aux_loss_coef=0.")
+    settings = LossPartSettings(typed.loss_settings(args), args.gradient_accumulation_steps,
+                                args.max_completion_length, args.top_entropy_quantile, router_aux_loss_coef, skip)
+    return GRPOLoss(settings, policy_scorer, typed.entropy_control(args), accelerator, metrics)
+
+
+def resampler(args: GRPOConfig, dataset: Any, accelerator: Accelerator, reward_weights: list[float]
+              ) -> Resampler | None:
+    """Dynamic sampling's part (`zero_variance_groups='resample'`): extra prompts from the training set."""
+    if args.zero_variance_groups != "resample":
+        return None
+    G, aggregation = args.num_generations, args.multi_objective_aggregation
+    return Resampler(ResampleSettings(args.max_resample_rounds), dataset,
+                     Layout(accelerator.num_processes, accelerator.process_index, G), args.seed,
+                     lambda rewards: zero_variance_groups(rewards.cpu(), G, reward_weights, aggregation))
+
+
+def mismatch_report(args: GRPOConfig, model: nn.Module, tokenizer: Any, accelerator: Accelerator,
+                    metrics: MetricsWindow) -> MismatchReport:
+    """The sampler/trainer mismatch report (`trainer.mismatch`), at the dtype the trainer computes in."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    settings = MismatchSettings(args.sampling_mismatch_report, args.sampling_mismatch_threshold,
+                                typed.truncation(args).active and not args.keep_sampling_mask, dtype, args.output_dir)
+    return MismatchReport(settings, tokenizer, accelerator, metrics)
+
+
+def async_rounds(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
+                 policy_scorer: PolicyScorer, schedule: Schedule, model: nn.Module, backend: rollout.RolloutBackend,
+                 metrics: MetricsWindow, global_step: Callable[[], int]) -> AsyncRounds:
+    """Asynchronous rollouts (`trainer.producer`, docs/ASYNC.md): a producer over this process's share of the
+    prompts, seeded per process as `set_seed(..., device_specific=True)` seeds the synchronous path."""
+    source = RoundSource(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
+                         args.shuffle_dataset, args.seed, accelerator.process_index, accelerator.num_processes)
+
+    def view(version: int) -> PolicyView:  # the bare model; grad mode (per thread) keeps checkpointing out
+        return PolicyView(model, lambda: contextlib.nullcontext(accelerator.unwrap_model(model)), version,
+                          plain_single_process=False)
+
+    def push() -> None:
+        backend.sync_weights(accelerator.unwrap_model(model), global_step())
+
+    settings = AsyncSettings(args.async_rollouts, args.seed + accelerator.process_index, args.async_rollout_timeout)
+    return AsyncRounds(settings, args.async_correction, rounds, policy_scorer, source, schedule, view,
+                       push if backend.capabilities.own_weights else None, metrics)
+
+
+def prepare_auxiliary(module: nn.Module, accelerator: Accelerator, deepspeed: bool, fsdp: bool,
+                      shard_under_fsdp: bool = False) -> nn.Module:
+    """A reference or reward model put where the policy is: a DeepSpeed engine under DeepSpeed, sharded under FSDP
+    when asked (the reference), else on the device in evaluation mode."""
+    if deepspeed:
+        return prepare_deepspeed(module, accelerator)
+    if shard_under_fsdp and fsdp:
+        return prepare_fsdp(module, accelerator)
+    # device_placement: accelerate does not move models under FSDP by default
+    return accelerator.prepare_model(module, evaluation_mode=True, device_placement=True)
