@@ -57,12 +57,13 @@ def vllm_backend(model, tokenizer_dir: str):
     from transformers import AutoTokenizer
 
     from grpo_trainer.config import GRPOConfig
+    from grpo_trainer.config.settings import backend_choice
     from grpo_trainer.rollout import select
 
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), use_vllm=True, use_cpu=True, report_to="none",
                       per_device_train_batch_size=PROMPTS, num_generations=2, max_prompt_length=PROMPT_TOKENS,
                       max_completion_length=NEW_TOKENS, vllm_max_model_length=512)
-    backend = select(args)
+    backend = select(backend_choice(args))
     backend.check_model(model)
     started = time.perf_counter()
     backend.start(model, AutoTokenizer.from_pretrained(tokenizer_dir))

@@ -5,7 +5,8 @@ Models: random weights in the public configs of Qwen2.5-0.5B and Qwen2.5-1.5B (`
 real-size tokenizer. Runs, each in its own subprocess (so peak memory is per run), alternating between trainers:
 
     ours/fast        generation_backend="fast" (the default)
-    ours/packed      the same with padding_free=True (packed log-prob forwards)
+    ours/packed      the same with padding_free=True (packed log-prob forwards; the default)
+    ours/padded      the same with padding_free=False
     ours/generate    generation_backend="generate" (transformers' model.generate)
     ours/vllm        use_vllm=True, vllm_mode="colocate" (only where vLLM is installed)
     trl/generate     TRL's transformers generation
@@ -40,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-RUNS = ("ours/fast", "ours/packed", "ours/generate", "ours/vllm", "trl/generate", "trl/vllm")
+RUNS = ("ours/fast", "ours/packed", "ours/padded", "ours/generate", "ours/vllm", "trl/generate", "trl/vllm")
 
 
 def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmup: int, batch: int,
@@ -116,8 +117,8 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
 def _backend_settings(trainer_name: str, backend: str) -> dict:
     if backend == "vllm":
         return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
-    if backend == "packed":
-        return {"generation_backend": "fast", "padding_free": True}
+    if backend in ("packed", "padded"):
+        return {"generation_backend": "fast", "padding_free": backend == "packed"}
     return {"generation_backend": backend} if trainer_name == "ours" else {}
 
 

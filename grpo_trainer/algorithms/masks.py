@@ -13,25 +13,26 @@ from torch import Tensor
 __all__ = ["high_entropy_mask", "off_policy_mask"]
 
 
-def off_policy_mask(advantages: Tensor, logps: Tensor, sampling_logps: Tensor, mask: Tensor,
-                    threshold: float) -> Tensor:
+def off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor,
+                    off_policy_threshold: float) -> Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556, eq. 9): drop a completion whose advantage is
-    negative and whose policy has drifted from the one that sampled it by more than `threshold`, measured as the
-    mean over its tokens of log pi_sampling - log pi_theta (a KL estimate; pi_theta is not differentiated). A
+    negative and whose policy has drifted from the one that sampled it by more than `off_policy_threshold`, measured
+    as the mean over its tokens of log pi_sampling - log pi_theta (a KL estimate; pi_theta is not differentiated). A
     negative sample far off-policy is more likely noise than signal; positive ones are always kept.
 
     Args:
         advantages: `[B]`, `[B, 1]` or `[B, T]`.
-        logps: `[B, T]` log pi_theta. sampling_logps: `[B, T]` log-probs under the sampling policy; NaN (a token
-            the sampler could not score) counts as no drift.
+        per_token_logps: `[B, T]` log pi_theta. sampling_per_token_logps: `[B, T]` log-probs under the sampling
+            policy; NaN (a token the sampler could not score) counts as no drift. (TRL's parameter names: the
+            trainer exposes this function as TRL's `get_off_policy_mask`.)
         mask: `[B, T]` 1 for completion tokens.
     Returns: `[B, 1]` (or `[B, T]` for token advantages) in `mask`'s dtype, 1 = keep, 0 = drop.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
-    drift = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    drift = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
     mean_drift = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
-    return ((advantages >= 0) | (mean_drift <= threshold)).to(mask.dtype)
+    return ((advantages >= 0) | (mean_drift <= off_policy_threshold)).to(mask.dtype)
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, pooled: Tensor, level: float) -> Tensor:

@@ -111,21 +111,23 @@ _LOG_MIN_WEIGHT = math.log(1e-8)  # VESPO's floor on the sequence weight w, in l
 _LOG_MAX_WEIGHT = 20.0
 
 
-def gamma_weights(advantages: Tensor, token_log_ratio: Tensor, mask: Tensor, importance_ratio: Tensor | None = None,
+def gamma_weights(advantages: Tensor, log_ratio_per_token: Tensor, mask: Tensor,
+                  importance_sampling_ratio: Tensor | None = None,
                   k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
     """VESPO's sequence weight phi(w) = exp(lambda + k log w - lambda w) = e^lambda w^k e^(-lambda w) (arXiv:
     2602.10693), a Gamma-shaped function of the sequence importance ratio w with phi(1) = 1 that fades out sequences
     far off-policy on either side; (k, lambda) are the `_pos` pair where A >= 0, else the `_neg` pair.
 
     log w = sum over the sequence's tokens of log rho (each clamped to +-20), plus, if given, the sum of the log of
-    the sampler-correction ratios `importance_ratio` `[B, T]` (each clamped to [log 1e-8, 20]), then clamped to
+    the sampler-correction ratios `importance_sampling_ratio` `[B, T]` (each clamped to [log 1e-8, 20]), then clamped to
     [log 1e-8, 20]. A non-finite phi becomes 0. Not differentiated: phi only scales the gradient of -A log pi.
 
-    Args: advantages `[B, 1]` or `[B, T]`, token_log_ratio and mask `[B, T]`. Returns `[B, 1]` (or `[B, T]`)."""
+    Args (TRL's names: the trainer exposes this as TRL's `get_gamma_weights`): advantages `[B, 1]` or `[B, T]`,
+    log_ratio_per_token and mask `[B, T]`. Returns `[B, 1]` (or `[B, T]`)."""
     with torch.no_grad():
-        log_w = (torch.clamp(token_log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
-        if importance_ratio is not None:
-            log_w = log_w + torch.clamp(torch.log(importance_ratio), _LOG_MIN_WEIGHT, _LOG_MAX_WEIGHT).sum(
+        log_w = (torch.clamp(log_ratio_per_token, -20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
+        if importance_sampling_ratio is not None:
+            log_w = log_w + torch.clamp(torch.log(importance_sampling_ratio), _LOG_MIN_WEIGHT, _LOG_MAX_WEIGHT).sum(
                 -1, keepdim=True)
         log_w = torch.clamp(log_w, _LOG_MIN_WEIGHT, _LOG_MAX_WEIGHT)
         dtype = torch.promote_types(log_w.dtype, advantages.dtype)

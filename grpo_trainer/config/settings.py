@@ -14,11 +14,12 @@ from grpo_trainer.algorithms.surrogates import SurrogateParams
 from grpo_trainer.algorithms.truncation import Truncation
 from grpo_trainer.config.grpo_config import GRPOConfig
 from grpo_trainer.rewards.sources import RewardSettings
+from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
-from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings
+from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
 
-__all__ = ["engine_correction", "entropy_control", "loss_settings", "prompt_settings", "reward_settings",
-           "sampling_settings", "surrogate_params", "truncation", "turn_settings"]
+__all__ = ["backend_choice", "engine_correction", "entropy_control", "loss_settings", "prompt_settings",
+           "reward_settings", "sampling_settings", "surrogate_params", "truncation", "turn_settings", "vllm_settings"]
 
 
 def sampling_settings(args: GRPOConfig) -> SamplingSettings:
@@ -76,3 +77,28 @@ def engine_correction(args: GRPOConfig) -> EngineCorrection | None:
         return None
     return EngineCorrection(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                             args.vllm_importance_sampling_clip_max)
+
+
+def vllm_settings(args: GRPOConfig) -> VLLMSettings:
+    longest = None if args.max_prompt_length is None else args.max_prompt_length + args.max_completion_length
+    return VLLMSettings(
+        mode=args.vllm_mode, generation_kwargs=args.generation_kwargs,
+        structured_outputs_regex=args.vllm_structured_outputs_regex,
+        importance_sampling_correction=args.vllm_importance_sampling_correction,
+        sync_check_interval=args.vllm_sync_check_interval, asynchronous=args.async_rollouts > 0,
+        server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
+        server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout, group_port=args.vllm_group_port,
+        enable_sleep_mode=args.vllm_enable_sleep_mode, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
+        model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code,
+        rows_per_round=args.per_device_train_batch_size * args.steps_per_generation, longest_sequence=longest,
+        max_completion_length=args.max_completion_length)
+
+
+def backend_choice(args: GRPOConfig) -> BackendChoice:
+    """`use_vllm`, then `use_transformers_continuous_batching` (or its deprecated name `use_transformers_paged`,
+    which scripts may set after construction), override `generation_backend`."""
+    continuous = args.use_transformers_continuous_batching or getattr(args, "use_transformers_paged", False)
+    name = VLLM if args.use_vllm else CONTINUOUS_BATCHING if continuous else args.generation_backend
+    return BackendChoice(name, vllm_settings(args) if name == VLLM else VLLMSettings(),
+                         args.transformers_continuous_batching_config)

@@ -17,6 +17,7 @@ prompts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, Sampler
 
-__all__ = ["PromptDraws", "RepeatSampler", "RoundSource", "repeat_iterable"]
+__all__ = ["PromptDraws", "RepeatSampler", "RoundSource", "repeat_iterable", "streaming_eval"]
 
 
 class RepeatSampler(Sampler[int]):
@@ -76,6 +77,22 @@ class _RepeatedStream(IterableDataset):
                 for kept in chunk:
                     yield from [kept] * self.mini_repeat_count
             chunk = []
+
+
+@contextlib.contextmanager
+def streaming_eval(args: Any, accelerator: Any) -> Iterator[None]:
+    """Around building an eval dataloader over a stream: batches not dispatched from the main process (each process
+    reads its own share) and no worker processes, so that each prompt's repeats stay together; `args`'
+    `dataloader_num_workers` restored after."""
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                         "`accelerator_config`; set it to False, or pass a map-style eval dataset.")
+    accelerator.dataloader_config.dispatch_batches = False
+    workers, args.dataloader_num_workers = args.dataloader_num_workers, 0
+    try:
+        yield
+    finally:
+        args.dataloader_num_workers = workers
 
 
 def repeat_iterable(rows: Iterable[dict], mini_repeat_count: int, batch_size: int = 1,

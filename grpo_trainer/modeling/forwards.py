@@ -9,8 +9,8 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
      image inputs and 3-D rope positions (Qwen2-VL-style models: positions per image grid, not restarting per
      sequence), a vision-language model, layers that carry state along a row (linear attention, state-space
      layers), an attention implementation that has neither transformers' mask functions nor a varlen kernel,
-     a forward without `position_ids`, FSDP2 (its LM head must run inside the forward), the MoE router's auxiliary
-     loss (it would count the filler tokens), a model whose logits are not its LM head's output;
+     a forward without `position_ids`, FSDP2 or ZeRO-3 (the LM head runs inside the forward), the MoE router's
+     auxiliary loss (it would count the filler tokens), a model whose logits are not its LM head's output;
    - and once per model (`self_check`), on its first micro-batch, with dropout off, two or more sequences per row:
      (a) isolation: perturbing each row's first sequence must leave the log-probs of the sequences after it
      exactly where they were (masked attention weights are exact zeros: any change is a leak, in any dtype);
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.modeling import replay
-from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, is_fsdp_module, scoring_head
+from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, head_runs_inside_forward, scoring_head
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
 from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.modeling.unwrap import causal_lm
@@ -158,9 +158,10 @@ def _without_positions(model: nn.Module, call: Call) -> str | None:
     return None
 
 
-def _fsdp(model: nn.Module, call: Call) -> str | None:
-    if is_fsdp_module(model):
-        return "FSDP2: its LM head must run inside the model's forward (modeling.logprobs), on padded rows"
+def _sharded_head(model: nn.Module, call: Call) -> str | None:
+    if head_runs_inside_forward(model):
+        return ("FSDP2 or a ZeRO-3 partitioned head: the LM head must run inside the model's forward "
+                "(modeling.logprobs), on padded rows")
     return None
 
 
@@ -178,7 +179,7 @@ REFUSALS: dict[str, Callable[[nn.Module, Call], str | None]] = {
     "recurrent_layers": _recurrent_layers,
     "attention_implementation": _attention_implementation,
     "without_positions": _without_positions,
-    "fsdp": _fsdp,
+    "sharded_head": _sharded_head,
     "aux_loss": _aux_loss,
 }
 

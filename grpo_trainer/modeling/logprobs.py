@@ -53,7 +53,8 @@ from grpo_trainer.modeling.unwrap import causal_lm, output_head
 logger = logging.getLogger(__name__)
 
 __all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "Known", "LogProbs", "ScoringHead", "chunk_rows", "chunked_scores",
-           "completion_logprobs", "scoring_head", "token_logprobs"]
+           "completion_logprobs", "head_runs_inside_forward", "scoring_head",
+           "token_logprobs"]
 
 # Values computed under the loss's weights before its forward (the rollout's, on-policy), for the N scored rows:
 # log-probs [N], entropies [N] or None, the tempered softmax ([N, V], or [B, T, V] read at the index) or None, and
@@ -383,6 +384,12 @@ def _precisions(device_type: str) -> Iterator[contextlib.AbstractContextManager]
             continue
 
 
+def head_runs_inside_forward(model: nn.Module) -> bool:
+    """True for a model whose LM head must run inside its own forward: FSDP2-sharded, or with a ZeRO-3 partitioned
+    head (`_logprobs_from_model_logits`)."""
+    return is_fsdp_module(model) or hasattr(output_head(model).weight, "ds_id")
+
+
 def is_fsdp_module(model: nn.Module) -> bool:
     """True when `model` or one of its submodules is sharded with FSDP2 (`fully_shard`)."""
     from torch.distributed.fsdp import FSDPModule
@@ -396,10 +403,14 @@ def _logprobs_from_model_logits(model: nn.Module, input_ids: Tensor, attention_m
     """The model's own logits for the completion positions `[B, T, V]` in the model's dtype, scored chunk by chunk
     (each chunk upcast to float32 under activation checkpointing, so one float32 chunk is alive at a time).
 
-    Two users: a model whose logits are not its head's output (`_head_reproduces_logits`), and an FSDP2-sharded
-    model. accelerate shards the LM head in one FSDP group with the final norm (and tied embeddings); projecting
-    hidden states through that head outside the model's forward lets FSDP free the group's weights in the backward
-    pass while the norm still needs them (a segfault on CPU), so there the head must run inside the forward."""
+    Three users: a model whose logits are not its head's output (`_head_reproduces_logits`), an FSDP2-sharded
+    model, and a ZeRO-3 partitioned head. accelerate shards the LM head in one FSDP group with the final norm (and
+    tied embeddings); projecting hidden states through that head outside the model's forward lets FSDP free the
+    group's weights in the backward pass while the norm still needs them (a segfault on CPU), so there the head must
+    run inside the forward. Under ZeRO-3 each call of the head outside the forward gathers its weight, a collective:
+    processes whose micro-batches hold different numbers of completion tokens would project different numbers of
+    chunks and wait on each other forever; inside the forward every process gathers it once per forward, as TRL
+    does. The price is TRL's: `[B, T, V]` logits in the model's dtype."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_length + 1,
                 use_cache=False, **forward_kwargs)
     logits = out.logits[:, :-1]  # [B, T, V]
@@ -464,7 +475,7 @@ def completion_logprobs(
     extra = {"position_ids": position_ids, **(model_inputs or {})}
     if with_aux_loss:
         extra["output_router_logits"] = True
-    if is_fsdp_module(model):  # decision: the head runs inside the forward (see `_logprobs_from_model_logits`)
+    if head_runs_inside_forward(model):  # see `_logprobs_from_model_logits`
         out = _logprobs_from_model_logits(
             model, input_ids, attention_mask, completion_length, temperature,
             chunk_rows(chunk_size, causal_lm(model).config.get_text_config().vocab_size), with_entropy, extra,

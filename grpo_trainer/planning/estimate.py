@@ -341,6 +341,10 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
           f"{m.trainable / 1e6:.1f}M x {element} B" + (f", 1/{s.processes} (sharded)" if s.shards_gradients
                                                         and s.processes > 1 else "") + "; the LM head's first")
     b.add("activations", {_F: saved, _BS: saved}, note)
+    if s.shards_weights:  # the head inside the forward (`modeling.logprobs.head_runs_inside_forward`)
+        logits = s.micro_batch * (s.completion_length + 1) * m.vocab * s.compute_bytes
+        b.add("model logits", {_F: logits, _BS: 2 * logits},
+              f"ZeRO-3 / FSDP: [{s.micro_batch}, T+1, V] in the compute dtype, and their gradient")
     b.add("log-prob chunks", {_F: forward_chunks, _BS: backward_chunks * bs_head},
           f"{_chunk_rows(s, m)} rows x V={m.vocab} float32 per chunk")
     b.add("layer recomputation", {_BS: recompute * (not bs_head), _BE: recompute * (not be_embedding)},

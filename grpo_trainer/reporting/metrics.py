@@ -17,9 +17,11 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from grpo_trainer.algorithms.advantage import as_reward_vector, group_std, nanstd
 
-__all__ = ["MetricsWindow", "completion_length_metrics", "pass_at_k", "resample_metrics", "reward_metrics",
+__all__ = ["MetricsWindow", "StepTime", "completion_length_metrics", "pass_at_k", "resample_metrics", "reward_metrics",
            "tool_metrics", "window_means", "window_totals", "zero_std_fraction"]
 
 
@@ -152,6 +154,23 @@ class MetricsWindow:
         logs: dict[str, Any] = dict(window_means(keys, reduce(local, "sum").cpu() if keys else local))
         logs.update(self.extremes(mode, lambda values: reduce(values.to(device, dtype), "max").cpu()))
         return logs
+
+
+class StepTime:
+    """TRL's `step_time` metric: seconds spent in `training_step` over the micro-steps of one optimizer step."""
+
+    def __init__(self, metrics: MetricsWindow) -> None:
+        self.metrics, self.seconds, self.micro_steps = metrics, 0.0, 0
+
+    @contextlib.contextmanager
+    def micro_step(self, accumulation_steps: int) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - started
+        self.micro_steps += 1
+        if self.micro_steps >= accumulation_steps:
+            self.metrics.add("train", "step_time", self.seconds)
+            self.seconds, self.micro_steps = 0.0, 0
 
 
 def window_totals(window: dict[str, list]) -> tuple[list[str], Tensor]:

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
+from grpo_trainer.rollout.settings import BackendChoice
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
 __all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "VLLM", "Capabilities", "RolloutBackend", "register_backend", "select",
@@ -71,8 +72,8 @@ class RolloutBackend(ABC):
         loss would like kept (a backend without those capabilities ignores it)."""
 
     @classmethod
-    def from_args(cls, args: Any) -> RolloutBackend:
-        """The backend a GRPOConfig configures (a backend with settings of its own reads them here)."""
+    def from_settings(cls, choice: BackendChoice) -> RolloutBackend:
+        """The backend `choice` configures (a backend with settings of its own reads them here)."""
         return cls()
 
     def check_model(self, model: str | nn.Module, trust_remote_code: bool = False) -> None:
@@ -125,15 +126,12 @@ CONTINUOUS_BATCHING = "transformers_continuous_batching"  # `rollout.continuous`
 VLLM = "vllm"  # `rollout.vllm.backend`
 
 
-def select(args: Any) -> RolloutBackend:
-    """The backend a GRPOConfig asks for: `use_vllm`, then `use_transformers_continuous_batching`, override
-    `generation_backend`."""
-    continuous = getattr(args, "use_transformers_continuous_batching", False) \
-        or getattr(args, "use_transformers_paged", False)  # the deprecated name, set after construction
-    name = VLLM if getattr(args, "use_vllm", False) else CONTINUOUS_BATCHING if continuous else args.generation_backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown generation_backend {name!r}; choose one of {sorted(BACKENDS)}.")
-    return BACKENDS[name].from_args(args)
+def select(choice: BackendChoice) -> RolloutBackend:
+    """The backend `choice` names (`config.settings.backend_choice`: `use_vllm`, then
+    `use_transformers_continuous_batching`, override `generation_backend`)."""
+    if choice.name not in BACKENDS:
+        raise ValueError(f"unknown generation_backend {choice.name!r}; choose one of {sorted(BACKENDS)}.")
+    return BACKENDS[choice.name].from_settings(choice)
 
 
 _REFERENCE = "generate"  # `rollout.generate`: takes every model's image inputs

@@ -31,6 +31,7 @@ from transformers import GenerationConfig
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
+from grpo_trainer.rollout.settings import BackendChoice
 from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
 
 __all__ = ["ContinuousBatchingBackend", "continuous_batching_settings"]
@@ -59,8 +60,8 @@ class ContinuousBatchingBackend(RolloutBackend):
         ContinuousBatchingConfig(**self.settings)  # unknown keys fail here, before any model is loaded
 
     @classmethod
-    def from_args(cls, args: Any) -> ContinuousBatchingBackend:
-        return cls(args.transformers_continuous_batching_config)
+    def from_settings(cls, choice: BackendChoice) -> ContinuousBatchingBackend:
+        return cls(choice.continuous_batching)
 
     def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                  capture: Capture = KEEP_NOTHING) -> Rollout:

@@ -76,3 +76,39 @@ def make_generation_config(sampling: SamplingSettings, model_config: GenerationC
 def max_new_tokens(config: GenerationConfig, prompt_length: int) -> int:
     """New tokens a rollout may sample: `max_new_tokens`, else what `max_length` leaves after the prompt."""
     return config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The config's vLLM fields the vLLM backend reads (TRL's names without the `vllm_` prefix)."""
+
+    mode: str = "colocate"  # "colocate" | "server"
+    generation_kwargs: dict | None = None  # passed to vLLM's SamplingParams
+    structured_outputs_regex: str | None = None
+    importance_sampling_correction: bool = True
+    sync_check_interval: int = 1  # 0: the weight-sync self-check off
+    asynchronous: bool = False  # `async_rollouts` > 0: sampling runs in a producer thread
+    server_base_url: str | None = None
+    server_host: str = "0.0.0.0"
+    server_port: int = 8000
+    server_timeout: float = 240.0
+    group_port: int = 51216
+    enable_sleep_mode: bool = False
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    max_model_length: int | None = None
+    model_impl: str = "vllm"
+    trust_remote_code: bool = False
+    # the engine's batch: per_device_train_batch_size x steps_per_generation completions per process
+    rows_per_round: int = 8
+    longest_sequence: int | None = None  # max_prompt_length + max_completion_length (None: no prompt limit)
+    max_completion_length: int = 256
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which rollout backend a config asks for (`rollout.select`), with the settings the chosen one reads."""
+
+    name: str = "fast"
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    continuous_batching: dict | None = None  # `transformers_continuous_batching_config`

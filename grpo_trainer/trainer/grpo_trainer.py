@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from trl import SyncRefModelCallback
 
 from grpo_trainer import rollout
 from grpo_trainer.algorithms import masks, surrogates
@@ -47,11 +47,11 @@ from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
-from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable
+from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable, streaming_eval
 from grpo_trainer.modeling import kernels
 from grpo_trainer.reporting import completions_hub, hub
 from grpo_trainer.reporting.completions import CompletionLog
-from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.reporting.metrics import MetricsWindow, StepTime
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import check_reward_setup
 from grpo_trainer.rewards.sources import ADVANTAGE_EPS
@@ -62,7 +62,7 @@ from grpo_trainer.trainer import lifecycle, memory, parts, setup
 from grpo_trainer.trainer.loss import NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.producer import ProducerPacing
 from grpo_trainer.trainer.round import Round
-from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
+from grpo_trainer.trainer.round_builder import PolicyView
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
 
 __all__ = ["GRPOTrainer"]
@@ -115,10 +115,9 @@ class GRPOTrainer(Trainer):
         check_reward_setup(reward_funcs, args.reward_weights, reward_processing_classes,
                            environment_rewards=len(owned_rewards))
         processing_class = setup.load_processing_class(model, processing_class, args)
-        # The text tokenizer (a processor's own): a plain attribute under TRL's name, which code written against
-        # TRL reads and assigns.
+        # the text tokenizer (a processor's own) under TRL's attribute name, which TRL users' code reads and assigns
         self._tokenizer = multimodal.text_tokenizer(processing_class)
-        backend = rollout.select(args)
+        backend = rollout.select(typed.backend_choice(args))
         setup.check_processor_setup(args, processing_class)
         backend.check_model(model, args.trust_remote_code)
         self._multi_turn = setup.multi_turn_of(processing_class, args, tools, environments, rollout_func,
@@ -128,11 +127,7 @@ class GRPOTrainer(Trainer):
         self.rollout_func = rollout_func
         if environments is not None:
             self._env_tools, self._environment_pool = environments.tools, environments.pools
-        if train_dataset is None:
-            train_dataset = multiturn.placeholder_dataset(environments, args.max_steps,
-                                                          args.generation_batch_size // args.num_generations)
-        if self._multi_turn is not None:
-            self._multi_turn.check_dataset(train_dataset, "train_dataset")
+        train_dataset = setup.training_prompts(train_dataset, environments, self._multi_turn, args)
         setup.check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
                            prompt_optional=environments is not None)
         setup.check_async(args, backend, train_dataset, rollout_func)
@@ -170,18 +165,10 @@ class GRPOTrainer(Trainer):
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
         self.scorer = parts.scorer(args, schedule, self.ref_model)
         self.objective = parts.objective(args, self.scorer, self.router_aux_loss_coef, self.accelerator, self.metrics)
-        self.rounds = RoundBuilder(
-            settings=RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
-                                   args.num_generations_eval or args.num_generations,
-                                   args.mask_truncated_completions, args.log_completions, args.log_multimodal,
-                                   args.keep_sampling_mask),
-            schedule=schedule, processing_class=processing_class, backend=backend, rewards=self.reward_sources,
-            estimator=self.advantage_fn, accelerator=self.accelerator, metrics_window=self.metrics,
-            completions=self.completions,
-            score=self.scorer.sampling_scores, engine_correction=typed.engine_correction(args),
-            multi_turn=self._multi_turn, first_turn=(lambda prompts: self._generate(prompts)) if self.rollout_func
-            else None, resampler=parts.resampler(args, self.train_dataset, self.accelerator, self.reward_weights),
-            mismatch=parts.mismatch_report(args, self.model, self._tokenizer, self.accelerator, self.metrics))
+        first_turn = (lambda prompts: self._generate(prompts)) if self.rollout_func else None
+        self.rounds = parts.round_builder(args, schedule, processing_class, backend, self.reward_sources,
+                                          self.advantage_fn, self.accelerator, self.metrics, self.completions,
+                                          self.scorer, self._multi_turn, first_turn, self.train_dataset, self.model)
         self.buffer = RoundBuffer(schedule)
         self.async_rounds = pacing = None
         if args.async_rollouts:
@@ -192,7 +179,7 @@ class GRPOTrainer(Trainer):
             self.add_callback(pacing)
         self.run_parts = lifecycle.RunParts(self.buffer, self.async_rounds, pacing, self.rounds.resampler)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
-        self._step_time, self._micro_steps_timed, self._saving_stuck = 0.0, 0, False
+        self.step_time, self._saving_stuck = StepTime(self.metrics), False
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -206,8 +193,6 @@ class GRPOTrainer(Trainer):
         if self.ref_model is not None:
             self.ref_model = parts.prepare_auxiliary(self.ref_model, *where, shard_under_fsdp=True)
             if self.args.sync_ref_model:
-                from trl import SyncRefModelCallback
-
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
         for func in self.reward_sources.funcs:
             if isinstance(func, rewards.RewardModel):
@@ -247,20 +232,10 @@ class GRPOTrainer(Trainer):
         on a stand-in trainer."""
         return pooled_high_entropy_mask(self.accelerator, entropies, mask, threshold)
 
-    @staticmethod
-    def get_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor,
-                            mask: Tensor, off_policy_threshold: float) -> Tensor:
-        """TRL's static method: DeepSeek-V3.2's off-policy sequence mask `[B, 1]` (`masks.off_policy_mask`)."""
-        return masks.off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
-                                     off_policy_threshold)
-
-    @staticmethod
-    def get_gamma_weights(advantages: Tensor, log_ratio_per_token: Tensor, mask: Tensor,
-                          importance_sampling_ratio: Tensor | None, k_pos: float = 2.0, lambda_pos: float = 3.0,
-                          k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
-        """TRL's static method: VESPO's sequence weights phi(w) `[B, 1]` (`surrogates.gamma_weights`)."""
-        return surrogates.gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos,
-                                        lambda_pos, k_neg, lambda_neg)
+    # TRL's static methods (under TRL's parameter names): DeepSeek-V3.2's off-policy sequence mask `[B, 1]`, VESPO's
+    # sequence weights phi(w) `[B, 1]`
+    get_off_policy_mask = staticmethod(masks.off_policy_mask)
+    get_gamma_weights = staticmethod(surrogates.gamma_weights)
 
     def _generate(self, prompts: list) -> multiturn.RolloutFuncOutput:
         """The user's `rollout_func(prompts, trainer)` on this process's prompts, its output checked (TRL's name
@@ -279,30 +254,20 @@ class GRPOTrainer(Trainer):
                                     sampler_fn=self._get_train_sampler, is_training=True)
 
     def _get_train_sampler(self, dataset: Any = None) -> RepeatSampler:
-        dataset = self.train_dataset if dataset is None else dataset
-        args = self.args
-        return RepeatSampler(dataset, mini_repeat_count=args.num_generations,
-                             batch_size=args.generation_batch_size // args.num_generations,
-                             repeat_count=args.num_iterations * args.steps_per_generation,
-                             shuffle=args.shuffle_dataset, seed=args.seed)
+        args = self.args  # TRL's order: each prompt G times, a round's prompts num_iterations x steps times
+        return RepeatSampler(self.train_dataset if dataset is None else dataset, args.num_generations,
+                             args.generation_batch_size // args.num_generations,
+                             args.num_iterations * args.steps_per_generation, args.shuffle_dataset, args.seed)
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(dataset, str):
-            dataset = self.eval_dataset[dataset]
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
         if not isinstance(dataset, IterableDataset):
             return super().get_eval_dataloader(dataset)
         # A stream (also one first seen here, via `evaluate(eval_dataset=...)`): each process reads its own share,
         # with one worker, so that each prompt's repeats stay together (`data.checks.prepare_for_streaming`).
-        if self.args.accelerator_config.dispatch_batches:
-            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
-                             "`accelerator_config`; set it to False, or pass a map-style eval dataset.")
-        self.accelerator.dataloader_config.dispatch_batches = False
-        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
-        try:
+        with streaming_eval(self.args, self.accelerator):
             return super().get_eval_dataloader(repeat_iterable(dataset, self.rounds.num_generations("eval"), 1, 1))
-        finally:
-            self.args.dataloader_num_workers = workers
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         return RepeatSampler(eval_dataset, mini_repeat_count=self.rounds.num_generations("eval"), shuffle=False,
@@ -344,9 +309,8 @@ class GRPOTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
         """The Trainer's step, then `NonFiniteGuard`: a non-finite loss or gradient drops this step's gradients."""
-        started = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
-        self._record_step_time(time.perf_counter() - started)
+        with self.step_time.micro_step(self.current_gradient_accumulation_steps):
+            loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
         return loss if self.guard.check(loss, model, self.state.global_step) else loss.new_zeros(())
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
@@ -354,14 +318,6 @@ class GRPOTrainer(Trainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.mean().detach(), None, None
-
-    def _record_step_time(self, seconds: float) -> None:
-        """TRL's `step_time`: seconds spent in `training_step` over the micro-steps of one optimizer step."""
-        self._step_time += seconds
-        self._micro_steps_timed += 1
-        if self._micro_steps_timed >= self.current_gradient_accumulation_steps:
-            self.metrics.add("train", "step_time", self._step_time)
-            self._step_time, self._micro_steps_timed = 0.0, 0
 
     # -------------------------------------------------------------------------------- the run, checkpoints, logs
 
@@ -428,8 +384,7 @@ class GRPOTrainer(Trainer):
                 self._saving_stuck = False
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        # Private Trainer hook: it checks max_steps only after a step, so a run resumed at or past max_steps would
-        # train one step more.
+        # Private Trainer hook: it checks max_steps only after a step (a run resumed at max_steps would train one more)
         if self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return None

@@ -18,16 +18,19 @@ from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.data.sampler import RoundSource
+from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.rewards.sources import RewardSources
+from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
 from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings
 from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
-from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder
+from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import Schedule
 from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
 
-__all__ = ["async_rounds", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "scorer"]
+__all__ = ["async_rounds", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder", "scorer"]
 
 
 def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
@@ -72,6 +75,24 @@ def mismatch_report(args: GRPOConfig, model: nn.Module, tokenizer: Any, accelera
     settings = MismatchSettings(args.sampling_mismatch_report, args.sampling_mismatch_threshold,
                                 typed.truncation(args).active and not args.keep_sampling_mask, dtype, args.output_dir)
     return MismatchReport(settings, tokenizer, accelerator, metrics)
+
+
+def round_builder(args: GRPOConfig, schedule: Schedule, processing_class: Any, backend: rollout.RolloutBackend,
+                  reward_sources: RewardSources, estimator: Any, accelerator: Accelerator, metrics: MetricsWindow,
+                  completions: CompletionLog, policy_scorer: PolicyScorer, multi_turn: multiturn.MultiTurn | None,
+                  first_turn: Callable | None, dataset: Any, model: nn.Module) -> RoundBuilder:
+    """Prompts -> rollout -> rewards -> advantages -> `Round` (`trainer.round_builder`), with dynamic sampling's
+    resampler and the mismatch report."""
+    settings = RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
+                             args.num_generations_eval or args.num_generations, args.mask_truncated_completions,
+                             args.log_completions, args.log_multimodal, args.keep_sampling_mask)
+    tokenizer = multimodal.text_tokenizer(processing_class)
+    return RoundBuilder(settings=settings, schedule=schedule, processing_class=processing_class, backend=backend,
+                        rewards=reward_sources, estimator=estimator, accelerator=accelerator,
+                        metrics_window=metrics, completions=completions, score=policy_scorer.sampling_scores,
+                        engine_correction=typed.engine_correction(args), multi_turn=multi_turn,
+                        first_turn=first_turn, resampler=resampler(args, dataset, accelerator, reward_sources.weights),
+                        mismatch=mismatch_report(args, model, tokenizer, accelerator, metrics))
 
 
 def async_rounds(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,

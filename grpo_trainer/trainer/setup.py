@@ -151,6 +151,18 @@ def multi_turn_of(processing_class: Any, args: GRPOConfig, tools: list | None,
     return multi_turn
 
 
+def training_prompts(train_dataset: Any, environments: multiturn.Environments | None,
+                     multi_turn: multiturn.MultiTurn | None, args: GRPOConfig) -> Any:
+    """`train_dataset`, or the placeholder of a run whose environment owns the data; chat prompts checked when tools
+    or environments talk."""
+    if train_dataset is None:
+        train_dataset = multiturn.placeholder_dataset(environments, args.max_steps,
+                                                      args.generation_batch_size // args.num_generations)
+    if multi_turn is not None:
+        multi_turn.check_dataset(train_dataset, "train_dataset")
+    return train_dataset
+
+
 def _sharded_weights(args: GRPOConfig) -> str | None:
     """'DeepSpeed ZeRO-3' or 'FSDP' when the launch shards the weights (from the config or `accelerate launch`'s
     environment), else None: known before any model loads."""

@@ -166,7 +166,7 @@ def test_gamma_weights_clamps_and_sampler_correction():
     assert phi[1, 0].item() == pytest.approx(math.exp(2 + 3 * math.log(1e-8) - 2 * 1e-8), rel=1e-9)
     # The sampler-correction ratios multiply w (summed in log space, over every column): log w = 0 + ln 2 + ln 1
     # = ln 2, w = 2, A = +1: phi = exp(3 + 2 ln 2 - 6) = 4 e^-3 = 0.199148
-    phi = gamma_weights(t([[1.0]]), t([[0.0, 0.0]]), t([[1, 1]]), importance_ratio=t([[2.0, 1.0]]))
+    phi = gamma_weights(t([[1.0]]), t([[0.0, 0.0]]), t([[1, 1]]), importance_sampling_ratio=t([[2.0, 1.0]]))
     close(phi, [[4 * math.exp(-3)]])
 
 

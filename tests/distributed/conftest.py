@@ -46,6 +46,11 @@ MODES = {
     # Sharded generation (no gather): the processes must step together while their completions differ in length.
     "zero3": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
                   ("--ddp-backend", "gloo", "--no-ds3-gather")),
+    # LM-head chunks of 3 rows: processes whose completions differ in length score different numbers of chunks
+    # (at a 152k vocabulary a chunk is 220 rows); a partitioned head gathered per chunk would leave them waiting on
+    # each other, so under ZeRO-3 the head runs inside the forward (`modeling.logprobs.head_runs_inside_forward`).
+    "zero3_chunked": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
+                          ("--ddp-backend", "gloo", "--no-ds3-gather", "--logprob-chunk-size", "3")),
     "fsdp2": Mode("fsdp2.yaml", "FSDP", "FSDPModule", env=CPU),
     "lora_ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--lora",), env=CPU, lora=True),
     # padding_free: packed log-prob forwards (the 1-process reference runs padded).

@@ -190,7 +190,8 @@ def _count_packed_forwards() -> list[int]:
 
 
 def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
-        ds3_gather: bool = True, per_device_batch: int | None = None, padding_free: bool = False) -> dict:
+        ds3_gather: bool = True, per_device_batch: int | None = None, padding_free: bool = False,
+        logprob_chunk_size: int = 1024) -> dict:
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from transformers import set_seed
@@ -210,7 +211,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
         seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
         # RowSeededSampling stands in for generate_rollout (model.generate)
-        generation_backend="generate", padding_free=padding_free)
+        generation_backend="generate", padding_free=padding_free, logprob_chunk_size=logprob_chunk_size)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -280,6 +281,7 @@ def main() -> None:
     parser.add_argument("--no-ds3-gather", action="store_true")
     parser.add_argument("--per-device-batch", type=int, default=None)
     parser.add_argument("--padding-free", action="store_true")
+    parser.add_argument("--logprob-chunk-size", type=int, default=1024)
     cli = parser.parse_args()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (2-3 min on 2 cores) the
@@ -288,7 +290,7 @@ def main() -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
-        per_device_batch=cli.per_device_batch, padding_free=cli.padding_free)
+        per_device_batch=cli.per_device_batch, padding_free=cli.padding_free, logprob_chunk_size=cli.logprob_chunk_size)
     leave_cleanly()
 
 

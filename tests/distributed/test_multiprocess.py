@@ -194,8 +194,11 @@ def test_packed_modes_ran_packed_forwards_on_every_process(name, run_mode):
     a micro-batch of equally long sequences gains nothing and runs padded), while the weights match the padded
     1-process run (test_weights_match_single_process_run)."""
     result, _ = run_mode(name)
-    assert all(rank["packed_forwards"] >= 2 * 2 + 2 for rank in result["ranks"]), \
-        [rank["packed_forwards"] for rank in result["ranks"]]
+    counts = [rank["packed_forwards"] for rank in result["ranks"]]
+    if name == "zero3_packed":  # a partitioned head runs inside the forward: packing refused by rule, scored padded
+        assert counts == [0, 0]
+    else:
+        assert all(count >= 2 * 2 + 2 for count in counts), counts
 
 
 def test_backends_agree_with_each_other(run_mode):

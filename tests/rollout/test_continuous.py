@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import generation
 
+from grpo_trainer.config.settings import backend_choice
 from grpo_trainer.rollout import BACKENDS, select
 from grpo_trainer.rollout.continuous import ContinuousBatchingBackend, continuous_batching_settings
 from grpo_trainer.rollout.generate import generate_rollout
@@ -31,17 +32,17 @@ SETTINGS = dict(**TWO_GROUPS_OF_4, transformers_continuous_batching_config=SMALL
 
 def test_the_flag_selects_it_over_generation_backend_and_the_old_name_too(tmp_path):
     def selected(**fields):
-        return select(make_args(tmp_path, **SETTINGS, **fields))
+        return select(backend_choice(make_args(tmp_path, **SETTINGS, **fields)))
 
     assert isinstance(selected(use_transformers_continuous_batching=True), ContinuousBatchingBackend)
     assert isinstance(selected(use_transformers_continuous_batching=True, generation_backend="generate"),
                       ContinuousBatchingBackend)
     with pytest.warns(FutureWarning, match="use_transformers_paged is deprecated"):
         args = make_args(tmp_path, **SETTINGS, use_transformers_paged=True)
-    assert isinstance(select(args), ContinuousBatchingBackend)
+    assert isinstance(select(backend_choice(args)), ContinuousBatchingBackend)
     args = make_args(tmp_path, **SETTINGS)
     args.use_transformers_paged = True  # set after construction, as scripts do
-    assert isinstance(select(args), ContinuousBatchingBackend)
+    assert isinstance(select(backend_choice(args)), ContinuousBatchingBackend)
     assert not isinstance(selected(), ContinuousBatchingBackend)
 
 

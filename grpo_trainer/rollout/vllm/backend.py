@@ -38,6 +38,7 @@ from transformers import GenerationConfig
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import VLLM, Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
+from grpo_trainer.rollout.settings import BackendChoice, VLLMSettings
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 from grpo_trainer.rollout.vllm import checks, sampling, sync_check
 
@@ -59,32 +60,32 @@ class VLLMBackend(RolloutBackend):
     capabilities = Capabilities(logits_processors=False, multi_turn=True, images=True, engine_logps=True,
                                 own_weights=True)
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, settings: VLLMSettings) -> None:
         from accelerate import PartialState
 
-        self.args = args
+        self.settings = settings
         self.version = checks.check_installed()
-        self.mode = args.vllm_mode
-        sampling.check_generation_kwargs(args.generation_kwargs)
+        self.mode = settings.mode
+        sampling.check_generation_kwargs(settings.generation_kwargs)
         self.is_main = PartialState().is_main_process
         self.client = self.engine = self.weights = self.policy = self.processor = None
         self._engine_ids: tuple[PromptBatch, dict[int, list[int]]] | None = None  # decision 7, per prompt batch
         self.loaded: int | None = None
         # The check runs a trainer forward and collectives where the engine samples; asynchronous rollouts sample in
         # a producer thread, while the optimizer moves the weights: there it would compare other weights (docs).
-        asynchronous = getattr(args, "async_rollouts", 0) > 0
-        if asynchronous and args.vllm_sync_check_interval:
+        asynchronous = settings.asynchronous
+        if asynchronous and settings.sync_check_interval:
             logger.info("vllm_sync_check_interval has no effect with async_rollouts: the weight-sync check runs "
                         "where the engine samples, in the producer thread, while the optimizer moves the weights.")
-        self.schedule = sync_check.SyncSchedule(0 if asynchronous else args.vllm_sync_check_interval)
+        self.schedule = sync_check.SyncSchedule(0 if asynchronous else settings.sync_check_interval)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 
-            url = server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
+            url = server_url(settings.server_base_url, settings.server_host, settings.server_port)
             failure = None
             if self.is_main:
                 try:
-                    self.client = ServerClient(url, args.vllm_server_timeout, args.vllm_group_port)
+                    self.client = ServerClient(url, settings.server_timeout, settings.group_port)
                     self._warn_on_logprobs_mode()
                 except (ConnectionError, RuntimeError) as exc:  # every process raises it, none waits forever
                     failure = exc
@@ -94,11 +95,11 @@ class VLLMBackend(RolloutBackend):
             self.cpu = device == "cpu"
         else:
             self.cpu = checks.on_cpu()
-            checks.check_sleep_mode(args.vllm_enable_sleep_mode, self.cpu)
+            checks.check_sleep_mode(settings.enable_sleep_mode, self.cpu)
 
     @classmethod
-    def from_args(cls, args: Any) -> VLLMBackend:
-        return cls(args)
+    def from_settings(cls, choice: BackendChoice) -> VLLMBackend:
+        return cls(choice.vllm)
 
     @staticmethod
     def _shared(value: Any) -> Any:
@@ -111,7 +112,7 @@ class VLLMBackend(RolloutBackend):
 
     def _warn_on_logprobs_mode(self) -> None:
         mode = self.client.logprobs_mode
-        if self.args.vllm_importance_sampling_correction and mode not in (None, "processed_logprobs"):
+        if self.settings.importance_sampling_correction and mode not in (None, "processed_logprobs"):
             logger.warning(f"The vLLM server runs with `--logprobs-mode {mode}`, which biases the importance sampling "
                            "correction. Restart it with `--logprobs-mode processed_logprobs`, or set "
                            "`vllm_importance_sampling_correction=False`.")
@@ -150,18 +151,18 @@ class VLLMBackend(RolloutBackend):
 
         from grpo_trainer.rollout.vllm.colocate import ColocateEngine, EngineSettings, kv_cache_bytes
 
-        args, lm = self.args, causal_lm(model)
-        max_num_seqs = args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
-        longest = (args.max_prompt_length or _DEFAULT_PROMPT_TOKENS) + args.max_completion_length
-        model_length = args.vllm_max_model_length or getattr(lm.config.get_text_config(), "max_position_embeddings",
-                                                             longest)
+        vllm, lm = self.settings, causal_lm(model)
+        max_num_seqs = vllm.rows_per_round * vllm.tensor_parallel_size
+        longest = vllm.longest_sequence or _DEFAULT_PROMPT_TOKENS + vllm.max_completion_length
+        model_length = vllm.max_model_length or getattr(lm.config.get_text_config(), "max_position_embeddings",
+                                                        longest)
         dtype = next(p.dtype for p in lm.parameters() if p.is_floating_point())
         settings = EngineSettings(
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_length=args.vllm_max_model_length,
-            max_num_seqs=max_num_seqs, enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
-            trust_remote_code=args.trust_remote_code,
-            seed=PartialState().process_index // args.vllm_tensor_parallel_size, cpu=self.cpu,
+            tensor_parallel_size=vllm.tensor_parallel_size,
+            gpu_memory_utilization=vllm.gpu_memory_utilization, max_model_length=vllm.max_model_length,
+            max_num_seqs=max_num_seqs, enable_sleep_mode=vllm.enable_sleep_mode, model_impl=vllm.model_impl,
+            trust_remote_code=vllm.trust_remote_code,
+            seed=PartialState().process_index // vllm.tensor_parallel_size, cpu=self.cpu,
             kv_cache_bytes=kv_cache_bytes(lm.config, dtype, max(model_length, max_num_seqs * longest)))
         self.engine = ColocateEngine(model, processing_class, settings)
 
@@ -183,8 +184,8 @@ class VLLMBackend(RolloutBackend):
         if self.engine is None and self.weights is None:
             raise RuntimeError("the vLLM backend was not started: call start(model, tokenizer) and sync_weights() "
                                "first (the trainer does both).")
-        settings = sampling.sampling_settings(config, prompts.ids.shape[1], self.args.generation_kwargs,
-                                              self.args.vllm_structured_outputs_regex)
+        settings = sampling.sampling_settings(config, prompts.ids.shape[1], self.settings.generation_kwargs,
+                                              self.settings.structured_outputs_regex)
         greedy = settings["temperature"] == 0
         with_images = _has_images(prompts)
         requests = sampling.prompt_runs(prompts, greedy, self.engine_ids(prompts) if with_images else None)
