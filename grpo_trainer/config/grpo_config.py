@@ -242,10 +242,10 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "by pacing (nothing is dropped). Pays off when generation and training use different devices (vLLM server) "
         "or rewards wait on I/O.")
     async_correction: str = _opt(
-        "recompute", "Off-policy correction of asynchronous rounds: 'recompute' (decoupled PPO: old log-probs "
-        "recomputed under the round's start weights, weighted by old / behaviour with the "
-        "vllm_importance_sampling_* truncation) or 'behaviour' (the sampler's log-probs are the old log-probs, as "
-        "TRL's async trainer and verl).")
+        "behaviour", "Off-policy correction of asynchronous rounds: 'behaviour' (the sampler's log-probs are the old "
+        "log-probs, as TRL's async trainer and verl) or 'recompute' (decoupled PPO: old log-probs recomputed under "
+        "the round's start weights, one no-grad forward per round, weighted by old / behaviour with the "
+        "vllm_importance_sampling_* truncation). The default by measurement (benchmarks/RESULTS.md).")
     async_rollout_timeout: float | None = _opt(
         None, "Seconds a round may take on the producer thread before the run stops with an error (None: no limit).")
 

@@ -25,11 +25,13 @@ Shapes: none (rounds are `RoundBuilder.Sampled`).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +91,7 @@ class RoundProducer:
         self._threads = torch.get_num_threads()  # the intra-op thread count a new thread does not inherit
         self._thread = threading.Thread(target=self._run, name="grpo-round-producer", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ---------------------------------------------------------------------------------------- main thread
 
@@ -143,11 +146,12 @@ class RoundProducer:
         self.trainer_waited = self.producer_waited = 0.0
         return waited
 
-    def close(self) -> None:
-        """End the thread after its current job (decision 4)."""
+    def close(self, timeout: float | None = None) -> None:
+        """End the thread after its current job (decision 4); wait for it at most `timeout` seconds (default: the
+        job time limit)."""
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=self.settings.timeout)
+            self._thread.join(timeout=self.settings.timeout if timeout is None else timeout)
 
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
         """Wait on the condition (held) until `ready()`; raise the producer's failure or on the time limit."""
@@ -191,6 +195,19 @@ class RoundProducer:
                 self._done[job.round_index] = sampled
                 self._busy -= 1
                 self._condition.notify_all()
+
+
+# Producers whose thread may still run. At interpreter exit a daemon thread is stopped wherever it is; one stopped
+# inside a torch operator (a job submitted and never taken, e.g. by a script that stops mid-run) aborts the process
+# ("terminate called without an active exception"). So at exit each is asked to finish its job and end first.
+_LIVE: weakref.WeakSet[RoundProducer] = weakref.WeakSet()
+_EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _close_producers() -> None:
+    for producer in list(_LIVE):
+        producer.close(timeout=_EXIT_WAIT_S)
 
 
 class AsyncRounds:

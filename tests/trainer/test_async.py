@@ -131,7 +131,7 @@ def test_recompute_mode_weighs_old_against_behaviour_with_the_truncation(tmp_pat
     """'recompute': old log-probs under the round's start weights (the weights after step r for round r + 1), and a
     token-level truncated weight min(exp(old - behaviour), 3) (vllm_importance_sampling_mode='token_truncate')."""
     trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7), **COPY_TASK,
-                           **TWO_GROUPS_OF_4, async_rollouts=1, max_steps=2,
+                           **TWO_GROUPS_OF_4, async_rollouts=1, max_steps=2, async_correction="recompute",
                            vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=3.0)
     trainer.train()
     served = trainer.buffer.parts[0]  # round 1: sampled with the weights after step 0, trained at step 1
