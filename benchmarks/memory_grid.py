@@ -82,6 +82,25 @@ CONFIGS = {c.name: c for c in GRID}
 # ------------------------------------------------------------------------------------------------ child side
 
 
+def wrap_phases(trainer, wrapper, ours: bool = True, optimizer: bool = True) -> None:
+    """`wrapper.wrap(owner, method, phase)` on each seam of a step's phases: the rollout (TRL's trainer:
+    `_generate_single_turn`), our scoring, the loss forward, the backward and, with `optimizer`, the optimizer step
+    (once `train` has built the optimizer)."""
+    from transformers import TrainerCallback
+
+    seams = [(trainer.rounds, "rollout", "rollout"), (trainer.scorer, "prepare", "scoring")] if ours else \
+        [(trainer, "_generate_single_turn", "rollout")]
+    for owner, name, phase in seams + [(trainer, "compute_loss", "loss forward"),
+                                       (trainer.accelerator, "backward", "backward")]:
+        wrapper.wrap(owner, name, phase)
+    if optimizer:
+        class OptimizerPhase(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                wrapper.wrap(trainer.optimizer, "step", "optimizer step")
+
+        trainer.add_callback(OptimizerPhase())
+
+
 def vm(key: str) -> float:
     """This process's `VmHWM` / `VmRSS` in MiB."""
     with open("/proc/self/status") as status:
@@ -188,7 +207,7 @@ def child(config: Config, model_dir: str, out: str, phases: bool) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from grpo_trainer import GRPOTrainer
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
@@ -207,21 +226,9 @@ def child(config: Config, model_dir: str, out: str, phases: bool) -> None:
         rss_after_init = vm("VmRSS")
         param_bytes = sum(p.nbytes for p in trainer.model.parameters())
         rss = PhaseRSS()
-        for owner, name, phase in ((trainer.rounds, "rollout", "rollout"), (trainer.scorer, "prepare", "scoring"),
-                                   (trainer, "compute_loss", "loss forward"),
-                                   (trainer.accelerator, "backward", "backward")):
-            rss.wrap(owner, name, phase)
+        wrap_phases(trainer, rss, optimizer=False)
         if tracker is not None:
-            tracker.wrap(trainer.rounds, "rollout", "rollout")
-            tracker.wrap(trainer.scorer, "prepare", "scoring")
-            tracker.wrap(trainer, "compute_loss", "loss forward")
-            tracker.wrap(trainer.accelerator, "backward", "backward")
-
-            class OptimizerPhase(TrainerCallback):
-                def on_train_begin(self, args, state, control, **kwargs):
-                    tracker.wrap(trainer.optimizer, "step", "optimizer step")
-
-            trainer.add_callback(OptimizerPhase())
+            wrap_phases(trainer, tracker)
             tracker.profiler.start()
         started = time.perf_counter()
         trainer.train()

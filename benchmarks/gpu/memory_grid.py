@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from memory_grid import Config, build_args, peft_config  # noqa: E402 - benchmarks/ on sys.path above
+from memory_grid import Config, build_args, peft_config, wrap_phases  # noqa: E402 - benchmarks/ on sys.path above
 
 SHAPE = "qwen2.5-0.5b"
 BASELINE = Config("T256_full", SHAPE, 256, micro_batch=16, bf16=True)  # bench_gpu.py's H100 baseline settings
@@ -109,7 +109,7 @@ class Phases:
 
 def child(run: str, config: Config, model_dir: str, out: str) -> None:
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
 
@@ -130,7 +130,7 @@ def child(run: str, config: Config, model_dir: str, out: str) -> None:
                               report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
             trainer = GRPOTrainer(model_dir, copy_digits_reward, args=args, train_dataset=dataset,
                                   processing_class=tokenizer, peft_config=peft_config(config))
-            phases.wrap(trainer, "_generate_single_turn", "rollout")
+            wrap_phases(trainer, phases, ours=False)
         else:
             from grpo_trainer import GRPOTrainer
             from grpo_trainer.modeling import logprobs
@@ -147,16 +147,7 @@ def child(run: str, config: Config, model_dir: str, out: str) -> None:
                                     if not i.host]}
             trainer = GRPOTrainer(model_dir, copy_digits_reward, args=args, train_dataset=dataset,
                                   processing_class=tokenizer, peft_config=peft_config(config))
-            phases.wrap(trainer.rounds, "rollout", "rollout")
-            phases.wrap(trainer.scorer, "prepare", "scoring")
-        phases.wrap(trainer, "compute_loss", "loss forward")
-        phases.wrap(trainer.accelerator, "backward", "backward")
-
-        class OptimizerPhase(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                phases.wrap(trainer.optimizer, "step", "optimizer step")
-
-        trainer.add_callback(OptimizerPhase())
+            wrap_phases(trainer, phases)
         cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         trainer.train()

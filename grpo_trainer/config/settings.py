@@ -100,5 +100,5 @@ def backend_choice(args: GRPOConfig) -> BackendChoice:
     which scripts may set after construction), override `generation_backend`."""
     continuous = args.use_transformers_continuous_batching or getattr(args, "use_transformers_paged", False)
     name = VLLM if args.use_vllm else CONTINUOUS_BATCHING if continuous else args.generation_backend
-    return BackendChoice(name, vllm_settings(args) if name == VLLM else VLLMSettings(),
+    return BackendChoice(name, vllm_settings(args) if name == VLLM else None,
                          args.transformers_continuous_batching_config)

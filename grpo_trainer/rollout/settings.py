@@ -80,29 +80,30 @@ def max_new_tokens(config: GenerationConfig, prompt_length: int) -> int:
 
 @dataclass(frozen=True)
 class VLLMSettings:
-    """The config's vLLM fields the vLLM backend reads (TRL's names without the `vllm_` prefix)."""
+    """The config's vLLM fields the vLLM backend reads (TRL's names without the `vllm_` prefix; no defaults here:
+    `config.settings.vllm_settings` fills every one from the config, whose defaults are the only ones)."""
 
-    mode: str = "colocate"  # "colocate" | "server"
-    generation_kwargs: dict | None = None  # passed to vLLM's SamplingParams
-    structured_outputs_regex: str | None = None
-    importance_sampling_correction: bool = True
-    sync_check_interval: int = 1  # 0: the weight-sync self-check off
-    asynchronous: bool = False  # `async_rollouts` > 0: sampling runs in a producer thread
-    server_base_url: str | None = None
-    server_host: str = "0.0.0.0"
-    server_port: int = 8000
-    server_timeout: float = 240.0
-    group_port: int = 51216
-    enable_sleep_mode: bool = False
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.3
-    max_model_length: int | None = None
-    model_impl: str = "vllm"
-    trust_remote_code: bool = False
+    mode: str  # "colocate" | "server"
+    generation_kwargs: dict | None  # passed to vLLM's SamplingParams
+    structured_outputs_regex: str | None
+    importance_sampling_correction: bool
+    sync_check_interval: int  # 0: the weight-sync self-check off
+    asynchronous: bool  # `async_rollouts` > 0: sampling runs in a producer thread
+    server_base_url: str | None
+    server_host: str
+    server_port: int
+    server_timeout: float
+    group_port: int
+    enable_sleep_mode: bool
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    max_model_length: int | None
+    model_impl: str
+    trust_remote_code: bool
     # the engine's batch: per_device_train_batch_size x steps_per_generation completions per process
-    rows_per_round: int = 8
-    longest_sequence: int | None = None  # max_prompt_length + max_completion_length (None: no prompt limit)
-    max_completion_length: int = 256
+    rows_per_round: int
+    longest_sequence: int | None  # max_prompt_length + max_completion_length (None: no prompt limit)
+    max_completion_length: int
 
 
 @dataclass(frozen=True)
@@ -110,5 +111,5 @@ class BackendChoice:
     """Which rollout backend a config asks for (`rollout.select`), with the settings the chosen one reads."""
 
     name: str = "fast"
-    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    vllm: VLLMSettings | None = None  # with name "vllm"
     continuous_batching: dict | None = None  # `transformers_continuous_batching_config`

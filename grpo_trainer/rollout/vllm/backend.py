@@ -99,6 +99,9 @@ class VLLMBackend(RolloutBackend):
 
     @classmethod
     def from_settings(cls, choice: BackendChoice) -> VLLMBackend:
+        if choice.vllm is None:
+            raise ValueError("the vLLM backend needs the config's vLLM settings: build the choice with "
+                             "grpo_trainer.config.settings.backend_choice(args).")
         return cls(choice.vllm)
 
     @staticmethod
