@@ -183,6 +183,18 @@ def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, t
     return rows * tokens * settings.compute_bytes * (3 * ffn + 4 * E + 3 * HD)
 
 
+def _autocast_copies(settings: PlanSettings, shape: ModelShape, layers_saved: bool = False) -> int:
+    """Autocast's low-precision copies of float32 weights alive when one model forward under mixed precision ends.
+    Autocast caches the cast of every weight that trains until the forward returns (full fine-tuning: each decoder
+    layer's); a frozen weight's cast (LoRA's base layers) lives while its module computes; the LM head, called last
+    (`logits_to_keep=1`), has its cast alive at the end either way. `layers_saved`: the layers' copies are already
+    counted as saved tensors (`_layer_bytes` without checkpointing)."""
+    if not settings.mixed_precision or settings.quantization:
+        return 0
+    layers = 0 if shape.adapter_parameters or layers_saved else shape.layers * shape.layer_parameters
+    return (layers + shape.head_parameters) * settings.compute_bytes
+
+
 def _chunk_rows(settings: PlanSettings, shape: ModelShape) -> int:
     """Rows of one LM-head chunk (`modeling.logprobs.chunk_rows`), at most a micro-batch's completion tokens."""
     return min(chunk_rows(settings.logprob_chunk_size, shape.vocab), settings.micro_batch * settings.completion_length)
@@ -341,6 +353,10 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
           f"{m.trainable / 1e6:.1f}M x {element} B" + (f", 1/{s.processes} (sharded)" if s.shards_gradients
                                                         and s.processes > 1 else "") + "; the LM head's first")
     b.add("activations", {_F: saved, _BS: saved}, note)
+    copies = _autocast_copies(s, m, layers_saved=not s.checkpointing)
+    b.add("autocast weight copies", {_F: copies, _BS: copies if s.shards_weights else 0},
+          f"{s.mixed_precision} casts of the weights at the forward's end (the LM head's"
+          + ("" if m.adapter_parameters else ", every trained layer's (autocast's cache)") + ")")
     if s.shards_weights:  # the head inside the forward (`modeling.logprobs.head_runs_inside_forward`)
         logits = s.micro_batch * (s.completion_length + 1) * m.vocab * s.compute_bytes
         b.add("model logits", {_F: logits, _BS: 2 * logits},
@@ -381,7 +397,9 @@ def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     b.add("KV cache", {_R: kv}, f"{rows} rows x {s.sequence_length} tokens x {m.layers} layers x {kv_element} B")
     distinct = rows // s.num_generations if fast else rows
     step = _no_grad_layer_bytes(s, m, distinct, S) + 4 * rows * m.vocab * 4
-    b.add("generation working set", {_R: step}, "prefill of one layer, per-token logits and softmax")
+    b.add("generation working set", {_R: step + (0 if fast else _autocast_copies(s, m))},
+          "prefill of one layer, per-token logits and softmax"
+          + ("" if fast or not s.mixed_precision else "; autocast's weight copies in each forward"))
     if fast and m.parameters <= FUSE_MAX_PARAMETERS:
         copies = m.linear_parameters * s.weight_bytes + (0 if gpu else m.head_parameters * s.weight_bytes)
         b.add("fused decoder weights", {_R: copies}, "q|k|v and gate|up copies (small models)")
@@ -402,8 +420,9 @@ def _vllm(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
 
 
 def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
-    b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length)},
-          "one layer at a time, no gradients")
+    b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length)
+                              + _autocast_copies(s, m)},
+          "one layer at a time, no gradients" + (" (and autocast's weight copies)" if s.mixed_precision else ""))
 
 
 def _round(b: _Builder, s: PlanSettings) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 from grpo_trainer import planning
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import check_config
+from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, models
 
@@ -93,11 +94,13 @@ def _distribution(args: GRPOConfig) -> dict:
     }
 
 
-def _rollout(args: GRPOConfig) -> str:
+def _rollout(args: GRPOConfig, device: str) -> str:
     if args.use_vllm:
         return "vllm_colocate" if args.vllm_mode == "colocate" else "vllm_server"
     if args.use_transformers_continuous_batching:
         return "continuous"
+    if args.generation_backend == "fast" and FastBackend().uses_generate_on(device):
+        return "generate"  # the fast backend's own choice on a GPU: what runs there is model.generate
     return args.generation_backend if args.generation_backend in ("fast", "generate", "forward") else "generate"
 
 
@@ -126,7 +129,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
         logprob_chunk_size=args.logprob_chunk_size,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
-        entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=_rollout(args),
+        entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=_rollout(args, device),
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
         device_total_bytes=device_total_bytes, **_distribution(args))

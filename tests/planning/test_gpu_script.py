@@ -42,3 +42,42 @@ def test_each_child_trains_and_reports_its_phases(tmp_path, tokenizer, run):
     phases = {phase for phase, _ in result["phases_allocated_gib"]}
     assert {"rollout", "loss forward", "backward", "optimizer step"} <= phases
     assert (result["prediction"] is None) == (run == "trl")
+
+
+def test_phase_snapshots_replay_the_allocator_history():
+    """A hand-made history: the loss forward's peak is A + B = 150 bytes (before A is freed), with A and B alive;
+    the later allocation C (30) after A's free stays below it (50 + 30 = 80). The rollout occurs twice: the last
+    occurrence's peak counts (W still alive from the rollout: 10 + 5 = 15, not the first's 40).
+    1000 bytes were allocated before the history began: an entry of their own."""
+    from importlib import util
+
+    spec = util.spec_from_file_location("gpu_memory_grid", SCRIPT)
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def mark(addr):
+        return {"action": "alloc", "addr": addr, "size": 512, "frames": [{"filename": "x.py", "line": 1,
+                                                                         "name": "_phase_mark"}]}
+
+    def alloc(addr, size, where):
+        return {"action": "alloc", "addr": addr, "size": size,
+                "frames": [{"filename": f"/site/torch/{where}.py", "line": 3, "name": where},
+                           {"filename": "/repo/grpo_trainer/trainer/loss.py", "line": 58, "name": "__call__"}]}
+
+    def free(addr):
+        return {"action": "free_completed", "addr": addr}
+
+    trace = [mark(1), alloc(10, 40, "first"), free(10), mark(1),
+             mark(1), alloc(11, 10, "kept"), alloc(12, 5, "rollout"), free(12), mark(1),
+             mark(1), alloc(20, 100, "a"), alloc(21, 50, "b"), free(20), alloc(22, 30, "c"), mark(1)]
+    marks = [("rollout", "start"), ("rollout", "end"), ("rollout", "start"), ("rollout", "end"),
+             ("loss forward", "start"), ("loss forward", "end")]
+    result = {r["phase"]: r for r in module.phase_snapshots(trace, marks, baseline=1000)}
+    assert result["rollout"]["peak_gib"] * 2**30 == 1000 + 15
+    loss = result["loss forward"]
+    assert loss["peak_gib"] * 2**30 == 1000 + 10 + 100 + 50  # the rollout's kept block is alive too
+    assert [(t["site"], t["gib"] * 2**30) for t in loss["top"]] == [
+        ("(allocated before the recorded step)", 1000),
+        ("torch/a.py:3 a < grpo_trainer/trainer/loss.py:58 __call__", 100),
+        ("torch/b.py:3 b < grpo_trainer/trainer/loss.py:58 __call__", 50),
+        ("torch/kept.py:3 kept < grpo_trainer/trainer/loss.py:58 __call__", 10)]

@@ -63,11 +63,16 @@ class FastBackend(RolloutBackend):
             raise ValueError(f"FastBackend(cuda={cuda!r}): choose 'generate' or 'decoder'.")
         self.cuda = cuda  # decision 5
 
+    def uses_generate_on(self, device_type: str) -> bool:
+        """Whether every rollout on this device type goes through `model.generate` (decision 5): the memory
+        planner sizes that path, not the decoder's."""
+        return device_type == "cuda" and self.cuda == "generate"
+
     def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                  capture: Capture = KEEP_NOTHING) -> Rollout:
         S = prompts.ids.shape[1]
         reason = settings_blocker(model, config, S)
-        if reason is None and prompts.ids.device.type == "cuda" and self.cuda == "generate":
+        if reason is None and self.uses_generate_on(prompts.ids.device.type):
             reason = "on CUDA model.generate was measured faster than the decoder (decision 5)"
         if reason is not None:
             logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
