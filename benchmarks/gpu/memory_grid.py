@@ -188,17 +188,20 @@ def phase_snapshots(trace: list[dict], marks: list[tuple[str, str]], top: int = 
                 current["peak"], current["live"] = total, dict(live)
         elif action == freed and event["addr"] in live:
             total -= live.pop(event["addr"])[0]
-    results = []
-    for phase, window in windows.items():
-        groups: dict[str, list[int]] = {"(allocated before the recorded step)": [baseline, 0]} if baseline else {}
-        for size, site in (window["live"] or {}).values():
-            entry = groups.setdefault(site, [0, 0])
-            entry[0] += size
-            entry[1] += 1
-        ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
-        results.append({"phase": phase, "peak_gib": (baseline + window["peak"]) / 2**30,
-                        "top": [{"site": site, "gib": b / 2**30, "blocks": n} for site, (b, n) in ranked[:top]]})
-    return results
+    return [{"phase": phase, "peak_gib": (baseline + window["peak"]) / 2**30,
+             "top": _grouped(window["live"] or {}, baseline, top)} for phase, window in windows.items()]
+
+
+def _grouped(live: dict[int, tuple[int, str]], baseline: int, top: int) -> list[dict]:
+    """The `top` largest sites of the live blocks (bytes, block count), with what was allocated before the history
+    as an entry of its own."""
+    groups: dict[str, list[int]] = {"(allocated before the recorded step)": [baseline, 0]} if baseline else {}
+    for size, site in live.values():
+        entry = groups.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return [{"site": site, "gib": b / 2**30, "blocks": n} for site, (b, n) in ranked[:top]]
 
 
 def child(run: str, config: Config, model_dir: str, out: str, snapshot: bool = False) -> None:
