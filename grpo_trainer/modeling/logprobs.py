@@ -222,12 +222,19 @@ class _HeadLogProbs(torch.autograd.Function):
                 logps[rows] = log_p.gather(-1, tokens[rows, None]).squeeze(-1)
                 lses[rows] = chosen - logps[rows]
                 p = log_p.exp()
-                entropies[rows] = -torch.linalg.vecdot(p, log_p if kept is None else log_p.masked_fill_(~kept, 0.0))
+                if kept is not None:  # p = 0 off the support, where log p = -inf: their product is 0, not nan
+                    log_p.masked_fill_(~kept, 0.0)
+                entropies[rows] = -p.mul_(log_p).sum(dim=-1)  # in place: no third [n, V] buffer
+                del p, log_p
             else:
                 lses[rows] = _logsumexp_(logits)
                 logps[rows] = chosen - lses[rows]
+                del logits
             if kept is not None:
                 masses[rows] = lses[rows] - full
+            # This chunk's [n, V] buffers are gone before the next chunk's logits exist: with the entropy at most
+            # two at a time (logits and log p, then log p and p), not four (the last chunk's p and log p beside).
+            del kept, full
         ctx.save_for_backward(hidden, weight, bias, tokens, lses, None, entropies)
         ctx.mark_non_differentiable(masses, packed)
         return logps, entropies, masses, packed
@@ -269,6 +276,7 @@ class _HeadLogProbs(torch.autograd.Function):
             if want_bias:
                 row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]
                 grad_bias.addmv_(dense.T, row_weights, alpha=-1).index_add_(0, token, scale[:, 0])
+            del probs, log_probs, dense  # before the next chunk's softmax, as in the forward
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 

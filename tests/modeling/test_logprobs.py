@@ -430,3 +430,41 @@ def test_a_forward_under_autocast_is_not_mistaken_for_post_processing(tokenizer,
     expected, _ = naive(reference, ids, mask, 0.7)
     # the hidden states went through bfloat16 layers; the head and softmax ran in float32
     torch.testing.assert_close(out.logps, expected, atol=0.1, rtol=0)
+
+
+def _peak_new_bytes(run) -> int:
+    """The CPU allocator's peak of bytes allocated while `run()` runs, over what was allocated before (torch.profiler's
+    memory events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    peak = 0
+
+    def walk(node):
+        nonlocal peak
+        total = getattr(node.extra_fields, "total_allocated", None)
+        if total is not None and hasattr(node.extra_fields, "alloc_size"):
+            peak = max(peak, total)
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    return peak
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_the_chunked_head_holds_at_most_two_chunks_of_logits(with_entropy):
+    """N = 64 rows in chunks of 16 over V = 8192: one chunk's float32 logits are 16 x 8192 x 4 = 512 KiB. The
+    forward keeps at most two such buffers at a time (logits, then log p and p for the entropy); the outputs are
+    [N] vectors (256 B each). Before each chunk's buffers were freed at its end, the previous chunk's p and log p
+    were still alive beside the next chunk's logits and log p: four buffers, 2 MiB (three once they were freed, while
+    the entropy's product p log p took a buffer of its own)."""
+    generator = torch.Generator().manual_seed(0)
+    N, E, V, chunk = 64, 16, 8192, 16
+    hidden, weight = torch.randn(N, E, generator=generator), torch.randn(V, E, generator=generator)
+    tokens = torch.randint(0, V, (N,), generator=generator)
+    buffer = chunk * V * 4
+    with torch.no_grad():
+        peak = _peak_new_bytes(lambda: logprobs_module._HeadLogProbs.apply(
+            hidden, weight, None, tokens, 1.0, chunk, with_entropy, None, None))
+    assert buffer <= peak <= 2 * buffer + 16 * 1024, (peak, buffer)
