@@ -27,6 +27,11 @@ Decisions:
    adds the CUDA context (`CUDA_CONTEXT_BYTES`). What an allocator holds beyond the live tensors is a ratio of
    them: `CPU_ALLOCATOR_OVERHEAD` (glibc's retained heap, an item of the CPU table) and `CUDA_RESERVED_RATIO`
    (the caching allocator's reserved blocks over allocated memory).
+4. Under mixed precision autocast's casts of float32 weights are memory of their own (`_autocast_copies`), found
+   with the CUDA allocator's history on an H200 (benchmarks/RESULTS.md): the LM head's cast at the end of each
+   forward of the model, and with full fine-tuning autocast's cache of every trained weight's cast until the
+   forward returns. The rollout is sized as the backend runs it on the device (on CUDA the fast backend samples
+   with `model.generate`: `trainer.memory`).
 """
 
 from __future__ import annotations
