@@ -204,17 +204,8 @@ class _HeadLogProbs(torch.autograd.Function):
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
             logits = _chunk_logits(hidden[rows], weight, bias, temperature)  # [n, V]
-            kept = full = None
-            if support is not None:  # module docstring: the kept support, and the full softmax's mass on it
-                kept = support.mask(logits, tokens[rows], rows)  # [n, V]
-                full = torch.logsumexp(logits, dim=-1)
-                if support.collect:
-                    packed[rows] = pack(kept)
-                if support.renormalise:
-                    logits.masked_fill_(~kept, -torch.inf)
-                else:
-                    masses[rows] = torch.logsumexp(logits.masked_fill(~kept, -torch.inf), dim=-1) - full
-                    kept = None  # scored over the full softmax
+            kept, full = (None, None) if support is None else _chunk_support(logits, tokens, rows, support, masses,
+                                                                            packed)
             chosen = logits.gather(-1, tokens[rows, None]).squeeze(-1)  # z_token [n]
             if with_entropy:  # H = -sum p log p needs log p and p side by side: a second [n, V] buffer
                 log_p = torch.log_softmax(logits, dim=-1)
@@ -278,6 +269,23 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_bias.addmv_(dense.T, row_weights, alpha=-1).index_add_(0, token, scale[:, 0])
             del probs, log_probs, dense  # before the next chunk's softmax, as in the forward
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _chunk_support(logits: Tensor, tokens: Tensor, rows: slice, support: KeptSupport, masses: Tensor,
+                   packed: Tensor) -> tuple[Tensor | None, Tensor]:
+    """One chunk's kept support (module docstring) and its full softmax's log-sum-exp `[n]`: a renormalising
+    support masks `logits` `[n, V]` in place and is returned `[n, V]` (the caller scores over it); otherwise the log
+    kept mass goes to `masses[rows]` and the support is None (scored over the full softmax). Packed supports are
+    written to `packed[rows]` when collected."""
+    kept = support.mask(logits, tokens[rows], rows)  # [n, V]
+    full = torch.logsumexp(logits, dim=-1)
+    if support.collect:
+        packed[rows] = pack(kept)
+    if support.renormalise:
+        logits.masked_fill_(~kept, -torch.inf)
+        return kept, full
+    masses[rows] = torch.logsumexp(logits.masked_fill(~kept, -torch.inf), dim=-1) - full
+    return None, full
 
 
 def _chunk_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, lses: Tensor | None,

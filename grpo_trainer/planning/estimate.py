@@ -54,8 +54,9 @@ INSTANTS = ("rollout", "scoring", "loss forward", "backward start", "backward en
 _R, _S, _F, _BS, _BE, _O = range(len(INSTANTS))
 
 CPU_RUNTIME_BYTES = 560 * 2**20  # the process before its first tensor: benchmarks/RESULTS.md, "Memory planner"
-# Resident memory beyond the live tensors on CPU: freed blocks glibc's heap keeps (tensors under its mmap threshold,
-# which grows to 32 MiB) and fragmentation, measured as 4-15% of the peak tensors on the benchmark grid.
+# Resident memory beyond the live tensors on CPU, with glibc's heap held to them (`runtime.host_memory`: blocks from
+# 4 MiB up mapped per tensor): the smaller freed blocks its heap keeps, and fragmentation, measured as 4-15% of the
+# peak tensors on the benchmark grid.
 CPU_ALLOCATOR_OVERHEAD = 0.10
 CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and kernels, outside torch's allocator
 CUDA_RESERVED_RATIO = 1.1  # reserved / allocated at the peak (caching-allocator blocks); see docs/MEMORY.md
@@ -488,6 +489,10 @@ def plan_memory(settings: PlanSettings, shape: ModelShape) -> MemoryPlan:
                      "without autocast only)")
     if settings.rollout == "vllm_colocate" and settings.device == "cuda":
         notes.extend(_vllm_notes(settings, shape))
+    if settings.device == "cpu" and not settings.heap_held:
+        notes.append("glibc's heap is left to its own mmap threshold (GRPO_TRAINER_GLIBC_HEAP=keep or "
+                     "MALLOC_MMAP_THRESHOLD_ set): what it keeps of the backward's freed tensors is not counted "
+                     "(20% above the plan measured at 512-1,024 tokens)")
     return MemoryPlan(settings, shape, items, occurs, tuple(notes))
 
 

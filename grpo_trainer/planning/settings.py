@@ -99,6 +99,7 @@ class PlanSettings:
     fsdp: bool = False  # FSDP (full sharding)
     gather_for_generation: bool = True  # ds3_gather_for_generation
     device_total_bytes: int = 0  # the GPU's memory (an engine's pool is a fraction of it); 0 when unknown
+    heap_held: bool = True  # CPU: glibc's heap held to the live tensors (`runtime.host_memory`)
 
     @property
     def sequence_length(self) -> int:

@@ -132,6 +132,7 @@ class GRPOTrainer(Trainer):
                            prompt_optional=environments is not None)
         setup.check_async(args, backend, train_dataset, rollout_func)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
+        memory.prepare_host(args)
         memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)
         policy = setup.build_policy(model, args, peft_config, quantization_config)
         setup.check_async_model(policy.model, args, in_process=not backend.capabilities.own_weights)

@@ -33,7 +33,7 @@ from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import check_config
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from grpo_trainer.runtime import compat, models
+from grpo_trainer.runtime import compat, host_memory, models
 
 __all__ = ["ASSUMED_PROMPT_TOKENS", "PROMPT_SAMPLE", "MemoryPlanError", "RunPlan", "apply_fit", "check_memory",
            "plan_run", "plan_settings", "prompt_length"]
@@ -132,7 +132,8 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=_rollout(args, device),
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
-        device_total_bytes=device_total_bytes, **_distribution(args))
+        device_total_bytes=device_total_bytes, heap_held=device != "cpu" or host_memory.would_hold(),
+        **_distribution(args))
 
 
 def prompt_length(args: GRPOConfig, dataset: Any, processing_class: Any) -> int:
@@ -234,6 +235,12 @@ def apply_fit(args: GRPOConfig, changes: dict) -> None:
         else:
             setattr(args, name, value)
     check_config(args)
+
+
+def prepare_host(args: GRPOConfig) -> None:
+    """CPU training: glibc's heap held to the live tensors (`runtime.host_memory`), as the plan assumes."""
+    if _device(args) == "cpu":
+        host_memory.hold_heap_to_live_tensors()
 
 
 def check_memory(model: str | nn.Module, args: GRPOConfig, train_dataset: Any, processing_class: Any,
