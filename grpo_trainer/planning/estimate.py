@@ -429,6 +429,9 @@ def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length)
                               + _autocast_copies(s, m)},
           "one layer at a time, no gradients" + (" (and autocast's weight copies)" if s.mixed_precision else ""))
+    if s.shards_weights:  # the head inside the forward here too (`modeling.logprobs.head_runs_inside_forward`)
+        b.add("scoring model logits", {_S: s.micro_batch * (s.completion_length + 1) * m.vocab * s.compute_bytes},
+              f"ZeRO-3 / FSDP: [{s.micro_batch}, T+1, V] in the compute dtype")
 
 
 def _round(b: _Builder, s: PlanSettings) -> None:
