@@ -68,6 +68,39 @@ def test_log_prob_chunks_follow_logits_chunk_bytes():
     assert small["backward start"] == 40 * 151_936 * 4
 
 
+def test_autocast_weight_copies_by_hand():
+    """bf16 autocast over float32 weights (found with the CUDA allocator's history: benchmarks/RESULTS.md). Full
+    fine-tuning with checkpointing: autocast's cache holds every trained layer's cast until the forward returns,
+    2 layers x 40,000 parameters, and the LM head's V x E = 64,000: (80,000 + 64,000) x 2 B = 288,000 B. LoRA (frozen
+    base: no cache): the head's cast only, 128,000 B. Without checkpointing the layers' casts are saved tensors
+    (counted in the activations), so the item is the head's. The rollout through `model.generate` holds the same
+    as each forward; the fast decoder runs without autocast."""
+    mixed = dataclasses.replace(SETTINGS, mixed_precision="bfloat16")
+    assert item(plan_memory(mixed, SHAPE), "autocast weight copies")["loss forward"] == (2 * 40_000 + 64_000) * 2
+    assert item(plan_memory(mixed, SHAPE), "autocast weight copies")["backward start"] == 0  # freed with `out`
+    lora = dataclasses.replace(SHAPE, adapter_parameters=1_000)
+    assert item(plan_memory(mixed, lora), "autocast weight copies")["loss forward"] == 64_000 * 2
+    no_ckpt = dataclasses.replace(mixed, checkpointing=False)
+    assert item(plan_memory(no_ckpt, SHAPE), "autocast weight copies")["loss forward"] == 64_000 * 2
+    assert not any(i.name == "autocast weight copies" for i in plan_memory(SETTINGS, SHAPE).items)
+    fast = item(plan_memory(mixed, SHAPE), "generation working set")["rollout"]
+    generate = item(plan_memory(dataclasses.replace(mixed, rollout="generate"), SHAPE), "generation working set")
+    # generate's working set counts every row (the decoder's prefill only the distinct prompts: 4 rows / G = 2)
+    # plus the copies: one layer's prefill of 2 more rows x 6 tokens x 2 B x (3 x 128 + 4 x 64 + 3 x 64)
+    assert generate["rollout"] - fast == 2 * 6 * 2 * (3 * 128 + 4 * 64 + 3 * 64) + (2 * 40_000 + 64_000) * 2
+
+
+def test_on_cuda_the_fast_backend_is_planned_as_generate(tmp_path):
+    """The fast backend samples with `model.generate` on CUDA (`FastBackend.uses_generate_on`): no replay tensors
+    there, so the plan must not count them."""
+    from grpo_trainer import GRPOConfig
+    from grpo_trainer.trainer import memory
+
+    args = GRPOConfig(output_dir=str(tmp_path), generation_backend="fast", report_to="none", use_cpu=True)
+    assert memory.plan_settings(args, prompt_length=8, device="cuda").rollout == "generate"
+    assert memory.plan_settings(args, prompt_length=8, device="cpu").rollout == "fast"
+
+
 def test_activations_with_and_without_checkpointing():
     per_token = activation_bytes_per_token(SETTINGS, SHAPE)
     # float32, full training: 4 B x (6 E + 4 H D + 4 FFN) + 4 B x H = 4 x (384 + 256 + 512) + 16
