@@ -22,6 +22,7 @@ Decisions:
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -33,22 +34,12 @@ logger = logging.getLogger(__name__)
 MMAP_THRESHOLD_BYTES = 4 * 2**20
 OPT_OUT = "GRPO_TRAINER_GLIBC_HEAP"  # "keep": leave glibc's dynamic threshold alone
 _M_MMAP_THRESHOLD = -3  # <malloc.h>
-_STATE: dict[str, str | None] = {}
-
-
-def hold_heap_to_live_tensors() -> str | None:
-    """Fix glibc's mmap threshold at `MMAP_THRESHOLD_BYTES` (module docstring). Returns what this process's heap
-    now does, or None where it was left alone (not glibc, the user's setting, the opt-out, or mallopt refused).
-    Idempotent."""
-    if "result" not in _STATE:
-        _STATE["result"] = _apply()
-    return _STATE["result"]
 
 
 def would_hold() -> bool:
     """Whether CPU training in this process holds glibc's heap (decision 1), without changing anything: the
     memory planner's CPU figures assume it."""
-    return _STATE.get("result") is not None if "result" in _STATE else _glibc() is not None and not _left_alone()
+    return _glibc() is not None and not _left_alone()
 
 
 def _left_alone() -> bool:
@@ -67,7 +58,11 @@ def _glibc() -> tuple[str, object] | None:
         return None
 
 
-def _apply() -> str | None:
+@functools.cache
+def hold_heap_to_live_tensors() -> str | None:
+    """Fix glibc's mmap threshold at `MMAP_THRESHOLD_BYTES` (module docstring), once per process. Returns what this
+    process's heap now does, or None where it was left alone (not glibc, the user's setting, the opt-out, or mallopt
+    refused)."""
     glibc = _glibc()
     if glibc is None or _left_alone():
         return None
