@@ -117,6 +117,7 @@ def test_the_memory_check_sizes_placeholder_prompts_with_their_image_tokens(colu
     text_only = Dataset.from_dict({"prompt": strings["prompt"]})
     planned = prompt_length(args, placeholders, processor)
     assert planned == prompt_length(args, strings, processor)
+    assert prompt_length(args, placeholders.to_iterable_dataset(), processor) == planned  # a streamed dataset
     assert planned > prompt_length(args, text_only, processor)  # image tokens included
 
 
