@@ -14,7 +14,7 @@ What this trainer does, and how it differs from the papers and from TRL:
    exp(logp - logp.detach()). A rollout backend with the `sampling_logps` capability returns each token's log-prob
    and entropy under the sampling weights: they are the old log-probs, and on-policy the current values too, so the
    loss forward skips the LM-head projection (`trainer.scoring`). An inference engine's log-probs (vLLM) enter
-   through the importance-sampling correction only (`trainer.engine`).
+   through the importance-sampling correction only (`trainer.off_policy`).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
 6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion once,
    and log-probs never materialise float32 `[B, T, V]` logits (`modeling.logprobs`).
@@ -169,13 +169,15 @@ class GRPOTrainer(Trainer):
         first_turn = (lambda prompts: self._generate(prompts)) if self.rollout_func else None
         self.rounds = parts.round_builder(args, schedule, processing_class, backend, self.reward_sources,
                                           self.advantage_fn, self.accelerator, self.metrics, self.completions,
-                                          self.scorer, self._multi_turn, first_turn, self.train_dataset, self.model)
+                                          self._multi_turn, first_turn, self.train_dataset)
+        self.corrections = parts.corrections(args, schedule, self.rounds, self.scorer, self.accelerator, self.metrics,
+                                             self.model)
         self.buffer = RoundBuffer(schedule)
         self.async_rounds = pacing = None
         if args.async_rollouts:
             self.async_rounds = parts.async_rounds(args, self.train_dataset, self.accelerator, self.rounds,
-                                                   self.scorer, schedule, self.model, backend, self.metrics,
-                                                   lambda: self.state.global_step)
+                                                   self.corrections, self.scorer, schedule, self.model, backend,
+                                                   self.metrics, lambda: self.state.global_step)
             pacing = ProducerPacing(self.async_rounds, self.buffer, self._signal_stop)
             self.add_callback(pacing)
         self.run_parts = lifecycle.RunParts(self.buffer, self.async_rounds, pacing, self.rounds.resampler)
@@ -282,8 +284,12 @@ class GRPOTrainer(Trainer):
             self.model_wrapped, self.accelerator, self.args.ds3_gather_for_generation), self.state.global_step, plain)
 
     def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
-        """One round from this process's dataset rows (`RoundBuilder.build`)."""
-        return self.rounds.build(batch, mode, self._policy_view(), self.state)
+        """One round from this process's dataset rows (`RoundBuilder.build`), corrected (`trainer.off_policy`)."""
+        policy = self._policy_view()
+        round_, log = self.rounds.build(batch, mode, policy, self.state)
+        round_, columns = self.corrections.correct(round_, mode, self.model, policy.version)
+        self.rounds.log(log, columns)
+        return round_
 
     def _prepare_inputs(self, generation_batch: list[dict]) -> Round:
         """Generate once per round; serve the round's micro-batches on the following micro-steps."""

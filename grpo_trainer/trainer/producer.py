@@ -19,6 +19,10 @@ Decisions (docs/ASYNC.md explains the schedule to users):
    `close` ends it: nothing is left running at exit.
 5. A checkpoint stores the rounds sampled but not yet trained (with their versions); a resumed run takes them from
    the checkpoint instead of sampling them again with other weights.
+6. A job gives each round the log-probs its correction and report need at the weights that sampled it (nothing
+   changes them while a job runs): the behaviour policy's by one no-grad forward where the sampler kept none
+   (`generate`), and with `sampling_mismatch_report` the trainer's beside the sampler's own (`Sampled.trainer_scores`,
+   `trainer.off_policy` decision 3).
 
 Shapes: none (rounds are `RoundBuilder.Sampled`).
 """
@@ -43,6 +47,7 @@ from transformers import TrainerCallback, TrainerState
 from grpo_trainer.data.sampler import RoundSource
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.runtime.interrupts import SignalStop
+from grpo_trainer.trainer.off_policy import OffPolicy
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, Sampled
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
@@ -212,16 +217,17 @@ def _close_producers() -> None:
 
 class AsyncRounds:
     """The main thread's side of asynchronous rollouts: at the start of each training round, take it from the
-    producer, correct it for being sampled off-policy, prepare its micro-batches, then submit the next rounds.
+    producer, correct it for being sampled off-policy (`trainer.off_policy`), prepare its micro-batches, then submit
+    the next rounds.
 
     `make_view(version)`: the weights jobs sample with (the bare model, no activation-checkpointing switch: grad mode
     is per thread, so the producer's no-grad forward runs the layers plainly); `push_weights()`: hand an engine the
     current weights (main thread, no job in flight; a no-op for in-process backends)."""
 
-    def __init__(self, settings: AsyncSettings, correction: str, builder: RoundBuilder, scorer: PolicyScorer,
+    def __init__(self, settings: AsyncSettings, builder: RoundBuilder, corrections: OffPolicy, scorer: PolicyScorer,
                  source: RoundSource, schedule: Schedule, make_view: Callable[[int], PolicyView],
                  push_weights: Callable[[], None] | None, metrics_window: MetricsWindow) -> None:
-        self.settings, self.correction = settings, correction
+        self.settings, self.corrections = settings, corrections
         self.builder, self.scorer, self.source, self.schedule = builder, scorer, source, schedule
         self.make_view, self.engine_push, self.metrics = make_view, push_weights, metrics_window
         self.producer = RoundProducer(settings)
@@ -264,8 +270,9 @@ class AsyncRounds:
             self.push_weights()
             self._submit(r, state)
         sampled = self.producer.take(r)
-        round_ = self._off_policy(self.builder.finish(sampled, "train", self.make_view(state.global_step), state),
-                                  sampled)
+        round_, log = self.builder.finish(sampled, "train", self.make_view(state.global_step), state)
+        round_, columns = self.corrections.correct(round_, "train", model, state.global_step, sampled.trainer_scores)
+        self.builder.log(log, columns)
         self._record(sampled, state)
         generator = torch.Generator().manual_seed(round_seed(self.settings.seed, r) ^ 0x5EED)
         parts = [self.scorer.prepare(part, "train", model)
@@ -286,31 +293,23 @@ class AsyncRounds:
         def sample() -> Sampled:
             sampled = self.builder.sample(rows, "train", view, frozen)
             out = sampled.rollout
-            if out.sampling_logps is None and out.engine_logps is None:  # the behaviour policy's log-probs
-                with view.for_generation() as bare:
-                    behaviour = self.scorer.no_grad_logps(bare, Round(
-                        prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-                        completion_mask=out.completion_mask, images=sampled.prompt_images).trimmed())
-                width = out.completion_ids.shape[1]
-                sampled.rollout = dataclasses.replace(out, sampling_logps=nn.functional.pad(
-                    behaviour, (0, width - behaviour.shape[1])))
+            record = out.sampler
+            wants_report = self.corrections.mismatch is not None and self.corrections.mismatch.settings.enabled
+            if record.logps is not None and not wants_report:
+                return sampled
+            round_ = Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                           completion_mask=out.completion_mask, images=sampled.prompt_images, sampler=record)
+            with view.for_generation() as bare:  # the sampling weights: no optimizer step runs while a job does
+                scores = self.scorer.sampling_scores(bare, round_.trimmed(), collect=False)
+            if record.logps is not None:  # the mismatch report's side (`trainer.off_policy`, decision 3)
+                sampled.trainer_scores = scores
+                return sampled
+            # the behaviour policy's log-probs, as the loss computes them (`generate` keeps none)
+            logps = nn.functional.pad(scores.logps, (0, out.completion_ids.shape[1] - scores.logps.shape[1]))
+            sampled.rollout = dataclasses.replace(out, sampler=dataclasses.replace(record, logps=logps, exact=True))
             return sampled
 
         self.producer.submit(round_index, view.version, sample)
-
-    def _off_policy(self, round_: Round, sampled: Sampled) -> Round:
-        """The round's old and behaviour log-probs by `correction` (docs/ASYNC.md): 'behaviour' takes the sampler's
-        as the old ones; 'recompute' lets `RoundBuilder.finish`'s engine correction weigh old (recomputed at the
-        round's start weights) against the behaviour's. An engine's round is corrected by `finish` already."""
-        if round_.engine_logps is not None:
-            return round_ if self.correction == "recompute" else dataclasses.replace(
-                round_, old_logps=round_.engine_logps, engine_logps=None, engine_ratio=None)
-        behaviour = round_.sampling_logps
-        round_ = dataclasses.replace(round_, sampling_entropy=None, sampling_probs=None, layer_outputs=None)
-        if self.correction == "behaviour":
-            return dataclasses.replace(round_, old_logps=behaviour, sampling_logps=None)
-        round_ = dataclasses.replace(round_, sampling_logps=None, engine_logps=behaviour)
-        return self.builder.correct_off_policy(round_, "train", self.make_view(sampled.version), asynchronous=True)
 
     def _record(self, sampled: Sampled, state: TrainerState) -> None:
         staleness = float(state.global_step - sampled.version)

@@ -214,6 +214,10 @@ def check_async(args: GRPOConfig, backend: Any, train_dataset: Any, rollout_func
          f"an in-process backend samples from the live weights on a second thread, which {_sharded_weights(args)} "
          "shards (gathering them is a collective); use a vLLM server (use_vllm=True, vllm_mode='server'), DDP or "
          "ZeRO-2, or async_rollouts=0"),
+        (own_weights and args.sampling_mismatch_report,
+         "sampling_mismatch_report compares the sampler's log-probs with the trainer's at the weights that sampled "
+         "them, which an inference engine's rounds sampled ahead outlive (`trainer.off_policy`, decision 3); use "
+         "async_rollouts=0 for the report, or an in-process backend ('fast' or 'generate')"),
     ]
     for refused, reason in refusals:
         if refused:

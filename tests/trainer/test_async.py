@@ -114,16 +114,16 @@ def test_behaviour_mode_takes_the_samplers_log_probs_as_the_old_ones(tmp_path, t
     finish = trainer.async_rounds.builder.finish
 
     def finishing(sampled, mode, policy, state):
-        round_ = finish(sampled, mode, policy, state)
-        prepared.append((sampled.rollout.sampling_logps.clone(), round_))
-        return round_
+        round_, log = finish(sampled, mode, policy, state)
+        prepared.append((sampled.rollout.sampler.logps.clone(), round_))
+        return round_, log
 
     monkeypatch.setattr(trainer.async_rounds.builder, "finish", finishing)
     trainer.train()
     behaviour, _ = prepared[1]
     served = trainer.buffer.parts[0]  # round 1's micro-batch, trimmed
     width = served.completion_ids.shape[1]
-    assert served.engine_ratio is None and served.engine_logps is None
+    assert served.token_weights is None and not served.sampler.exact
     assert torch.equal(served.old_logps, behaviour[:, :width])
 
 
@@ -137,12 +137,12 @@ def test_recompute_mode_weighs_old_against_behaviour_with_the_truncation(tmp_pat
     served = trainer.buffer.parts[0]  # round 1: sampled with the weights after step 0, trained at step 1
     with torch.no_grad():
         recomputed = trainer.scorer.no_grad_logps(trainer.model, dataclasses.replace(
-            served, old_logps=None, engine_logps=None, engine_ratio=None))
+            served, old_logps=None, token_weights=None))
     # the model has since taken step 1: the old log-probs are those of the weights the round started with, which a
     # recomputation now does not reproduce; the ratio is rebuilt from the round's own old and behaviour values
     mask = served.loss_mask.bool()
-    expected = torch.exp(served.old_logps - served.engine_logps).clamp(max=3.0)
-    torch.testing.assert_close(served.engine_ratio[mask], expected[mask], rtol=1e-6, atol=1e-7)
+    expected = torch.exp(served.old_logps - served.sampler.logps).clamp(max=3.0)
+    torch.testing.assert_close(served.token_weights[mask], expected[mask], rtol=1e-6, atol=1e-7)
     assert not torch.allclose(recomputed[mask], served.old_logps[mask])
     logged = trainer.state.log_history[1]
     assert {"async/importance_ratio_raw_mean", "async/importance_ratio_raw_min",
