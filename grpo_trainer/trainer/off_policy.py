@@ -23,7 +23,8 @@ Decisions (docs/ASYNC.md and docs/VLLM.md explain them to users):
    sampled the round: where decision 1's forward computes them anyway, and with `sampling_mismatch_report` by one
    more no-grad forward. A round sampled ahead in-process is reported from the trainer's scores its producer job
    computed at the sampling weights (`trainer.producer`); one sampled ahead by an engine cannot be (its sampling
-   weights are gone when the round is trained), so `trainer.setup.check_async` refuses the report there by name.
+   weights are gone when the round is trained), so `trainer.producer.AsyncRounds.check` refuses the report there
+   by name.
 
 Shapes: `B` completions (local), `T` completion tokens.
 """

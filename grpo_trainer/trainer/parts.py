@@ -17,7 +17,7 @@ from grpo_trainer import rollout
 from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
-from grpo_trainer.data.sampler import RoundSource
+from grpo_trainer.data.sampler import RoundSource as PromptRows
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
@@ -29,11 +29,12 @@ from grpo_trainer.trainer.off_policy import OffPolicy, OffPolicySettings
 from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings
 from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
-from grpo_trainer.trainer.schedule import Schedule
+from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
 from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
+from grpo_trainer.trainer.source import RoundSource, SyncRounds
 
-__all__ = ["async_rounds", "corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler",
-           "round_builder", "scorer"]
+__all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder",
+           "round_source", "schedule", "scorer", "source_type"]
 
 
 def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
@@ -99,20 +100,34 @@ def corrections(args: GRPOConfig, schedule: Schedule, rounds: RoundBuilder, poli
                 accelerator: Accelerator, metrics: MetricsWindow, model: nn.Module) -> OffPolicy:
     """Old log-probs, importance weights and the mismatch report (`trainer.off_policy`); the sampler's dtype is read
     from the builder's backend when asked (a test or the trainer may swap it)."""
-    settings = OffPolicySettings(typed.engine_correction(args), args.async_correction if args.async_rollouts else None)
+    settings = OffPolicySettings(typed.engine_correction(args), source_type(args).sampled_ahead(args)[1])
     report = mismatch_report(args, model, multimodal.text_tokenizer(rounds.processing_class), accelerator, metrics)
     return OffPolicy(settings, schedule, policy_scorer.sampling_scores, accelerator, metrics, report,
                      lambda lm: rounds.backend.sampler_dtype(causal_lm(lm)))
 
 
-def async_rounds(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
-                 off_policy: OffPolicy, policy_scorer: PolicyScorer, schedule: Schedule, model: nn.Module,
-                 backend: rollout.RolloutBackend, metrics: MetricsWindow, global_step: Callable[[], int]
-                 ) -> AsyncRounds:
-    """Asynchronous rollouts (`trainer.producer`, docs/ASYNC.md): a producer over this process's share of the
-    prompts, seeded per process as `set_seed(..., device_specific=True)` seeds the synchronous path."""
-    source = RoundSource(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
-                         args.shuffle_dataset, args.seed, accelerator.process_index, accelerator.num_processes)
+def schedule(args: GRPOConfig) -> Schedule:
+    """Which micro-step trains on which micro-batch of which round (`trainer.schedule`)."""
+    return Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
+                    source_type(args).sampled_ahead(args)[0])
+
+
+def source_type(args: GRPOConfig) -> type[RoundSource]:
+    """The round source the config asks for (`trainer.source`, decision 3): the one place that chooses."""
+    return AsyncRounds if args.async_rollouts else SyncRounds
+
+
+def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
+                 off_policy: OffPolicy, policy_scorer: PolicyScorer, buffer: RoundBuffer,
+                 generate: Callable[[list[dict], str], Any], model: nn.Module, backend: rollout.RolloutBackend,
+                 metrics: MetricsWindow, global_step: Callable[[], int], signal_stop: Any) -> RoundSource:
+    """Where the trainer takes its rounds from (`trainer.source`). The asynchronous one (`trainer.producer`,
+    docs/ASYNC.md) has a producer over this process's share of the prompts, seeded per process as
+    `set_seed(..., device_specific=True)` seeds the synchronous path."""
+    if source_type(args) is SyncRounds:
+        return SyncRounds(rounds, off_policy, policy_scorer, buffer, generate)
+    rows = PromptRows(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
+                      args.shuffle_dataset, args.seed, accelerator.process_index, accelerator.num_processes)
 
     def view(version: int) -> PolicyView:  # the bare model; grad mode (per thread) keeps checkpointing out
         return PolicyView(model, lambda: contextlib.nullcontext(accelerator.unwrap_model(model)), version,
@@ -122,8 +137,8 @@ def async_rounds(args: GRPOConfig, dataset: Any, accelerator: Accelerator, round
         backend.sync_weights(accelerator.unwrap_model(model), global_step())
 
     settings = AsyncSettings(args.async_rollouts, args.seed + accelerator.process_index, args.async_rollout_timeout)
-    return AsyncRounds(settings, rounds, off_policy, policy_scorer, source, schedule, view,
-                       push if backend.capabilities.own_weights else None, metrics)
+    return AsyncRounds(settings, rounds, off_policy, policy_scorer, buffer, generate, rows, view,
+                       push if backend.capabilities.own_weights else None, metrics, signal_stop)
 
 
 def prepare_auxiliary(module: nn.Module, accelerator: Accelerator, deepspeed: bool, fsdp: bool,

@@ -111,14 +111,14 @@ def test_behaviour_mode_takes_the_samplers_log_probs_as_the_old_ones(tmp_path, t
     prepared = []
     trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7), **COPY_TASK,
                            **TWO_GROUPS_OF_4, async_rollouts=1, async_correction="behaviour", max_steps=2)
-    finish = trainer.async_rounds.builder.finish
+    finish = trainer.source.builder.finish
 
     def finishing(sampled, mode, policy, state):
         round_, log = finish(sampled, mode, policy, state)
         prepared.append((sampled.rollout.sampler.logps.clone(), round_))
         return round_, log
 
-    monkeypatch.setattr(trainer.async_rounds.builder, "finish", finishing)
+    monkeypatch.setattr(trainer.source.builder, "finish", finishing)
     trainer.train()
     behaviour, _ = prepared[1]
     served = trainer.buffer.parts[0]  # round 1's micro-batch, trimmed
@@ -207,7 +207,7 @@ def test_a_round_past_the_time_limit_stops_the_run(tmp_path, tokenizer, toy_data
 
 def test_the_producer_thread_ends_with_the_run(tmp_path, tokenizer, toy_dataset):
     trainer, _ = _run(tmp_path, tokenizer, toy_dataset, max_steps=2)
-    thread = trainer.async_rounds.producer._thread
+    thread = trainer.source.producer._thread
     assert thread.daemon and not thread.is_alive()
 
 
@@ -250,3 +250,25 @@ def test_active_dropout_is_refused_with_an_in_process_backend(tmp_path, tokenize
     model.model.layers[1].self_attn.attention_dropout = 0.1  # Qwen2's attention dropout, a float the forward reads
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn drops with p > 0"):
         make_trainer(tmp_path, tokenizer, toy_dataset, model=model, **COPY_TASK, async_rollouts=1, disable_dropout=True)
+
+
+def test_one_round_source_interface_for_both_schedules(tmp_path, tokenizer, toy_dataset):
+    """The trainer takes rounds from a `RoundSource`: the synchronous one samples nothing ahead and checkpoints the
+    buffer alone; the asynchronous one checkpoints the rounds it sampled ahead beside it, and paces the optimizer."""
+    from grpo_trainer.trainer.producer import AsyncRounds, ProducerPacing
+    from grpo_trainer.trainer.source import SyncRounds
+
+    plain = make_trainer(tmp_path / "sync", tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
+                         **COPY_TASK, **TWO_GROUPS_OF_4, max_steps=1)
+    ahead = make_trainer(tmp_path / "async", tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
+                         **COPY_TASK, **TWO_GROUPS_OF_4, async_rollouts=1, max_steps=1)
+    assert isinstance(plain.source, SyncRounds) and plain.source.callbacks() == []
+    assert plain.source.sampled_ahead(plain.args) == (0, None) and not plain.buffer.schedule.rounds_ahead
+    assert isinstance(ahead.source, AsyncRounds) and ahead.source.sampled_ahead(ahead.args) == (1, "behaviour")
+    assert any(isinstance(c, ProducerPacing) for c in ahead.callback_handler.callbacks)
+    plain.train()
+    ahead.train()
+    assert plain.run_parts.state_dict().keys() == {"buffer", "micro_step"}
+    state = ahead.run_parts.state_dict()
+    # max_steps=1: round 0 trained, round 1 never submitted (past the run's last round)
+    assert state.keys() == {"buffer", "micro_step", "producer"} and state["producer"]["done"] == {}
