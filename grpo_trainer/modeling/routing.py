@@ -37,6 +37,11 @@ Decisions:
    padded batch, and the routes are gathered there (filler cells read some real token's routes: they are never seen
    by a real token nor scored, so any valid experts do).
 
+7. Hooks act only in the thread that registered them: with asynchronous rounds (`trainer.producer`) a producer
+   thread samples with the model the main thread trains, and neither may record or replay the other's forwards.
+   (The backward's recompute runs in autograd's threads, but only after the context has closed: decision 5 hooks
+   the layer for that call alone.)
+
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens, `N` = tokens of one forward, `L` MoE layers, `E`
 experts, `k` experts per token, `H` hidden size, `R`, `W` packed rows and width.
 """
@@ -44,6 +49,7 @@ experts, `k` experts per token, `H` hidden size, `R`, `W` packed rows and width.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,11 +205,17 @@ def recording(lm: nn.Module) -> Iterator[_Calls]:
     calls = _Calls()
     position = {id(r.module): i for i, r in enumerate(routers)}
 
+    thread = threading.get_ident()
+
     def on_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != thread:  # decision 7
+            return
         calls.grids.append(_call_grid(args, kwargs))
         calls.experts.append([None] * len(routers))
 
     def on_route(module: nn.Module, args: tuple, output: tuple) -> None:
+        if threading.get_ident() != thread:
+            return
         logits, weights, experts = output
         if not calls.checked:
             _checked(rule, logits, weights, experts, family)
@@ -273,9 +285,13 @@ def replayed(logits: Tensor, own: Tensor, codes: Tensor, rule: ScoreRule) -> tup
 
 
 def _replay_hook(codes: Tensor, rule: ScoreRule, family: str, stats: ReplayStats | None) -> Callable:
-    """A router forward hook returning the recorded experts of `codes` `[N, k]` and the family's weights at them."""
+    """A router forward hook returning the recorded experts of `codes` `[N, k]` and the family's weights at them,
+    in the thread that registered it (decision 7)."""
+    thread = threading.get_ident()
 
-    def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
+    def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+        if threading.get_ident() != thread:
+            return None
         logits, weights, own = output
         if codes.shape[0] != logits.shape[0]:
             raise RoutingError(f"routing replay: the router routed {logits.shape[0]} tokens but {codes.shape[0]} "

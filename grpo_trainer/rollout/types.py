@@ -140,6 +140,9 @@ class Rollout:
     sampling_mask: Tensor | None = None  # [B, T, ceil(V / 8)] uint8
     log_kept_mass: Tensor | None = None  # [B, T] float32
     behaviour_logps: Tensor | None = None  # [B, T] float32
+    # A Mixture-of-Experts model's routing replay (`modeling.routing`): the experts the sampler chose for every
+    # prompt and completion token in every MoE layer, coded expert + 1 (0: not recorded, routes freely).
+    routed_experts: Tensor | None = None  # [B, S + T, L, k] uint8 / int16
 
     @property
     def sampled_mask(self) -> Tensor:

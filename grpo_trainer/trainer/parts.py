@@ -85,7 +85,8 @@ def round_builder(args: GRPOConfig, schedule: Schedule, processing_class: Any, b
     resampler and the mismatch report."""
     settings = RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                              args.num_generations_eval or args.num_generations, args.mask_truncated_completions,
-                             args.log_completions, args.log_multimodal, args.keep_sampling_mask)
+                             args.log_completions, args.log_multimodal, args.keep_sampling_mask,
+                             routing_replay=typed.routing_replay(args, accelerator.unwrap_model(model)))
     tokenizer = multimodal.text_tokenizer(processing_class)
     return RoundBuilder(settings=settings, schedule=schedule, processing_class=processing_class, backend=backend,
                         rewards=reward_sources, estimator=estimator, accelerator=accelerator,

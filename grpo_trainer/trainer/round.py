@@ -78,6 +78,9 @@ class Round:
     sampling_mask: Tensor | None = _columns(_COMPLETION)  # [B, T, ceil(V / 8)] uint8
     log_kept_mass: Tensor | None = _columns(_COMPLETION)  # [B, T]
     behaviour_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    # Mixture-of-Experts routing replay (`modeling.routing`): the sampler's experts per token and MoE layer, replayed
+    # by every forward of the round (old, reference, policy); coded expert + 1, so the 0 of padding routes freely.
+    routed_experts: Tensor | None = _columns(_SEQUENCE)  # [B, S + T, L, k] uint8 / int16
     # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
@@ -93,7 +96,8 @@ class Round:
                    sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
                    layer_outputs=out.layer_outputs, images=images, engine_logps=out.engine_logps,
                    sampling_mask=out.sampling_mask, log_kept_mass=out.log_kept_mass,
-                   behaviour_logps=out.behaviour_logps, pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
+                   behaviour_logps=out.behaviour_logps, routed_experts=out.routed_experts,
+                   pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
 
     @property
     def rows(self) -> int:

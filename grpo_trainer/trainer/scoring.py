@@ -22,6 +22,9 @@ Decisions:
    logits. A no-grad forward at the sampling weights (`sampling_scores`: the engine correction's, the old
    log-probs') keeps the supports it used, so that later forwards (after an update, the reference model's) score
    over the same supports.
+5. A Mixture-of-Experts round with the sampler's routing (`Round.routed_experts`, `routing_replay`) replays it in
+   every forward here: the policy's, the old and the reference log-probs, and the trainer's side of the engine
+   correction and the mismatch report (`modeling.routing`).
 
 Shapes: `B` completions, `T` completion tokens, `W = ceil(V / 8)`.
 """
@@ -100,7 +103,7 @@ class PolicyScorer:
         replayed = inputs.layer_outputs if policy and model.training else None
         return forwards.score(model, input_ids, attention_mask, width, self.forward, with_entropy, known,
                               with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed,
-                              support=self.support(inputs, collect))
+                              support=self.support(inputs, collect), routes=inputs.routed_experts)
 
     def no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
         """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward."""
