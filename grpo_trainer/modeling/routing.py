@@ -287,7 +287,7 @@ def replayed(logits: Tensor, own: Tensor, codes: Tensor, rule: ScoreRule) -> tup
 def _replay_hook(codes: Tensor, rule: ScoreRule, family: str, stats: ReplayStats | None) -> Callable:
     """A router forward hook returning the recorded experts of `codes` `[N, k]` and the family's weights at them,
     in the thread that registered it (decision 7)."""
-    thread = threading.get_ident()
+    thread, checked = threading.get_ident(), [False]
 
     def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
         if threading.get_ident() != thread:
@@ -296,7 +296,9 @@ def _replay_hook(codes: Tensor, rule: ScoreRule, family: str, stats: ReplayStats
         if codes.shape[0] != logits.shape[0]:
             raise RoutingError(f"routing replay: the router routed {logits.shape[0]} tokens but {codes.shape[0]} "
                                "were recorded for this forward")
-        _checked(rule, logits, weights, own, family)
+        if not checked[0]:  # once per router and forward: the rule is the model's, not the data's
+            _checked(rule, logits, weights, own, family)
+            checked[0] = True
         combine, chosen = replayed(logits, own, codes, rule)
         if stats is not None:
             recorded = (codes > 0).all(-1).to(own.device)
