@@ -7,6 +7,7 @@ config's field names (TRL's) onto them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from grpo_trainer.algorithms.engine_correction import EngineCorrection
@@ -119,4 +120,8 @@ def routing_replay(args: GRPOConfig, model: Any) -> bool:
     if args.routing_replay == "on" and reason is not None:
         raise ValueError(f"routing_replay='on' but {reason}; use 'auto' (on only for those models) or 'off'.")
     in_process = backend_choice(args).name not in (VLLM, CONTINUOUS_BATCHING)
+    if reason is None and not in_process:
+        logging.getLogger("grpo_trainer.trainer.grpo_trainer").warning(
+            "routing_replay='auto' is off for this Mixture-of-Experts model: its rollouts run in %s, whose routing "
+            "is not recorded (docs/MOE.md); the trainer routes every token itself.", backend_choice(args).name)
     return reason is None and in_process

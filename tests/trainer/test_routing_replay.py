@@ -167,3 +167,13 @@ def test_resume_with_replay_equals_an_uninterrupted_run(tmp_path, tokenizer, toy
     resumed = _run_to(tmp_path / "split", tokenizer, toy_dataset, 4, resume=True)
     worst = max((straight[n] - resumed[n]).abs().max().item() for n in straight)
     assert worst <= 1e-6
+
+
+def test_auto_is_off_with_a_warning_where_the_rollout_runs_outside_the_process(tmp_path, tokenizer, caplog):
+    from grpo_trainer.config.settings import routing_replay
+
+    args = make_args(tmp_path, use_transformers_continuous_batching=True)
+    with caplog.at_level("WARNING"):
+        assert not routing_replay(args, moe_model(tokenizer))
+    assert "routing_replay='auto' is off for this Mixture-of-Experts model" in caplog.text
+    assert routing_replay(make_args(tmp_path), moe_model(tokenizer))
