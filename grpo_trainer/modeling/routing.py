@@ -317,7 +317,8 @@ def _recomputable(checkpoint: Callable, hooked: Callable[[], list], open_: list[
 
     def run(function: Callable, *args: Any, **kwargs: Any) -> Any:
         def routed(*inner: Any, **inner_kwargs: Any) -> Any:
-            if open_[0]:
+            # the recompute runs with grad; a producer thread's sampling forward (decision 7) without
+            if open_[0] or not torch.is_grad_enabled():
                 return function(*inner, **inner_kwargs)
             handles = hooked()
             try:

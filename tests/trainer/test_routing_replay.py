@@ -177,3 +177,16 @@ def test_auto_is_off_with_a_warning_where_the_rollout_runs_outside_the_process(t
         assert not routing_replay(args, moe_model(tokenizer))
     assert "routing_replay='auto' is off for this Mixture-of-Experts model" in caplog.text
     assert routing_replay(make_args(tmp_path), moe_model(tokenizer))
+
+
+def test_asynchronous_rounds_record_on_the_producer_thread_and_replay_on_the_trainers(tmp_path, tokenizer,
+                                                                                      toy_dataset):
+    """async_rollouts=1: a producer thread samples the next round with the model the main thread trains. Hooks act
+    only in the thread that registered them, so the producer records its own rollouts (every round carries routes)
+    and the trainer's replay never reaches the producer's forwards; the run trains, routers included."""
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, moe_model(tokenizer), routing_replay="on",
+                           async_rollouts=1, max_steps=4, beta=0.1)
+    with replay_calls() as calls:
+        changed = train_and_compare(trainer)
+    assert len([c for c in calls if c[0]]) == 4  # the policy's forward of every step replayed
+    assert any(moved for n, moved in changed.items() if "gate" in n)
