@@ -190,3 +190,25 @@ def test_asynchronous_rounds_record_on_the_producer_thread_and_replay_on_the_tra
         changed = train_and_compare(trainer)
     assert len([c for c in calls if c[0]]) == 4  # the policy's forward of every step replayed
     assert any(moved for n, moved in changed.items() if "gate" in n)
+
+
+def test_lora_on_a_partly_dense_qwen2_moe_replays_its_moe_layers(tmp_path, tokenizer, toy_dataset):
+    """Qwen2-MoE with a dense middle layer (`mlp_only_layers`) under LoRA: the routes cover the 2 MoE layers (the
+    reference is the adapter-disabled policy, replayed too) and the adapters train."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4,
+        num_experts_per_tok=2, mlp_only_layers=[1], pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id))
+    assert [r.layer for r in routing.find_routers(model)] == [0, 2]
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, model, routing_replay="on", beta=0.1,
+                           peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with replay_calls() as calls:
+        changed = train_and_compare(trainer)
+    assert calls and all(shape[2] == 2 for _, shape, _ in calls)
+    assert any(not grad for grad, _, _ in calls)  # the reference forward
+    assert any(moved for n, moved in changed.items() if "lora" in n)
