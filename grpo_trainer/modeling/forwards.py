@@ -235,7 +235,7 @@ def _no_cache(model: nn.Module, out: Any) -> None:
 def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSettings, with_entropy: bool = False,
                     known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
                     layer_outputs: Tensor | None = None, support: KeptSupport | None = None,
-                    routes: Tensor | None = None) -> LogProbs:
+                    routes: Tensor | None = None, routing_stats: routing.ReplayStats | None = None) -> LogProbs:
     """`completion_logprobs` on a packed micro-batch: the same `[B, T]` values on the completion tokens, 0 elsewhere.
 
     Args:
@@ -244,12 +244,14 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
         support: the sampler's truncation, its supports `[B*T, W]` in row order where given (gathered into the
             packed order of the scored tokens, and the supports used scattered back).
         routes: `[B, S + T, L, k]` the sampler's experts to replay (`modeling.routing`), or None.
+        routing_stats: counts the routes replay changed, when given.
     """
     lm = causal_lm(model)
     extra: dict[str, Any] = packed.flash_kwargs() if _varlen(lm) else {}
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(lm.get_decoder().layers, layer_outputs, packed.sources)
-    rerouted = contextlib.nullcontext() if routes is None else routing.replaying(lm, routes, packed.sources)
+    rerouted = contextlib.nullcontext() if routes is None else \
+        routing.replaying(lm, routes, packed.sources, routing_stats)
     with replayed, rerouted:
         out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                     logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
@@ -372,7 +374,7 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
           settings: ForwardSettings, with_entropy: bool = False,
           known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None), with_aux_loss: bool = False,
           model_inputs: dict | None = None, layer_outputs: Tensor | None = None, support: KeptSupport | None = None,
-          routes: Tensor | None = None) -> LogProbs:
+          routes: Tensor | None = None, routing_stats: routing.ReplayStats | None = None) -> LogProbs:
     """Log-probs (and entropies) `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`: packed
     when `settings.padding_free` and the model and call allow it (decision 1), else padded.
 
@@ -380,7 +382,8 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         known: the rollout's values under these weights (logps, entropies `[B, T]`, softmax `[B, T, V]`), on-policy.
         layer_outputs: `[B, L, S + T, E]` the rollout's layer outputs, replayed by the checkpointed layers.
         support: the sampler's truncation (`modeling.support`): log-probs over each position's kept support.
-        routes: `[B, S + T, L, k]` a Mixture-of-Experts sampler's experts, replayed (`modeling.routing`).
+        routes: `[B, S + T, L, k]` a Mixture-of-Experts sampler's experts, replayed (`modeling.routing`);
+            `routing_stats` counts the routes replay changed.
         Others: as `logprobs.completion_logprobs`.
     """
     call = Call(with_aux_loss, model_inputs)
@@ -391,10 +394,12 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
                          PackingSettings(cost=cost, pad_to_multiple_of=settings.pad_to_multiple_of))
         if cost.rows(*layout.shape) < cost.rows(*input_ids.shape):  # decision 4
             packed = PackedBatch.of(input_ids, attention_mask, completion_length, layout=layout)
-            return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support, routes)
+            return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support, routes,
+                                   routing_stats)
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
-    rerouted = contextlib.nullcontext() if routes is None else routing.replaying(causal_lm(model), routes)
+    rerouted = contextlib.nullcontext() if routes is None else \
+        routing.replaying(causal_lm(model), routes, stats=routing_stats)
     with replayed, rerouted:
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,

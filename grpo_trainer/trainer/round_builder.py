@@ -44,6 +44,7 @@ from grpo_trainer import rollout
 from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS, EngineCorrection
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import attach_images, row_images, strip_images
+from grpo_trainer.modeling import routing
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting import metrics
@@ -138,7 +139,7 @@ class RoundBuilder:
     def __init__(self, *, settings: RoundSettings, schedule: Schedule, processing_class: Any,
                  backend: rollout.RolloutBackend, rewards: RewardSources, estimator: Callable,
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
-                 score: Callable[[nn.Module, Round], LogProbs],
+                 score: Callable[..., LogProbs],
                  engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
@@ -324,8 +325,12 @@ class RoundBuilder:
         if not corrected:
             if not self.mismatch.settings.enabled:
                 return {}
-            with torch.no_grad():
-                scores = self.score(policy.model, round_.trimmed())
+            stats = routing.ReplayStats() if round_.routed_experts is not None else None
+            with torch.no_grad():  # a routed round's forward also counts what replay changed (`modeling.routing`)
+                scores = self.score(policy.model, round_.trimmed(), **({} if stats is None else
+                                                                      {"routing_stats": stats}))
+            if stats is not None:
+                self.mismatch.report_routing(stats.flipped, stats.tokens)
         # a rollout_func samples with whatever it likes: its dtype is unknown here
         dtype = self.backend.sampler_dtype(causal_lm(policy.model)) if self.first_turn is None else None
         return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, policy.version, dtype, corrected)

@@ -73,6 +73,10 @@ def _mismatch(tmp_path, tokenizer, toy_dataset, replay: str) -> list[float]:
     trainer.train()
     reports = sorted((tmp_path / replay / "sampling_mismatch").glob("*.json"))
     assert reports
+    flips = [e["sampling/routing_flipped_fraction"] for e in trainer.state.log_history
+             if "sampling/routing_flipped_fraction" in e]
+    assert len(flips) == (2 if replay == "on" else 0)  # logged where replay runs
+    assert all(0.1 < f <= 1.0 for f in flips), flips  # measured 0.79-0.81: this model's logits are small
     return [e["sampling/sampling_logp_difference/mean"] for e in trainer.state.log_history
             if "sampling/sampling_logp_difference/mean" in e]
 
@@ -81,7 +85,8 @@ def test_mismatch_report_catches_flipped_routes_and_replay_removes_them(tmp_path
                                                                         noisy_routers):
     """(b) The sampler's routers choose other experts for some tokens: without replay the trainer's log-probs at the
     sampling weights differ from the sampler's by far more than float rounding, and the report says so; with replay
-    the trainer routes as the sampler did and the difference is rounding (the KV-cache decode's summation order)."""
+    the trainer routes as the sampler did and the difference is rounding (the KV-cache decode's summation order).
+    The report then counts the routes replay changed (`sampling/routing_flipped_fraction`)."""
     off = _mismatch(tmp_path, tokenizer, toy_dataset, "off")
     on = _mismatch(tmp_path, tokenizer, toy_dataset, "on")
     assert min(off) > 1e-4, off  # measured 3.0e-4 on this model (hidden 16, 4 experts): routes flipped
@@ -212,3 +217,13 @@ def test_lora_on_a_partly_dense_qwen2_moe_replays_its_moe_layers(tmp_path, token
     assert calls and all(shape[2] == 2 for _, shape, _ in calls)
     assert any(not grad for grad, _, _ in calls)  # the reference forward
     assert any(moved for n, moved in changed.items() if "lora" in n)
+
+
+def test_the_report_counts_no_flips_where_sampler_and_trainer_route_alike(tmp_path, tokenizer, toy_dataset):
+    """The default backend (the forward tier for MoE models) at the trainer's float32 weights: no route differs."""
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, varied_reward, moe_model(tokenizer), routing_replay="on",
+                           sampling_mismatch_report=True, learning_rate=0.0)
+    trainer.train()
+    flips = [e["sampling/routing_flipped_fraction"] for e in trainer.state.log_history
+             if "sampling/routing_flipped_fraction" in e]
+    assert flips == [0.0, 0.0]
