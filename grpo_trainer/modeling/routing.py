@@ -245,7 +245,7 @@ def assemble(calls: _Calls, experts: int, prompt_mask: Tensor, completion_mask: 
         return None, "a router did not run in every forward"
     (rows, width), *decodes = calls.grids
     expand = prompt_group if rows != B else None
-    if width != S or (expand is not None and int(prompt_group.max()) + 1 != rows):
+    if width != S or (rows != B and (expand is None or int(expand.max()) + 1 != rows)):
         return None, f"the first forward was over [{rows}, {width}] tokens, not a prefill of the [{B}, {S}] prompts"
     if any(grid != (B, 1) for grid in decodes) or len(decodes) > T:
         return None, "the forwards after the prefill were not one token per row each (continuous batching?)"

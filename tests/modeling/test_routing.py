@@ -327,3 +327,13 @@ def test_replayed_weights_are_bitwise_the_routers_own_at_its_own_choice(tokenize
 def test_families_rules_cover_the_documented_model_types():
     assert sorted(routing.FAMILIES) == ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
     assert dataclasses.is_dataclass(routing.ReplayStats)
+
+
+def test_capture_refuses_a_first_forward_that_is_not_the_prompts_prefill(tokenizer):
+    model = moe_of_family(tokenizer, "olmoe")
+    with torch.no_grad(), routing.recording(model) as calls:
+        model(torch.randint(0, 20, (3, 5)))  # 3 rows for 4 prompts, no grouping given
+    routes, reason = routing.assemble(calls, 8, torch.ones(4, 5), torch.ones(4, 2))
+    assert routes is None and "not a prefill of the [4, 5] prompts" in reason
+    routes, reason = routing.assemble(calls, 8, torch.ones(3, 6), torch.ones(3, 2))
+    assert routes is None and "[3, 5] tokens" in reason
