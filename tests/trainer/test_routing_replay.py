@@ -227,3 +227,20 @@ def test_the_report_counts_no_flips_where_sampler_and_trainer_route_alike(tmp_pa
     flips = [e["sampling/routing_flipped_fraction"] for e in trainer.state.log_history
              if "sampling/routing_flipped_fraction" in e]
     assert flips == [0.0, 0.0]
+
+
+def test_dynamic_sampling_concatenates_the_routes_of_its_generation_rounds(tmp_path, tokenizer, toy_dataset):
+    """zero_variance_groups='resample' builds a round from several generation rounds (`Round.concat`, widened to
+    the widest prompt and completion with the free code 0): the replayed forwards get routes of the round's shape
+    and the run trains."""
+    from grpo_trainer.rewards.library import copy_digits_reward
+
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, copy_digits_reward, moe_model(tokenizer),
+                           routing_replay="on", zero_variance_groups="resample", max_resample_rounds=2,
+                           per_device_train_batch_size=8, num_generations=4)
+    with replay_calls() as calls:
+        train_and_compare(trainer)
+    assert calls and all(shape[0] == 8 and shape[2:] == (2, 2) for _, shape, _ in calls)
+    extra = [e["zero_variance_groups/extra_rounds"] for e in trainer.state.log_history
+             if "zero_variance_groups/extra_rounds" in e]
+    assert sum(extra) > 0, extra  # several generation rounds were concatenated
