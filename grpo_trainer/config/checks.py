@@ -95,6 +95,12 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"async_correction must be 'recompute' or 'behaviour' (got {args.async_correction!r})."),
         (args.async_rollout_timeout is not None and args.async_rollout_timeout <= 0,
          f"async_rollout_timeout must be > 0 seconds, or None for no limit (got {args.async_rollout_timeout})."),
+        (args.routing_replay not in choices(kinds.RoutingReplay),
+         f"routing_replay must be 'auto', 'on' or 'off' (got {args.routing_replay!r})."),
+        (args.routing_replay == "on" and (args.use_vllm or args.use_transformers_continuous_batching),
+         "routing_replay='on' needs the rollout's routing, which is recorded only for rollouts in the trainer's "
+         "process (generate, the fast backends), not by vLLM or transformers' continuous batching; use 'auto' "
+         "(replay off there) or 'off'."),
         (args.vllm_mode not in choices(kinds.VLLMMode),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
         (args.vllm_importance_sampling_mode not in choices(kinds.VLLMImportanceSamplingMode),

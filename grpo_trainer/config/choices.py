@@ -15,7 +15,7 @@ from grpo_trainer.algorithms.engine_correction import IS_MODES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
 __all__ = ["AsyncCorrection", "ImportanceSamplingLevel", "LossType", "MemoryCheck", "MultiObjectiveAggregation",
-           "RewardErrorPolicy", "VLLMImportanceSamplingMode", "VLLMMode", "VLLMModelImpl", "ZeroVarianceGroups",
+           "RewardErrorPolicy", "RoutingReplay", "VLLMImportanceSamplingMode", "VLLMMode", "VLLMModelImpl", "ZeroVarianceGroups",
            "choices"]
 
 LossType = Literal[tuple(LOSS_TYPES)]
@@ -28,6 +28,7 @@ AsyncCorrection = Literal["behaviour", "recompute"]
 VLLMMode = Literal["colocate", "server"]
 VLLMModelImpl = Literal["vllm", "transformers"]
 VLLMImportanceSamplingMode = Literal[IS_MODES]
+RoutingReplay = Literal["auto", "on", "off"]
 
 
 def choices(kind: object) -> tuple[str, ...]:

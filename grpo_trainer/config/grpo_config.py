@@ -26,6 +26,7 @@ from grpo_trainer.config.choices import (
     MemoryCheck,
     MultiObjectiveAggregation,
     RewardErrorPolicy,
+    RoutingReplay,
     VLLMImportanceSamplingMode,
     VLLMMode,
     VLLMModelImpl,
@@ -74,6 +75,13 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     router_aux_loss_coef: float | None = _opt(
         None, "Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss (logged as "
         "aux_loss). None takes the model config's own coefficient, 0 turns it off; an error on a dense model.")
+    # Mixture-of-Experts rollout routing replay (docs/MOE.md)
+    routing_replay: RoutingReplay = _opt(
+        "auto", "Mixture-of-Experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss): record the experts the "
+        "rollout routed every token to and route every training forward (old, reference, policy) the same way, the "
+        "router's weights still trained (R3, docs/MOE.md). 'auto': on for those models when the rollout runs in the "
+        "process, off for dense models and under vLLM (its routing is not captured yet); 'on': the same, an error "
+        "where it cannot run; 'off': never.")
     cast_lm_head_to_fp32: bool = _opt(
         False, "Keep the policy's and reference model's LM head in float32 (the ScaleRL recipe). A tied head's "
         "shared embedding matrix becomes float32 too; the embedding's outputs keep the model's dtype.")

@@ -7,19 +7,25 @@ config's field names (TRL's) onto them.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from grpo_trainer.algorithms.engine_correction import EngineCorrection
 from grpo_trainer.algorithms.entropy import EntropyControl
 from grpo_trainer.algorithms.losses import LossSettings
 from grpo_trainer.algorithms.surrogates import SurrogateParams
 from grpo_trainer.algorithms.truncation import Truncation
 from grpo_trainer.config.grpo_config import GRPOConfig
+from grpo_trainer.modeling import routing
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rewards.sources import RewardSettings
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
 from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
 
 __all__ = ["backend_choice", "engine_correction", "entropy_control", "loss_settings", "prompt_settings",
-           "reward_settings", "sampling_settings", "surrogate_params", "truncation", "turn_settings", "vllm_settings"]
+           "reward_settings", "routing_replay", "sampling_settings", "surrogate_params", "truncation",
+           "turn_settings", "vllm_settings"]
 
 
 def sampling_settings(args: GRPOConfig) -> SamplingSettings:
@@ -102,3 +108,20 @@ def backend_choice(args: GRPOConfig) -> BackendChoice:
     name = VLLM if args.use_vllm else CONTINUOUS_BATCHING if continuous else args.generation_backend
     return BackendChoice(name, vllm_settings(args) if name == VLLM else None,
                          args.transformers_continuous_batching_config)
+
+
+def routing_replay(args: GRPOConfig, model: Any) -> bool:
+    """Whether rounds record and replay `model`'s expert routing (`routing_replay`, `modeling.routing`):
+    'auto' where it can run (a served Mixture-of-Experts family, a rollout in the process); 'on' refuses a model it
+    cannot serve, by name (`config.checks` refused the engines already)."""
+    if args.routing_replay == "off":
+        return False
+    reason = routing.unsupported_reason(causal_lm(model))
+    if args.routing_replay == "on" and reason is not None:
+        raise ValueError(f"routing_replay='on' but {reason}; use 'auto' (on only for those models) or 'off'.")
+    in_process = backend_choice(args).name not in (VLLM, CONTINUOUS_BATCHING)
+    if reason is None and not in_process:
+        logging.getLogger("grpo_trainer.trainer.grpo_trainer").warning(
+            "routing_replay='auto' is off for this Mixture-of-Experts model: its rollouts run in %s, whose routing "
+            "is not recorded (docs/MOE.md); the trainer routes every token itself.", backend_choice(args).name)
+    return reason is None and in_process

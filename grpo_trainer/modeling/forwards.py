@@ -23,7 +23,9 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
 2. The check runs on every process at the same call, whatever its rows (three forwards more, once), so ZeRO-3's
    gathered forwards stay in step; afterwards each call is one forward, packed or padded.
 3. On-policy replay (the rollout's layer outputs, `modeling.replay`) composes with packing: each layer's output
-   is gathered into the packed layout, and the backward recomputes each layer on packed rows.
+   is gathered into the packed layout, and the backward recomputes each layer on packed rows. So does a
+   Mixture-of-Experts model's routing replay (`modeling.routing`, `routes`): every forward, padded or packed, routes
+   each token to the sampler's experts, gathered into the packed layout like the layer outputs.
 4. The packed layout is the cheapest `packing.plan` finds for the model's `packing_cost`; a micro-batch whose
    packed rows would not cost less than its padded ones (one sequence, little padding) runs padded.
 
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_trainer.modeling import replay
+from grpo_trainer.modeling import replay, routing
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, head_runs_inside_forward, scoring_head
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
 from grpo_trainer.modeling.support import KeptSupport
@@ -232,7 +234,8 @@ def _no_cache(model: nn.Module, out: Any) -> None:
 
 def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSettings, with_entropy: bool = False,
                     known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
-                    layer_outputs: Tensor | None = None, support: KeptSupport | None = None) -> LogProbs:
+                    layer_outputs: Tensor | None = None, support: KeptSupport | None = None,
+                    routes: Tensor | None = None, routing_stats: routing.ReplayStats | None = None) -> LogProbs:
     """`completion_logprobs` on a packed micro-batch: the same `[B, T]` values on the completion tokens, 0 elsewhere.
 
     Args:
@@ -240,12 +243,16 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
         layer_outputs: `[B, L, S + T, E]` the rollout's layer outputs to replay (`modeling.replay`), or None.
         support: the sampler's truncation, its supports `[B*T, W]` in row order where given (gathered into the
             packed order of the scored tokens, and the supports used scattered back).
+        routes: `[B, S + T, L, k]` the sampler's experts to replay (`modeling.routing`), or None.
+        routing_stats: counts the routes replay changed, when given.
     """
     lm = causal_lm(model)
     extra: dict[str, Any] = packed.flash_kwargs() if _varlen(lm) else {}
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(lm.get_decoder().layers, layer_outputs, packed.sources)
-    with replayed:
+    rerouted = contextlib.nullcontext() if routes is None else \
+        routing.replaying(lm, routes, packed.sources, routing_stats)
+    with replayed, rerouted:
         out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                     logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
     _no_cache(model, out)
@@ -366,8 +373,8 @@ def _packing_refused(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
 def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
           settings: ForwardSettings, with_entropy: bool = False,
           known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None), with_aux_loss: bool = False,
-          model_inputs: dict | None = None, layer_outputs: Tensor | None = None, support: KeptSupport | None = None
-          ) -> LogProbs:
+          model_inputs: dict | None = None, layer_outputs: Tensor | None = None, support: KeptSupport | None = None,
+          routes: Tensor | None = None, routing_stats: routing.ReplayStats | None = None) -> LogProbs:
     """Log-probs (and entropies) `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`: packed
     when `settings.padding_free` and the model and call allow it (decision 1), else padded.
 
@@ -375,6 +382,8 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         known: the rollout's values under these weights (logps, entropies `[B, T]`, softmax `[B, T, V]`), on-policy.
         layer_outputs: `[B, L, S + T, E]` the rollout's layer outputs, replayed by the checkpointed layers.
         support: the sampler's truncation (`modeling.support`): log-probs over each position's kept support.
+        routes: `[B, S + T, L, k]` a Mixture-of-Experts sampler's experts, replayed (`modeling.routing`);
+            `routing_stats` counts the routes replay changed.
         Others: as `logprobs.completion_logprobs`.
     """
     call = Call(with_aux_loss, model_inputs)
@@ -385,10 +394,13 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
                          PackingSettings(cost=cost, pad_to_multiple_of=settings.pad_to_multiple_of))
         if cost.rows(*layout.shape) < cost.rows(*input_ids.shape):  # decision 4
             packed = PackedBatch.of(input_ids, attention_mask, completion_length, layout=layout)
-            return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support)
+            return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support, routes,
+                                   routing_stats)
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
-    with replayed:
+    rerouted = contextlib.nullcontext() if routes is None else \
+        routing.replaying(causal_lm(model), routes, stats=routing_stats)
+    with replayed, rerouted:
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

@@ -23,23 +23,34 @@ Every backend returns the tokens and masks. Beyond them:
    the supports themselves are kept, packed, while they fit in `SUPPORT_MAX_BYTES` (`support_buffer`). Without
    them the loss would recompute the supports from its own logits by the truncation rules, which need not be the
    sampler's (other processors, rounding at the boundary), so then the sampling log-probs are dropped too.
+6. A Mixture-of-Experts model's routing (`routed`, with `routing_replay`): the experts every prompt and completion
+   token went to in every MoE layer, `[B, S + T, L, k]` in one or two bytes each (`modeling.routing`), recorded by
+   hooks on the routers of the model the rollout runs in the process (`generate`, the forward tier), whatever the
+   temperature (the experts are the sampler's in any case). A rollout whose forwards the hooks cannot lay out
+   (continuous batching) keeps none, with the reason logged once. A multi-turn rollout keeps none (decision 4).
 
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens (the maximum), `L` layers, `E` hidden size, `V` vocab.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import GenerationConfig
 
-from grpo_trainer.rollout.types import KeptSupports, Rollout, SamplerRecord
+from grpo_trainer.modeling import routing
+from grpo_trainer.rollout.types import KeptSupports, PromptBatch, Rollout, SamplerRecord
 
 __all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "SUPPORT_MAX_BYTES", "Capture", "drop_for_tool_results",
-           "drop_unusable", "plan", "replay_buffers", "support_buffer"]
+           "drop_unusable", "plan", "replay_buffers", "routed", "support_buffer"]
+
+logger = logging.getLogger(__name__)
+_UNRECORDED: set[str] = set()  # reasons already logged (decision 6)
 
 # A round of 8 x 1280-token rows of a 24-layer, 896-wide model in float32 keeps 0.9 GB of layer outputs (the tensors
 # activation checkpointing keeps during the loss forward anyway); 8 x 256 tokens x a 32k vocabulary of softmax is
@@ -122,3 +133,18 @@ def drop_for_tool_results(rollout: Rollout) -> Rollout:
     record = rollout.sampler  # an engine's log-probs follow their tokens (`multiturn.loop`, decision 5)
     return replace(rollout, sampler=SamplerRecord(record.kind, record.version,
                                                   logps=None if record.exact else record.logps))
+
+
+def routed(lm: nn.Module, prompts: PromptBatch, generate: Callable[[], Rollout]) -> Rollout:
+    """`generate()`'s rollout of `prompts` by causal LM `lm` in this process, with the experts its routers chose
+    (the sampler record's `routes`, decision 6); None there, with the reason logged once, where the forwards do not lay
+    out as a prefill then one token per row."""
+    with routing.recording(lm) as calls:
+        out = generate()
+    experts = routing.find_routers(lm)[0].experts
+    routes, reason = routing.assemble(calls, experts, out.prompt_mask, out.completion_mask, prompts.distinct_rows()[1])
+    if reason is not None and reason not in _UNRECORDED:
+        _UNRECORDED.add(reason)
+        logger.warning("routing_replay: this rollout's routing was not recorded (%s); its forwards route freely.",
+                       reason)
+    return replace(out, sampler=replace(out.sampler, routes=routes))

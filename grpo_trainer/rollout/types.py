@@ -160,8 +160,6 @@ class ReplayCapture(_Columns):
     probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V] the whole tempered softmax at every step
     # every decoder layer's output at every prompt and completion column (zeros for the last completion token)
     layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
-    # A Mixture-of-Experts model's routing (the experts each token was sent to, `[B, T, L, k]`) belongs here, as a
-    # `_columns(_COMPLETION)` field: it then selects, trims, pads and concatenates with the round.
 
 
 @dataclass(frozen=True)
@@ -182,6 +180,10 @@ class SamplerRecord(_Columns):
     exact: bool = False
     kept: KeptSupports = field(default_factory=KeptSupports)
     replay: ReplayCapture = field(default_factory=ReplayCapture)
+    # A Mixture-of-Experts model's routing (`modeling.routing`, `capture.routed`): the experts the sampler chose for
+    # every prompt and completion token in every MoE layer, coded expert + 1 (0, as padding: not recorded, routes
+    # freely). Replayed by every forward of the round, so it outlives the stand-ins (`without_stand_ins`).
+    routes: Tensor | None = _columns(_SEQUENCE)  # [B, S + T, L, k] uint8 / int16
 
     @property
     def stand_ins(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

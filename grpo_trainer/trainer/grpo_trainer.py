@@ -168,7 +168,7 @@ class GRPOTrainer(Trainer):
         first_turn = (lambda prompts: self._generate(prompts)) if self.rollout_func else None
         self.rounds = parts.round_builder(args, schedule, processing_class, backend, self.reward_sources,
                                           self.advantage_fn, self.accelerator, self.metrics, self.completions,
-                                          self._multi_turn, first_turn, self.train_dataset)
+                                          self._multi_turn, first_turn, self.train_dataset, self.model)
         self.corrections = parts.corrections(args, schedule, self.rounds, self.scorer, self.accelerator, self.metrics,
                                              self.model)
         self.buffer = RoundBuffer(schedule)

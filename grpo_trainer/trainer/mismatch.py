@@ -21,6 +21,9 @@ Decisions:
 4. Above `threshold` (mean |delta|, nats per token) a warning names the likely cause (`algorithms.mismatch`), once
    per cause per run; the cause of every reported round is in its file. The first reported round is the baseline
    the stale-weights rule compares with.
+5. A Mixture-of-Experts round under routing replay (`routing_replay`) is scored with the sampler's routes, so the
+   difference above excludes route flips; how many (token, MoE layer) routes the trainer's own routers would have
+   changed is logged as `sampling/routing_flipped_fraction`, the router disagreement of arXiv 2510.11370.
 
 Shapes: `B` completions (local), `T` completion tokens.
 """
@@ -86,6 +89,12 @@ class MismatchReport:
         self.baseline: tuple[float, int] | None = None  # (mean |delta|, optimizer step) of the first round
         self.warned: set[str] = set()
         self.last: dict[str, Any] | None = None  # the latest report (what the file holds)
+
+    def report_routing(self, flipped: int, routed: int) -> None:
+        """A Mixture-of-Experts round under routing replay (decision 5): the share of (token, MoE layer) routes whose
+        trainer's own top-k differs from the sampler's, over every process."""
+        counts = gather(torch.tensor([[flipped, routed]], dtype=torch.float, device=self.accelerator.device)).sum(0)
+        self.metrics.add("train", "sampling/routing_flipped_fraction", float(counts[0] / counts[1].clamp(min=1)))
 
     def report(self, round_: Round, trainer_logps: Tensor, trainer_masses: Tensor | None, version: int,
                sampler_dtype: torch.dtype | None, logged_ratio_metrics: bool) -> dict[str, list]:

@@ -48,6 +48,7 @@ from grpo_trainer.algorithms.engine_correction import (
     engine_importance_ratio,
     engine_mismatch_metrics,
 )
+from grpo_trainer.modeling import routing
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.trainer.mismatch import MismatchReport, sampler_logps
@@ -85,7 +86,7 @@ class OffPolicy:
     (`PolicyScorer.sampling_scores`); `sampler_dtype(model)`: the dtype the rollout backend samples in (the report's
     cause rules)."""
 
-    def __init__(self, settings: OffPolicySettings, schedule: Schedule, score: Callable[[nn.Module, Round], LogProbs],
+    def __init__(self, settings: OffPolicySettings, schedule: Schedule, score: Callable[..., LogProbs],
                  accelerator: Accelerator, metrics_window: MetricsWindow, mismatch: MismatchReport | None = None,
                  sampler_dtype: Callable[[nn.Module], torch.dtype | None] = lambda model: None) -> None:
         self.settings, self.schedule, self.score = settings, schedule, score
@@ -164,8 +165,11 @@ class OffPolicy:
         if not corrected:
             if not self.mismatch.settings.enabled:
                 return {}
-            with torch.no_grad():
-                scores = self.score(model, round_.trimmed())
+            stats = routing.ReplayStats() if round_.sampler.routes is not None else None
+            with torch.no_grad():  # a routed round's forward also counts what replay changed (`modeling.routing`)
+                scores = self.score(model, round_.trimmed(), **({} if stats is None else {"routing_stats": stats}))
+            if stats is not None:
+                self.mismatch.report_routing(stats.flipped, stats.tokens)
         # a rollout_func samples with whatever it likes: its dtype is unknown here
         dtype = None if round_.sampler.kind == "rollout_func" else self.sampler_dtype(model)
         return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, version, dtype, logged_ratio)

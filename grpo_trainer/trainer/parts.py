@@ -84,12 +84,13 @@ def mismatch_report(args: GRPOConfig, model: nn.Module, tokenizer: Any, accelera
 def round_builder(args: GRPOConfig, schedule: Schedule, processing_class: Any, backend: rollout.RolloutBackend,
                   reward_sources: RewardSources, estimator: Any, accelerator: Accelerator, metrics: MetricsWindow,
                   completions: CompletionLog, multi_turn: multiturn.MultiTurn | None, first_turn: Callable | None,
-                  dataset: Any) -> RoundBuilder:
+                  dataset: Any, model: nn.Module) -> RoundBuilder:
     """Prompts -> rollout -> rewards -> advantages -> `Round` (`trainer.round_builder`), with dynamic sampling's
     resampler."""
     settings = RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                              args.num_generations_eval or args.num_generations, args.mask_truncated_completions,
-                             args.log_completions, args.log_multimodal, args.keep_sampling_mask)
+                             args.log_completions, args.log_multimodal, args.keep_sampling_mask,
+                             routing_replay=typed.routing_replay(args, accelerator.unwrap_model(model)))
     return RoundBuilder(settings=settings, schedule=schedule, processing_class=processing_class, backend=backend,
                         rewards=reward_sources, estimator=estimator, accelerator=accelerator,
                         metrics_window=metrics, completions=completions, multi_turn=multi_turn,

@@ -73,6 +73,7 @@ class RoundSettings:
     log_completions: bool = False
     log_multimodal: bool = True
     keep_sampling_mask: bool = True  # the loss scores over the sampler's kept supports (`rollout.capture`, 5)
+    routing_replay: bool = False  # record a Mixture-of-Experts rollout's routing for replay (`rollout.capture`, 6)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class RoundBuilder:
             prompt_batch = tokenize_prompts(self.processing_class, prompts, prompt_settings.max_prompt_length,
                                             prompt_settings.chat_template_kwargs,
                                             prompt_settings.pad_to_multiple_of).to(device)
-            out = self.rollout(prompt_batch, mode, policy)
+            out = self.rollout(prompt_batch, mode, policy, routes=self.settings.routing_replay)
             completions, episode_columns, tool_counts = self._completion_texts(out, prompts), {}, None
             prompt_images = prompt_batch.images
         else:
@@ -288,9 +289,10 @@ class RoundBuilder:
     # ------------------------------------------------------------------------------------------------ the rollout
 
     def rollout(self, prompts: rollout.PromptBatch, mode: str, policy: PolicyView, max_new_tokens: int | None = None,
-                continuation: bool = False) -> rollout.Rollout:
+                continuation: bool = False, routes: bool = False) -> rollout.Rollout:
         """Completions for `prompts` from the rollout backend. A multi-turn `continuation` (a turn after tool
-        results, `max_new_tokens` long) keeps only tokens (`capture`, decision 4)."""
+        results, `max_new_tokens` long) keeps only tokens (`capture`, decision 4). `routes`: with the experts a
+        Mixture-of-Experts model routed every token to (`capture`, decision 6; in-process backends only)."""
         lm = causal_lm(policy.model)
         plan = capture.KEEP_NOTHING if continuation else capture.plan(
             training=mode == "train", on_policy=self.schedule.on_policy(mode),
@@ -308,7 +310,11 @@ class RoundBuilder:
                 config = make_generation_config(sampling, model.generation_config, self.tokenizer, max_new_tokens,
                                                 suppress_tokens=self._suppressed(model))
                 with torch.no_grad():
-                    out = backend.generate(model, prompts, config, plan)
+                    if routes:
+                        out = capture.routed(causal_lm(model), prompts,
+                                             lambda: backend.generate(model, prompts, config, plan))
+                    else:
+                        out = backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, sampling.temperature, plan)
 
     def _turns(self, mode: str, policy: PolicyView) -> Callable:

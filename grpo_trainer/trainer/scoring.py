@@ -22,6 +22,10 @@ Decisions:
    rules on the forward's logits. A no-grad forward at the sampling weights (`sampling_scores`: the engine
    correction's, the old log-probs') keeps the supports it used, so that later forwards (after an update, the
    reference model's) score over the same supports.
+5. A Mixture-of-Experts round with the sampler's routing (its sampler record's `routes`, `routing_replay`) replays
+   it in every forward here: the policy's, the old and the reference log-probs, and the trainer's side of the engine
+   correction and the mismatch report (`modeling.routing`); the report's forward also counts the routes the
+   trainer's own routers would have changed.
 
 Shapes: `B` completions, `T` completion tokens, `W = ceil(V / 8)`.
 """
@@ -38,6 +42,7 @@ from torch import Tensor, nn
 from grpo_trainer.algorithms.truncation import Truncation
 from grpo_trainer.modeling import forwards
 from grpo_trainer.modeling.logprobs import LogProbs
+from grpo_trainer.modeling.routing import ReplayStats
 from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.rollout import multimodal
 from grpo_trainer.runtime import models
@@ -89,10 +94,11 @@ class PolicyScorer:
                            collect=collect and packed is None)
 
     def logps(self, model: nn.Module, inputs: Round, with_entropy: bool = False, policy: bool = False,
-              with_aux_loss: bool = False, collect: bool = False) -> LogProbs:
+              with_aux_loss: bool = False, collect: bool = False, routing_stats: ReplayStats | None = None
+              ) -> LogProbs:
         """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
         this round, on-policy (decision 2). `with_aux_loss`: also the MoE router's auxiliary loss. `collect`: keep
-        the kept supports used (decision 4)."""
+        the kept supports used (decision 4). `routing_stats`: counts the routes replay changed (decision 5)."""
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
@@ -101,18 +107,21 @@ class PolicyScorer:
         replayed = inputs.sampler.replay.layer_outputs if policy and model.training else None
         return forwards.score(model, input_ids, attention_mask, width, self.forward, with_entropy, known,
                               with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed,
-                              support=self.support(inputs, collect))
+                              support=self.support(inputs, collect), routes=inputs.sampler.routes,
+                              routing_stats=routing_stats)
 
     def no_grad_logps(self, model: nn.Module, part: Round) -> Tensor:
         """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward."""
         return self.sampling_scores(model, part, collect=False).logps
 
-    def sampling_scores(self, model: nn.Module, part: Round, collect: bool = True) -> LogProbs:
+    def sampling_scores(self, model: nn.Module, part: Round, collect: bool = True,
+                        routing_stats: ReplayStats | None = None) -> LogProbs:
         """Log-probs `[B, T]` of a (trimmed) round, `rows_per_forward` rows per forward, and under truncated
         sampling the log kept masses and (`collect`, when the round has none) the kept supports used, `[B, T, W]`
-        (decision 4)."""
+        (decision 4); `routing_stats` counts the routes replay changed (decision 5)."""
         size, width = self.settings.rows_per_forward, part.completion_ids.shape[1]
-        pieces = [self.logps(model, part.select(slice(i, i + size)).trimmed(), collect=collect)
+        pieces = [self.logps(model, part.select(slice(i, i + size)).trimmed(), collect=collect,
+                             routing_stats=routing_stats)
                   for i in range(0, part.rows, size)]
 
         def joined(values: list[Tensor | None]) -> Tensor | None:

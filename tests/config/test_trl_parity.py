@@ -55,6 +55,7 @@ OURS_ONLY = {
     "keep_sampling_mask": "log-probs over the sampler's kept support under top_k / top_p / min_p",
     "sampling_mismatch_report": "the per-round report of where sampler and trainer log-probs disagree",
     "sampling_mismatch_threshold": "the mismatch report's warning threshold",
+    "routing_replay": "Mixture-of-Experts rollout routing replay (R3, docs/MOE.md)",
 }
 # Shared fields whose default differs on purpose: field -> (ours, reason). (`bf16` is None in both dataclasses; TRL
 # resolves it to True, we to what the hardware runs fast: tests/config/test_validation.py.)
