@@ -223,6 +223,17 @@ def _default_lora_shape(model: str | nn.Module, args: GRPOConfig) -> planning.Mo
                                                    task_type="CAUSAL_LM"), args.trust_remote_code)
 
 
+def default_lora_shape(model: str | nn.Module, args: GRPOConfig) -> planning.ModelShape | None:
+    """The model with `grpo-train --use_peft`'s default adapter (None without peft): what the suggestions try."""
+    return _default_lora_shape(model, args)
+
+
+def context_length(model: str | nn.Module, args: GRPOConfig) -> int | None:
+    """The model's `max_position_embeddings` (None where its config has none)."""
+    value = getattr(_model_config(model, args).get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
 def apply_fit(args: GRPOConfig, changes: dict) -> None:
     """Set a fit's GRPOConfig fields on `args` (the generation batch stays: `steps_per_generation` changes with
     the micro-batch, so `generation_batch_size` is unchanged)."""
