@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_trainer.modeling import replay
+from grpo_trainer.modeling import replay, tiling
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, head_runs_inside_forward, scoring_head
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
 from grpo_trainer.modeling.support import KeptSupport
@@ -75,6 +75,7 @@ class ForwardSettings:
     temperature: float = 1.0
     chunk_size: int = 1024  # LM-head rows per chunk, at most (`logprobs.chunk_rows`)
     pad_to_multiple_of: int | None = None
+    mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the MLP computed this many tokens at a time (`modeling.tiling`)
 
 
 @dataclass(frozen=True)
@@ -419,6 +420,15 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         support: the sampler's truncation (`modeling.support`): log-probs over each position's kept support.
         Others: as `logprobs.completion_logprobs`.
     """
+    with tiling.tiled_mlps(causal_lm(model).get_decoder().layers, settings.mlp_tile_tokens):
+        return _score(model, input_ids, attention_mask, completion_length, settings, with_entropy, known,
+                      with_aux_loss, model_inputs, layer_outputs, support)
+
+
+def _score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
+           settings: ForwardSettings, with_entropy: bool, known: tuple[Tensor | None, Tensor | None, Tensor | None],
+           with_aux_loss: bool, model_inputs: dict | None, layer_outputs: Tensor | None, support: KeptSupport | None
+           ) -> LogProbs:
     call = Call(with_aux_loss, model_inputs)
     if settings.padding_free and _packing_refused(model, input_ids, attention_mask, settings, call) is None:
         lm = causal_lm(model)
