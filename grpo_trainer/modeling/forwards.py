@@ -420,7 +420,7 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         support: the sampler's truncation (`modeling.support`): log-probs over each position's kept support.
         Others: as `logprobs.completion_logprobs`.
     """
-    with tiling.tiled_mlps(causal_lm(model).get_decoder().layers, settings.mlp_tile_tokens):
+    with tiling.tiled_mlps(causal_lm(model), settings.mlp_tile_tokens):
         return _score(model, input_ids, attention_mask, completion_length, settings, with_entropy, known,
                       with_aux_loss, model_inputs, layer_outputs, support)
 

@@ -117,12 +117,14 @@ def _checkpointed(checkpoint: Callable[..., object], mlp: nn.Module, forward: Ca
 
 
 @contextlib.contextmanager
-def tiled_mlps(layers: nn.ModuleList, tokens: int) -> Iterator[None]:
-    """Within this context each layer's per-token MLP computes `tokens` tokens at a time (`TiledMLP`), and a
-    checkpointed layer recomputes it so in the backward (decision 3); 0: as is."""
+def tiled_mlps(lm: nn.Module, tokens: int) -> Iterator[None]:
+    """Within this context each decoder layer's per-token MLP of the causal LM `lm` computes `tokens` tokens at a
+    time (`TiledMLP`), and a checkpointed layer recomputes it so in the backward (decision 3); 0: as is."""
     if tokens <= 0:
         yield
         return
+    decoder = lm.get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None) or ()  # Llama family; GPT-2
     with contextlib.ExitStack() as stack:
         for layer in layers:
             mlp = getattr(layer, "mlp", None)
