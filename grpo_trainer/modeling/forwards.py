@@ -34,6 +34,8 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
    is gathered into the packed layout, and the backward recomputes each layer on packed rows.
 4. The packed layout is the cheapest `packing.plan` finds for the model's `packing_cost`; a micro-batch whose
    packed rows would not cost less than its padded ones (one sequence, little padding) runs padded.
+5. The sequence-tiled MLP (`mlp_tile_tokens`, `modeling.tiling`) is installed inside replay's context, so that it
+   wraps replay's checkpoint stand-in: the layer function replay recomputes in the backward is the tiled one.
 
 Shapes: `B` rows, `S + T` columns, `T` completion columns, `V` vocabulary, `L` decoder layers, `E` hidden size.
 """
@@ -258,7 +260,7 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
     extra: dict[str, Any] = packed.flash_kwargs() if _varlen(lm) else {}
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(lm.get_decoder().layers, layer_outputs, packed.sources)
-    with replayed:
+    with replayed, tiling.tiled_mlps(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
         out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                     logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
     _no_cache(model, out)
@@ -420,15 +422,6 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         support: the sampler's truncation (`modeling.support`): log-probs over each position's kept support.
         Others: as `logprobs.completion_logprobs`.
     """
-    with tiling.tiled_mlps(causal_lm(model), settings.mlp_tile_tokens):
-        return _score(model, input_ids, attention_mask, completion_length, settings, with_entropy, known,
-                      with_aux_loss, model_inputs, layer_outputs, support)
-
-
-def _score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-           settings: ForwardSettings, with_entropy: bool, known: tuple[Tensor | None, Tensor | None, Tensor | None],
-           with_aux_loss: bool, model_inputs: dict | None, layer_outputs: Tensor | None, support: KeptSupport | None
-           ) -> LogProbs:
     call = Call(with_aux_loss, model_inputs)
     if settings.padding_free and _packing_refused(model, input_ids, attention_mask, settings, call) is None:
         lm = causal_lm(model)
@@ -440,7 +433,7 @@ def _score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completi
             return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support)
     replayed = contextlib.nullcontext() if layer_outputs is None else \
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
-    with replayed:
+    with replayed, tiling.tiled_mlps(causal_lm(model), settings.mlp_tile_tokens):  # tiles inside replay: decision 5
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

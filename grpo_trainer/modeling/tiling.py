@@ -14,8 +14,9 @@ Decisions:
 2. The module's own forward is what each tile runs (LoRA adapters, quantised layers, any activation), so any
    per-token MLP tiles; a Mixture-of-Experts block (routing with a capacity or an auxiliary loss over the whole
    sequence) is not per token, and is left alone (`_per_token`).
-3. Tiling is installed around each log-prob forward (`tiled_mlps`, from `modeling.forwards.score`) and removed after
-   it, so generation and the fast decoder see the plain model; the backward, which runs after the context has
+3. Tiling is installed around each log-prob forward (`tiled_mlps`, from `modeling.forwards`, inside replay's
+   context so that replay's recomputation is tiled too) and removed after it, so generation and the fast decoder
+   see the plain model; the backward, which runs after the context has
    closed, reads the forward it needs from the function's saved context. Under activation checkpointing the layer's
    recomputation runs inside the backward, where the tiled forward is already gone: `tiled_mlps` therefore also
    keeps the replacement installed on the checkpointed layers' recompute (`_checkpointed`), by wrapping the

@@ -14,8 +14,9 @@ Decisions:
    search itself checks that its answer fits and the next length does not.
 2. "Settings that reach longer" are the levers of the plan's T-dependent terms, each tried alone and all together:
    activation checkpointing (one layer's activations instead of every layer's), smaller micro-batches with the
-   same global batch (only where the split is exact, `fit.split_is_exact`; rows scale every T term), smaller
-   LM-head chunks (`logprob_chunk_size`: the float32 `[rows, V]` logits), and LoRA (no full gradients and optimizer
+   same global batch (only where the split is exact, `fit.split_is_exact`; rows scale every T term), the
+   sequence-tiled MLP (`mlp_tile_tokens`: a layer's `[N, I]` intermediates for one tile at a time), smaller LM-head
+   chunks (`logprob_chunk_size`: the float32 `[rows, V]` logits), and LoRA (no full gradients and optimizer
    state: more room for activations; trains other parameters, so it is marked as a different objective).
 3. The search stops at `MAX_COMPLETION_SEARCH` tokens: a longer answer is reported as "at least" that. The plan
    knows nothing of the model's context length (`max_position_embeddings`); the CLI says when the answer passes it.
@@ -30,10 +31,12 @@ from dataclasses import dataclass
 from grpo_trainer.planning.estimate import MemoryPlan, _replay_bytes, plan_memory
 from grpo_trainer.planning.settings import DeviceMemory, ModelShape, PlanSettings
 
-__all__ = ["LONGER_CHUNK_SIZE", "MAX_COMPLETION_SEARCH", "Longest", "longer_settings", "longest_completion"]
+__all__ = ["LONGER_CHUNK_SIZE", "LONGER_MLP_TILE", "MAX_COMPLETION_SEARCH", "Longest", "longer_settings",
+           "longest_completion"]
 
 MAX_COMPLETION_SEARCH = 1 << 22  # 4,194,304 tokens: the search's upper end (decision 3)
 LONGER_CHUNK_SIZE = 64  # the smaller LM-head chunk tried (decision 2): 64 x 151,936 float32 logits are 37 MiB
+LONGER_MLP_TILE = 1024  # the sequence-tiled MLP's tile tried (decision 2): 1,024 x 3 x 4,864 float32 is 57 MiB
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,9 @@ def _levers(settings: PlanSettings, split_exact: bool) -> list[tuple[dict, PlanS
                         "steps_per_generation": rounds},
                        dataclasses.replace(settings, micro_batch=1, accumulation_steps=steps,
                                            steps_per_generation=rounds)))
+    if not settings.mlp_tile_tokens:
+        levers.append(({"mlp_tile_tokens": LONGER_MLP_TILE},
+                       dataclasses.replace(settings, mlp_tile_tokens=LONGER_MLP_TILE)))
     if settings.logprob_chunk_size > LONGER_CHUNK_SIZE:
         levers.append(({"logprob_chunk_size": LONGER_CHUNK_SIZE},
                        dataclasses.replace(settings, logprob_chunk_size=LONGER_CHUNK_SIZE)))

@@ -109,10 +109,11 @@ def test_settings_that_reach_longer_are_the_planners_lengths_for_them():
         settings, micro_batch=1, accumulation_steps=4, steps_per_generation=4), PROXY, device).completion_length
     together = max((f for f in longer if f.same_objective), key=lambda f: f.completion_length)
     assert together.changes == {"gradient_checkpointing": True, "per_device_train_batch_size": 1,
-                                "gradient_accumulation_steps": 4, "steps_per_generation": 4, "logprob_chunk_size": 64}
+                                "gradient_accumulation_steps": 4, "steps_per_generation": 4, "mlp_tile_tokens": 1024,
+                                "logprob_chunk_size": 64}
     assert together.completion_length == longest_completion(together_settings := dataclasses.replace(
         settings, checkpointing=True, micro_batch=1, accumulation_steps=4, steps_per_generation=4,
-        logprob_chunk_size=64), PROXY, device).completion_length
+        mlp_tile_tokens=1024, logprob_chunk_size=64), PROXY, device).completion_length
     assert together_settings.logprob_chunk_size == 64
     assert all(f.completion_length > base for f in longer)
     assert [f.completion_length for f in longer] == sorted(f.completion_length for f in longer)
