@@ -29,7 +29,8 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
    them, so the slice is checked exactly as these tokens of the full rows would be; rows of different lengths keep
    left padding in the padded forward and packing boundaries at different offsets; a sequence longer than the
    attention window keeps the window's masking across a packing boundary in view. At T = 4096 the whole micro-batch
-   made the first step 1.85x a later one (benchmarks/RESULTS.md, "First-step self-checks").
+   made the first step 1.85x a later one, the slice 1.02x (benchmarks/RESULTS.md, "First step at long
+   completions").
 3. On-policy replay (the rollout's layer outputs, `modeling.replay`) composes with packing: each layer's output
    is gathered into the packed layout, and the backward recomputes each layer on packed rows.
 4. The packed layout is the cheapest `packing.plan` finds for the model's `packing_cost`; a micro-batch whose
