@@ -8,7 +8,9 @@
 It reads the model's config (a local directory or a Hub id; `builtin:tiny` for the demo's), builds the model on
 the meta device, tokenises the first prompts of the dataset when one is given (else `max_prompt_length`), and prints
 the table of `planning.report.format_plan`, the verdict against the device, and, when it does not fit, the settings
-that do. Exit status 0 when the plan fits, 1 when it does not, 2 for bad input.
+that do; then the longest `max_completion_length` that fits the device with these settings and the settings that
+reach longer (`planning.longest`; `planning.report.format_longest`). Exit status 0 when the plan fits, 1 when it does
+not, 2 for bad input.
 
 The plan's own flags: `--device cpu|cuda` (default: this machine's), `--device_memory SIZE` (the memory per
 process; default what the device has free, as `GRPO_TRAINER_DEVICE_MEMORY`), `--processes N`, `--zero_stage
@@ -99,13 +101,29 @@ def main(argv: list[str]) -> int:
     from grpo_trainer import planning
 
     print(planning.format_plan(run.plan, run.device, title=f"Memory plan for {script_args.model_name_or_path}"))
-    if run.plan.device_bytes <= run.device.total_bytes:
-        return 0
     exact = planning.split_is_exact(config.loss_type, config.top_entropy_quantile)
-    fits = planning.fitting(run.settings, run.shape, run.device, exact)
-    global_batch = run.settings.micro_batch * run.settings.accumulation_steps * run.settings.processes
-    print("\n" + planning.fit_advice(run.plan, run.device, fits, global_batch))
-    return 1
+    fits_now = run.plan.device_bytes <= run.device.total_bytes
+    if not fits_now:
+        fits = planning.fitting(run.settings, run.shape, run.device, exact)
+        global_batch = run.settings.micro_batch * run.settings.accumulation_steps * run.settings.processes
+        print("\n" + planning.fit_advice(run.plan, run.device, fits, global_batch))
+    print("\n" + _longest(model, config, script_args, run, exact))
+    return 0 if fits_now else 1
+
+
+def _longest(model, config, script_args, run, exact: bool) -> str:
+    """How long a completion fits these settings and the device, and what reaches longer."""
+    from grpo_trainer import planning
+    from grpo_trainer.trainer import memory
+
+    lora = None
+    if command.peft_config(script_args) is None and not run.shape.adapter_parameters:
+        lora = memory.default_lora_shape(model, config)
+    longest = planning.longest_completion(run.settings, run.shape, run.device)
+    longer = planning.longer_settings(run.settings, run.shape, run.device, exact, lora)
+    context = memory.context_length(model, config)
+    return planning.format_longest(longest, longer, run.device, run.settings.completion_length,
+                                   run.settings.prompt_length, context)
 
 
 def _plan(model, config, dataset, tokenizer, script_args, device, overrides):

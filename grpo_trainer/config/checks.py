@@ -79,6 +79,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"sampling_mismatch_threshold must be > 0 nats (got {args.sampling_mismatch_threshold}); 0.05 is the "
          "default."),
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
+        (not isinstance(args.mlp_tile_tokens, int) or args.mlp_tile_tokens < 0,
+         f"mlp_tile_tokens must be an integer >= 0 (got {args.mlp_tile_tokens!r}); 0 turns the tiled MLP off."),
         (not isinstance(args.padding_free, bool),
          f"padding_free must be True or False (got {args.padding_free!r})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),

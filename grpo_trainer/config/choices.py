@@ -15,8 +15,8 @@ from grpo_trainer.algorithms.engine_correction import IS_MODES
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 
 __all__ = ["AsyncCorrection", "ImportanceSamplingLevel", "LossType", "MemoryCheck", "MultiObjectiveAggregation",
-           "RewardErrorPolicy", "RoutingReplay", "VLLMImportanceSamplingMode", "VLLMMode", "VLLMModelImpl", "ZeroVarianceGroups",
-           "choices"]
+           "RewardErrorPolicy", "RoutingReplay", "VLLMImportanceSamplingMode", "VLLMMode", "VLLMModelImpl",
+           "ZeroVarianceGroups", "choices"]
 
 LossType = Literal[tuple(LOSS_TYPES)]
 ImportanceSamplingLevel = Literal["token", "sequence"]

@@ -247,6 +247,11 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "With auto_find_batch_size=True the first setting that fits is applied instead (same global batch and "
         "objective: a smaller per_device_train_batch_size with more gradient_accumulation_steps, checkpointing, a "
         "lower vllm_gpu_memory_utilization).")
+    mlp_tile_tokens: int = _opt(
+        0, "Sequence-tiled MLP in the log-prob forwards and their backward (ALST's TiledMLP): each decoder layer's MLP "
+        "computes this many tokens at a time, so its [tokens, intermediate] activations never exist for the whole "
+        "micro-batch; exact (the same values, gradients within float32 rounding), at the price of recomputing the MLP "
+        "in the backward. 0: off. For long completions: docs/MEMORY.md, 'How long can I go?'.")
     padding_free: bool = _opt(
         True, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
         "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "

@@ -22,12 +22,23 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
    Each refusal is logged once per model and reason.
 2. The check runs on every process at the same call, whatever its rows (three forwards more, once), so ZeRO-3's
    gathered forwards stay in step; afterwards each call is one forward, packed or padded.
+   It runs on a slice of the first micro-batch whose size does not grow with the completion length
+   (`check_slice`): its first `CHECK_ROWS` rows, each cut to the first tokens of its sequence, at most
+   `CHECK_TOKENS` of them plus the model's attention window (sliding or chunked attention), the rows cut to
+   different lengths. A causal model's log-probs of a sequence's first k tokens do not depend on the tokens after
+   them, so the slice is checked exactly as these tokens of the full rows would be; rows of different lengths keep
+   left padding in the padded forward and packing boundaries at different offsets; a sequence longer than the
+   attention window keeps the window's masking across a packing boundary in view. At T = 4096 the whole micro-batch
+   made the first step 1.85x a later one, the slice 1.02x (benchmarks/RESULTS.md, "First step at long
+   completions").
 3. On-policy replay (the rollout's layer outputs, `modeling.replay`) composes with packing: each layer's output
    is gathered into the packed layout, and the backward recomputes each layer on packed rows. So does a
    Mixture-of-Experts model's routing replay (`modeling.routing`, `routes`): every forward, padded or packed, routes
    each token to the sampler's experts, gathered into the packed layout like the layer outputs.
 4. The packed layout is the cheapest `packing.plan` finds for the model's `packing_cost`; a micro-batch whose
    packed rows would not cost less than its padded ones (one sequence, little padding) runs padded.
+5. The sequence-tiled MLP (`mlp_tile_tokens`, `modeling.tiling`) is installed inside replay's context, so that it
+   wraps replay's checkpoint stand-in: the layer function replay recomputes in the backward is the tiled one.
 
 Shapes: `B` rows, `S + T` columns, `T` completion columns, `V` vocabulary, `L` decoder layers, `E` hidden size.
 """
@@ -46,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_trainer.modeling import replay, routing
+from grpo_trainer.modeling import replay, routing, tiling
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, head_runs_inside_forward, scoring_head
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
 from grpo_trainer.modeling.support import KeptSupport
@@ -54,7 +65,11 @@ from grpo_trainer.modeling.unwrap import causal_lm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REFUSALS", "TOLERANCES", "Call", "ForwardSettings", "packed_logprobs", "refusal", "score", "self_check"]
+__all__ = ["CHECK_ROWS", "CHECK_TOKENS", "REFUSALS", "TOLERANCES", "Call", "ForwardSettings", "check_slice",
+           "packed_logprobs", "refusal", "score", "self_check"]
+
+CHECK_ROWS = 4  # rows of the first micro-batch the self-check packs (decision 2): two packed rows of two sequences
+CHECK_TOKENS = 128  # tokens per sequence the self-check keeps at most, beyond the model's attention window
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,7 @@ class ForwardSettings:
     temperature: float = 1.0
     chunk_size: int = 1024  # LM-head rows per chunk, at most (`logprobs.chunk_rows`)
     pad_to_multiple_of: int | None = None
+    mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the MLP computed this many tokens at a time (`modeling.tiling`)
 
 
 @dataclass(frozen=True)
@@ -252,7 +268,7 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
         replay.replayed_layers(lm.get_decoder().layers, layer_outputs, packed.sources)
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(lm, routes, packed.sources, routing_stats)
-    with replayed, rerouted:
+    with replayed, rerouted, tiling.tiled_mlps(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
         out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                     logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
     _no_cache(model, out)
@@ -292,19 +308,49 @@ def _first_sequences(packed: PackedBatch) -> Tensor:
     return (packed.position_ids == 0).cumsum(1) == 1
 
 
+def _attention_window(lm: nn.Module) -> int:
+    """The span of a sliding-window or chunked attention layer (0 without one): Mistral's `sliding_window` (no
+    `layer_types`), Gemma-2/3's sliding layers, Llama-4's `attention_chunk_size`."""
+    config = lm.config.get_text_config()
+    kinds = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None) if kinds is None or "sliding_attention" in kinds else None
+    chunked = getattr(config, "attention_chunk_size", None) if kinds is None or "chunked_attention" in kinds else None
+    return max(int(sliding or 0), int(chunked or 0))
+
+
+def check_slice(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The self-check's rows (decision 2): of `input_ids` `[B, S+T]` (left-padded prompts, right-padded
+    completions) the first `CHECK_ROWS` rows (row 0 twice when B == 1), row i cut to the first
+    min(its length, keep - i * keep / (2 * CHECK_ROWS)) tokens of its sequence, keep = CHECK_TOKENS + the model's
+    attention window; returned left-padded `[R, W]`, W <= keep, whatever T is. Decreasing cuts give the rows
+    different lengths (keep, 7/8, 6/8, 5/8 of it), so the padded forward has left padding and the packed rows hold
+    their second sequence at different offsets even where every completion is long."""
+    if input_ids.shape[0] == 1:
+        input_ids, attention_mask = input_ids.repeat(2, 1), attention_mask.repeat(2, 1)
+    rows = min(CHECK_ROWS, input_ids.shape[0])
+    keep = CHECK_TOKENS + _attention_window(lm)
+    step = keep // (2 * CHECK_ROWS)
+    sequences = [row[mask.bool()][: keep - i * step] for i, (row, mask) in  # each [k_i]: a sequence's first tokens
+                 enumerate(zip(input_ids[:rows], attention_mask[:rows], strict=True))]
+    width = max(len(sequence) for sequence in sequences)
+    ids, mask = input_ids.new_zeros(rows, width), attention_mask.new_zeros(rows, width)
+    for i, sequence in enumerate(sequences):
+        ids[i, width - len(sequence):], mask[i, width - len(sequence):] = sequence, 1
+    return ids, mask
+
+
 def self_check(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, settings: ForwardSettings
                ) -> str | None:
-    """Whether packing serves `model`, on `input_ids` `[B, S+T]` (with a copy of row 0 when B == 1), without
-    gradients and dropout. Packed with a budget of twice the longest sequence, so the first row holds two sequences
-    or more, and scoring every token but each sequence's first:
+    """Whether packing serves `model`, on `check_slice` of `input_ids` `[B, S+T]` (a bounded slice, decision 2),
+    without gradients and dropout. Packed with a budget of twice the longest sequence, so the first row holds two
+    sequences or more, and scoring every token but each sequence's first:
     1. isolation: the first sequence of every row perturbed (other tokens, same length) leaves the other sequences'
        log-probs where they were;
     2. agreement: packed log-probs equal the padded forward's within the dtype's tolerance (positions, scaling).
     Returns the reason packing fails for this model, or None."""
-    if input_ids.shape[0] == 1:
-        input_ids, attention_mask = input_ids.repeat(2, 1), attention_mask.repeat(2, 1)
-    width = input_ids.shape[1] - 1
     lm = causal_lm(model)
+    input_ids, attention_mask = check_slice(lm, input_ids, attention_mask)  # [R, W], R <= CHECK_ROWS
+    width = input_ids.shape[1] - 1
     lengths = attention_mask.sum(1)
     budget = int(lengths.sum()) if _varlen(lm) else 2 * int(lengths.max())
     layout = PackingSettings(token_budget=budget, pad_to_multiple_of=settings.pad_to_multiple_of)
@@ -400,7 +446,7 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(causal_lm(model), routes, stats=routing_stats)
-    with replayed, rerouted:
+    with replayed, rerouted, tiling.tiled_mlps(causal_lm(model), settings.mlp_tile_tokens):  # decision 5
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

@@ -48,7 +48,8 @@ from grpo_trainer.rollout.fast.decoder import FUSE_MAX_PARAMETERS
 from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 
 __all__ = ["CPU_ALLOCATOR_OVERHEAD", "CPU_RUNTIME_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_RESERVED_RATIO", "INSTANTS",
-           "Item", "MemoryPlan", "activation_bytes_per_token", "plan_memory"]
+           "Item", "MemoryPlan", "activation_bytes_per_token", "plan_memory", "tiled_mlp_saving_per_token",
+           "tiled_mlp_transient"]
 
 INSTANTS = ("rollout", "scoring", "loss forward", "backward start", "backward end", "optimizer step")
 _R, _S, _F, _BS, _BE, _O = range(len(INSTANTS))
@@ -149,6 +150,35 @@ def activation_bytes_per_token(settings: PlanSettings, shape: ModelShape) -> int
     return norms + inputs + mlp + attention + shape.dropout_inputs * (4 + c)
 
 
+def _mlp_inputs_bytes(settings: PlanSettings, shape: ModelShape) -> int:
+    """Per token: what `activation_bytes_per_token` counts for a layer's MLP: its modules' kept inputs (gate/up's,
+    one norm output; a copy per module under autocast) and its intermediates ((3 + down's input) x I)."""
+    c, r = settings.compute_bytes, _residual_bytes(settings)
+    kept = shape.mlp_inputs_kept
+    inputs = shape.hidden * (kept * c if c != r else (r if kept else 0))
+    return inputs + (3 + shape.down_input_kept) * shape.intermediate * c
+
+
+def tiled_mlp_saving_per_token(settings: PlanSettings, shape: ModelShape) -> int:
+    """Bytes per token and layer the sequence-tiled MLP (`modeling.tiling`) does not keep: the MLP's inputs and
+    intermediates (`_mlp_inputs_bytes`), less the one input it keeps, the norm's output (residual dtype)."""
+    if not settings.mlp_tile_tokens:
+        return 0
+    return _mlp_inputs_bytes(settings, shape) - shape.hidden * _residual_bytes(settings)
+
+
+def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
+    """The tiled MLP's backward at one layer: one tile's MLP recomputed with its graph (at most `mlp_tile_tokens`
+    of the micro-batch's tokens), and the sums of its trained weights' gradients over tiles (full training: gate,
+    up and down, 3 x E x I; an adapter's are small and not counted) before autograd accumulates them."""
+    if not settings.mlp_tile_tokens:
+        return 0
+    tile = min(settings.mlp_tile_tokens, rows * settings.sequence_length)
+    sums = 0 if shape.adapter_parameters else 3 * shape.hidden * shape.intermediate * _grad_element_bytes(settings,
+                                                                                                          shape)
+    return tile * _mlp_inputs_bytes(settings, shape) + sums
+
+
 def _residual_bytes(settings: PlanSettings) -> int:
     """The residual stream's dtype: the weights', or the compute dtype for quantised weights."""
     return settings.compute_bytes if settings.quantization else settings.weight_bytes
@@ -162,8 +192,8 @@ def _mask_bytes_per_row(settings: PlanSettings) -> int:
 def _layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
     """One decoder layer's saved tensors for `rows` rows, with autocast's low-precision weight copies."""
     weight_copies = shape.layer_parameters * settings.compute_bytes if settings.mixed_precision else 0
-    return rows * (settings.sequence_length * activation_bytes_per_token(settings, shape)
-                   + _mask_bytes_per_row(settings)) + weight_copies
+    per_token = activation_bytes_per_token(settings, shape) - tiled_mlp_saving_per_token(settings, shape)
+    return rows * (settings.sequence_length * per_token + _mask_bytes_per_row(settings)) + weight_copies
 
 
 def _weights_bytes(settings: PlanSettings, shape: ModelShape) -> int:
@@ -183,10 +213,15 @@ def _kv_bytes(settings: PlanSettings, shape: ModelShape, rows: int, element_byte
     return 2 * shape.layers * rows * shape.kv_heads * settings.sequence_length * shape.head_dim * element_bytes
 
 
-def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, tokens: int) -> int:
-    """A gradient-free forward's transient per layer (gate, up, their product, the attention's q/k/v/out)."""
+def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, tokens: int, tiled: bool = False
+                         ) -> int:
+    """A gradient-free forward's transient per layer (gate, up, their product, the attention's q/k/v/out); `tiled`:
+    a log-prob forward with the sequence-tiled MLP, whose gate, up and product exist for one tile at a time."""
     E, ffn, HD = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
-    return rows * tokens * settings.compute_bytes * (3 * ffn + 4 * E + 3 * HD)
+    mlp_tokens = rows * tokens
+    if tiled and settings.mlp_tile_tokens:
+        mlp_tokens = min(mlp_tokens, settings.mlp_tile_tokens)
+    return settings.compute_bytes * (rows * tokens * (4 * E + 3 * HD) + mlp_tokens * 3 * ffn)
 
 
 def _autocast_copies(settings: PlanSettings, shape: ModelShape, layers_saved: bool = False) -> int:
@@ -310,11 +345,14 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
     """(tensors the loss forward leaves for the backward, one layer's recomputation, a note)."""
     rows, N, r = s.micro_batch, s.sequence_length, _residual_bytes(s)
     ends = rows * N * m.hidden * r * 2  # the embedding's output and the final norm's
+    tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
     if s.checkpointing:
         saved = rows * N * m.hidden * r * m.layers + ends
-        return saved, _layer_bytes(s, m, rows), f"each layer's input, {rows} rows x {N} tokens (checkpointing)"
+        return saved, _layer_bytes(s, m, rows) + tiles, \
+            f"each layer's input, {rows} rows x {N} tokens (checkpointing)"
     saved = m.layers * _layer_bytes(s, m, rows) + ends
-    return saved, 0, f"{activation_bytes_per_token(s, m)} B per token and layer, {rows} rows x {N} tokens"
+    per_token = activation_bytes_per_token(s, m) - tiled_mlp_saving_per_token(s, m)
+    return saved, tiles, f"{per_token} B per token and layer, {rows} rows x {N} tokens"
 
 
 def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int, int, int]:
@@ -426,7 +464,7 @@ def _vllm(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
 
 
 def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
-    b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length)
+    b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length, tiled=True)
                               + _autocast_copies(s, m)},
           "one layer at a time, no gradients" + (" (and autocast's weight copies)" if s.mixed_precision else ""))
     if s.shards_weights:  # the head inside the forward here too (`modeling.logprobs.head_runs_inside_forward`)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from grpo_trainer.planning.estimate import INSTANTS, MemoryPlan
 from grpo_trainer.planning.fit import Fit
+from grpo_trainer.planning.longest import Longest
 from grpo_trainer.planning.settings import DeviceMemory
 
-__all__ = ["fit_advice", "format_plan", "over_budget_message", "verdict"]
+__all__ = ["fit_advice", "format_longest", "format_plan", "over_budget_message", "verdict"]
 
 _NAME_WIDTH, _COLUMN_WIDTH = 34, 10
 _HEADERS = ("rollout", "scoring", "loss fwd", "bwd start", "bwd end", "opt step")
@@ -98,3 +99,30 @@ def over_budget_message(plan: MemoryPlan, device: DeviceMemory, fits: list[Fit],
     """The error a run gets before its weights are loaded when its plan exceeds the device: the advice, then the
     itemised table."""
     return fit_advice(plan, device, fits, global_batch) + "\n" + format_plan(plan, device)
+
+
+def _tokens(longest: Longest) -> str:
+    return ("at least " if longest.at_least else "") + f"{longest.completion_length:,} tokens"
+
+
+def format_longest(longest: Longest, longer: list[Longest], device: DeviceMemory, asked: int, prompt_length: int,
+                   context: int | None = None) -> str:
+    """How long a completion fits (`planning.longest`): the longest `max_completion_length` with these settings,
+    the settings that reach longer, and the model's context where the answer passes it."""
+    if longest.completion_length == 0:
+        lines = [f"Longest max_completion_length that fits {_size(device.total_bytes)}: none (not one completion "
+                 f"token with a prompt of {prompt_length} tokens)."]
+    else:
+        lines = [f"Longest max_completion_length that fits {_size(device.total_bytes)}: {_tokens(longest)} (prompt "
+                 f"{prompt_length} tokens; this run asks {asked:,}; plan {_size(longest.plan.device_bytes)})."]
+    if longer:
+        lines.append("Longer with:")
+        for f in longer:
+            what = "same objective" if f.same_objective else \
+                "LoRA r 16 on every linear layer: trains an adapter, not every weight"
+            lines.append(f"  {f.describe()}: {_tokens(f)} ({what})")
+    if context is not None and max([longest, *longer], key=lambda f: f.completion_length).completion_length \
+            > context - prompt_length:
+        lines.append(f"The model's context is {context:,} positions: at most {max(0, context - prompt_length):,} "
+                     "completion tokens after this prompt, whatever the memory.")
+    return "\n".join(lines)

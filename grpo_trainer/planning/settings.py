@@ -100,6 +100,7 @@ class PlanSettings:
     gather_for_generation: bool = True  # ds3_gather_for_generation
     device_total_bytes: int = 0  # the GPU's memory (an engine's pool is a fraction of it); 0 when unknown
     heap_held: bool = True  # CPU: glibc's heap held to the live tensors (`runtime.host_memory`)
+    mlp_tile_tokens: int = 0  # the sequence-tiled MLP's tile (`modeling.tiling`); 0: off
 
     @property
     def sequence_length(self) -> int:

@@ -128,7 +128,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         checkpointing=bool(args.gradient_checkpointing), beta=args.beta, quantization=quantization,
         optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
-        logprob_chunk_size=args.logprob_chunk_size,
+        logprob_chunk_size=args.logprob_chunk_size, mlp_tile_tokens=args.mlp_tile_tokens,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
         entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=_rollout(args, device),
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
@@ -223,6 +223,17 @@ def _default_lora_shape(model: str | nn.Module, args: GRPOConfig) -> planning.Mo
     config = _model_config(model, args)
     return planning.model_shape(config, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                    task_type="CAUSAL_LM"), args.trust_remote_code)
+
+
+def default_lora_shape(model: str | nn.Module, args: GRPOConfig) -> planning.ModelShape | None:
+    """The model with `grpo-train --use_peft`'s default adapter (None without peft): what the suggestions try."""
+    return _default_lora_shape(model, args)
+
+
+def context_length(model: str | nn.Module, args: GRPOConfig) -> int | None:
+    """The model's `max_position_embeddings` (None where its config has none)."""
+    value = getattr(_model_config(model, args).get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
 
 
 def apply_fit(args: GRPOConfig, changes: dict) -> None:

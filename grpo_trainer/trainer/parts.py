@@ -42,7 +42,8 @@ def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) ->
     settings = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
                                args.beta, args.padding_free, args.pad_to_multiple_of,
                                skip_zero_advantages=args.zero_variance_groups == "skip",
-                               truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
+                               truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask,
+                               mlp_tile_tokens=args.mlp_tile_tokens)
     return PolicyScorer(settings, schedule, ref_model)
 
 

@@ -63,6 +63,7 @@ class ScoringSettings:
     skip_zero_advantages: bool = False  # decision 3
     truncation: Truncation = Truncation()  # the sampler's (decision 4)
     keep_sampling_mask: bool = True  # decision 4
+    mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the sequence-tiled MLP (`modeling.tiling`); 0 off
 
 
 class PolicyLogProbs(NamedTuple):
@@ -79,7 +80,7 @@ class PolicyScorer:
     def __init__(self, settings: ScoringSettings, schedule: Schedule, ref_model: nn.Module | None) -> None:
         self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
         self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
-                                                settings.pad_to_multiple_of)
+                                                settings.pad_to_multiple_of, settings.mlp_tile_tokens)
 
     def support(self, part: Round, collect: bool = False) -> KeptSupport | None:
         """How a forward over the trimmed `part` scores under the sampler's truncation (decision 4); None without

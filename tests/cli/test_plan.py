@@ -89,3 +89,26 @@ def test_a_hub_id_is_read_from_the_cache_offline(tmp_path, tokenizer):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Memory plan for someorg/tiny" in proc.stdout and "verdict: fits" in proc.stdout
+
+
+def test_plan_reports_the_longest_completion_that_fits(config_dir, capsys):
+    """The printed longest max_completion_length is the plan's own boundary: planned again at that length the run
+    fits (status 0), one token longer it does not (status 1); checkpointing off, so it is listed as reaching longer,
+    as is LoRA (the run has no adapter); the model's context (512 positions) is named since the answer passes it."""
+    import re
+
+    common = ["--model_name_or_path", str(config_dir), "--max_prompt_length", "16", "--per_device_train_batch_size",
+              "8", "--num_generations", "4", "--gradient_checkpointing", "False", "--device_memory", "1GiB"]
+    code, out = plan([*common, "--max_completion_length", "64"], capsys)
+    assert code == 0, out.err
+    found = re.search(r"Longest max_completion_length that fits 1.00 GiB: ([\d,]+) tokens \(prompt 16 tokens; "
+                      r"this run asks 64;", out.out)
+    assert found, out.out
+    longest = int(found.group(1).replace(",", ""))
+    assert "  gradient_checkpointing=True: " in out.out and "(same objective)" in out.out
+    assert "use_peft=True" in out.out and "trains an adapter, not every weight" in out.out
+    assert "The model's context is 512 positions: at most 496 completion tokens" in out.out
+    code, out = plan([*common, "--max_completion_length", str(longest)], capsys)
+    assert code == 0 and "verdict: fits" in out.out
+    code, out = plan([*common, "--max_completion_length", str(longest + 1)], capsys)
+    assert code == 1 and "DOES NOT FIT" in out.out

@@ -14,7 +14,7 @@ CHOICE_FIELDS = {
     "multi_objective_aggregation": kinds.MultiObjectiveAggregation, "reward_error_policy": kinds.RewardErrorPolicy,
     "zero_variance_groups": kinds.ZeroVarianceGroups, "memory_check": kinds.MemoryCheck,
     "async_correction": kinds.AsyncCorrection, "vllm_mode": kinds.VLLMMode, "vllm_model_impl": kinds.VLLMModelImpl,
-    "vllm_importance_sampling_mode": kinds.VLLMImportanceSamplingMode,
+    "vllm_importance_sampling_mode": kinds.VLLMImportanceSamplingMode, "routing_replay": kinds.RoutingReplay,
 }
 
 

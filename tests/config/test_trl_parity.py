@@ -20,6 +20,7 @@ OURS_ONLY = {
     "reward_error_policy": "what a failing reward function does",
     "reward_model_batch_size": "reward models score in micro-batches",
     "logprob_chunk_size": "completion tokens per LM-head chunk",
+    "mlp_tile_tokens": "the sequence-tiled MLP for long completions (docs/MEMORY.md)",
     "padding_free": "packed log-prob forwards (TRL's SFT and DPO configs have the name; its GRPOConfig does not)",
     "max_nonfinite_steps": "the non-finite-loss guard",
     "memory_check": "what a run whose memory plan exceeds the device does (docs/MEMORY.md)",

@@ -377,3 +377,99 @@ def test_other_architectures_train_packed_with_the_padded_gradients(tokenizer, k
     grads = _loss_grads(model, ours, mask[:, -T:])
     for name in padded:
         torch.testing.assert_close(grads[name], padded[name], atol=ATOL, rtol=0, msg=name)
+
+
+def long_batch(tokenizer, T: int, B: int = 6, seed: int = 0):
+    """`B` rows of prompts of 5, 3, 6, 4, 2, 5 tokens (S = 6) and completions of T, T, T - 7, T, T / 2, T tokens."""
+    prompts = torch.tensor([5, 3, 6, 4, 2, 5][:B])
+    completions = torch.tensor([T, T, T - 7, T, T // 2, T][:B])
+    S = int(prompts.max())
+    columns = torch.arange(S + T)
+    mask = ((columns >= S - prompts[:, None]) & (columns < S + completions[:, None])).long()
+    ids = torch.randint(10, 90, (B, S + T), generator=torch.Generator().manual_seed(seed))
+    return ids.masked_fill(mask == 0, tokenizer.pad_token_id), mask, T
+
+
+@pytest.mark.parametrize("B", [1, 6])
+def test_the_self_check_runs_on_a_slice_whose_size_does_not_grow_with_T(tokenizer, B):
+    """The self-check's three forwards see at most CHECK_ROWS rows of at most CHECK_TOKENS tokens each (packed:
+    two sequences per row), the same shapes at T = 200 and T = 800, while the scoring forward after it sees all."""
+    model = model_of_kind("qwen2", tokenizer, max_position_embeddings=1024)
+    shapes = _count_forwards(model)
+    seen = {}
+    for T in (200, 800):
+        forwards._VERDICTS.clear()
+        shapes.clear()
+        ids, mask, _ = long_batch(tokenizer, T, B)
+        out = forwards.score(model, ids, mask, T, ON)
+        assert out.logps.shape == (B, T)
+        checks = shapes[:3]  # padded, packed, packed perturbed; then the scoring forward
+        assert len(shapes) == 4 and forwards._VERDICTS[model] is None
+        # rows: min(4, B) (a copy of row 0 when B == 1); tokens: 128, 112, 96, 80 of each sequence (T > 128);
+        # padded width 128; packed at a budget of 2 x 128: FFD puts 128 + 112 in one row, 96 + 80 in the next.
+        rows = 2 if B == 1 else forwards.CHECK_ROWS
+        assert checks[0] == (rows, forwards.CHECK_TOKENS)
+        assert checks[1] == checks[2] == ((1, 240) if B == 1 else (2, 240))
+        seen[T] = checks
+    assert seen[200] == seen[800]
+
+
+def test_check_slice_keeps_each_sequences_first_tokens(tokenizer):
+    """Row i keeps the first min(length, 128 - 16 i) tokens of its sequence, left-padded: row 2 (6 + 193 tokens)
+    keeps 96, its prompt and 90 completion tokens; short sequences are kept whole."""
+    model = model_of_kind("qwen2", tokenizer)
+    ids, mask, _ = long_batch(tokenizer, 200)
+    sliced, sliced_mask = forwards.check_slice(model, ids, mask)
+    assert sliced.shape == (4, 128) and sliced_mask.sum(1).tolist() == [128, 112, 96, 80]
+    for i in range(4):
+        kept = int(sliced_mask[i].sum())
+        assert torch.equal(sliced[i, 128 - kept:], ids[i][mask[i].bool()][:kept])
+    short, short_mask, _ = variable_batch(tokenizer)  # sequences of 17, 5, 9, 5 tokens: all shorter than the cut
+    sliced, sliced_mask = forwards.check_slice(model, short, short_mask)
+    assert sliced_mask.sum(1).tolist() == [17, 5, 9, 5] and sliced.shape == (4, 17)
+
+
+def test_check_slice_covers_the_attention_window(tokenizer):
+    """A sliding window of 300 (Mistral: no layer_types) or Gemma-2's sliding layers: the slice keeps sequences of
+    128 + 300 tokens, longer than the window, so the window's masking across a packing boundary is checked. Qwen2
+    without sliding layers keeps 128."""
+    ids, mask, _ = long_batch(tokenizer, 800)
+    for kind in ("mistral", "gemma2"):
+        model = model_of_kind(kind, tokenizer, sliding_window=300)
+        assert forwards.check_slice(model, ids, mask)[1].sum(1).tolist() == [428, 375, 322, 269]  # 428 - 53 i
+    assert forwards.check_slice(model_of_kind("qwen2", tokenizer), ids, mask)[0].shape == (4, 128)
+
+
+def _positions_along_the_row(embedding, args):
+    """A position embedding that re-derives its positions (0, 1, ... along the row) whatever it is given."""
+    return (torch.arange(args[0].shape[-1]).expand_as(args[0]),)
+
+
+@pytest.mark.parametrize("fault", ["leak", "cache", "positions"])
+def test_the_sliced_self_check_still_catches_each_fault_at_long_T(tokenizer, fault, monkeypatch):
+    """Negative controls on a micro-batch far longer than the slice (T = 600): attention across packed sequences
+    (caught by isolation), a KV cache made anyway (isolation, or the returned cache), learned absolute positions
+    re-derived along the row while the mask still keeps sequences apart (caught by agreement: the packed second
+    sequence gets positions offset by the first's length); each model is scored padded. The healthy models pass."""
+    import transformers.masking_utils as masking_utils
+
+    kind = "gpt2_no_dropout" if fault == "positions" else "qwen2"
+    healthy = model_of_kind(kind, tokenizer, **({"n_positions": 1024} if fault == "positions" else
+                                                 {"max_position_embeddings": 1024}))
+    ids, mask, T = long_batch(tokenizer, 600)
+    assert forwards.self_check(healthy, ids, mask, ON) is None
+    model = healthy
+    if fault == "leak":
+        monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+        expected = ("perturbing one packed sequence",)
+    elif fault == "cache":
+        model = AlwaysCaches(healthy.config)
+        model.load_state_dict(healthy.state_dict())
+        expected = ("perturbing one packed sequence", "the packed forward failed: RuntimeError")
+    else:
+        healthy.transformer.wpe.register_forward_pre_hook(_positions_along_the_row)
+        expected = ("its packed log-probs differ",)
+    reason = forwards.self_check(model, ids, mask, ON)
+    assert reason is not None and reason.startswith(expected), reason
+    out = forwards.score(model, ids, mask, T, ON)
+    torch.testing.assert_close(out.logps, completion_logprobs(model, ids, mask, T).logps, atol=0, rtol=0)

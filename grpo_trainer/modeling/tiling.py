@@ -1,0 +1,140 @@
+"""The sequence-tiled MLP (ALST / Arctic's TiledMLP): a decoder layer's MLP computed a tile of tokens at a time, so
+its `[N, I]` intermediate activations (gate, up, their product: 3 x I per token, 2-8x the hidden size) never exist for
+the whole sequence, in the forward or the backward.
+
+Decisions:
+
+1. An autograd function (`TiledMLP`) saves only the MLP's input `[N, E]`. Its forward runs the module's own
+   forward tile by tile without a graph; its backward recomputes each tile with a graph and takes the gradients of
+   that tile's input and of the module's trainable parameters (`torch.autograd.grad`), summing the parameters' over
+   tiles and returning them as the function's own: autograd accumulates them once into `.grad`, so DDP and
+   DeepSpeed gradient hooks fire once per parameter as without tiling. Exact: every token's values are the
+   untiled ones (the MLP is per token); the parameters' gradients are the same sums in another order (float32
+   rounding; tests/modeling/test_tiling.py).
+2. The module's own forward is what each tile runs (LoRA adapters, quantised layers, any activation), so any
+   per-token MLP tiles; a Mixture-of-Experts block (routing with a capacity or an auxiliary loss over the whole
+   sequence) is not per token, and is left alone (`_per_token`).
+3. Tiling is installed around each log-prob forward (`tiled_mlps`, from `modeling.forwards`, inside replay's
+   context so that replay's recomputation is tiled too) and removed after it, so generation and the fast decoder
+   see the plain model; the backward, which runs after the context has
+   closed, reads the forward it needs from the function's saved context. Under activation checkpointing the layer's
+   recomputation runs inside the backward, where the tiled forward is already gone: `tiled_mlps` therefore also
+   keeps the replacement installed on the checkpointed layers' recompute (`_checkpointed`), by wrapping the
+   layer's checkpoint function for the duration of the forward and the closures it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["TiledMLP", "tiled_mlp", "tiled_mlps"]
+
+
+class TiledMLP(torch.autograd.Function):
+    """`forward(x)` of a per-token module, `tokens` rows of `x.view(-1, E)` at a time (decision 1)."""
+
+    @staticmethod
+    def forward(ctx, forward: Callable[[Tensor], Tensor], tokens: int, x: Tensor, *parameters: Tensor) -> Tensor:
+        ctx.forward, ctx.tokens, ctx.parameters = forward, tokens, parameters  # parameters: leaves, kept as is
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])  # [B*N, E]
+        with torch.no_grad():
+            out = torch.cat([forward(tile) for tile in flat.split(tokens)])  # [B*N, E']
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        parameters = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[3:], strict=True) if needed]
+        flat, grads = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        x_grad = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
+        sums: list[Tensor | None] = [None] * len(parameters)
+        start = 0
+        for tile, tile_grad in zip(flat.split(ctx.tokens), grads.split(ctx.tokens), strict=True):
+            tile = tile.detach().requires_grad_(x_grad is not None)
+            with torch.enable_grad():
+                out = ctx.forward(tile)
+            wrt = ([tile] if x_grad is not None else []) + parameters
+            found = torch.autograd.grad(out, wrt, tile_grad, allow_unused=True) if wrt else ()
+            if x_grad is not None:
+                x_grad[start:start + len(tile)] = found[0]
+                found = found[1:]
+            sums = [s if g is None else (g if s is None else s.add_(g)) for s, g in zip(sums, found, strict=True)]
+            start += len(tile)
+        it = iter(sums)
+        parameter_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[3:]]
+        return (None, None, None if x_grad is None else x_grad.view_as(x), *parameter_grads)
+
+
+def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: int) -> Callable[[Tensor], Tensor]:
+    """A forward for `module` that runs `forward` (its own) through `TiledMLP`, `tokens` tokens per tile."""
+    parameters = tuple(p for p in module.parameters() if p.requires_grad)
+
+    def run(x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():  # no graph to keep: tiles bound the transient all the same
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.cat([forward(tile) for tile in flat.split(tokens)])
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return TiledMLP.apply(forward, tokens, x, *parameters)
+
+    return run
+
+
+def _per_token(mlp: nn.Module) -> bool:
+    """Decision 2: a dense MLP (no router, no experts)."""
+    return not any(hasattr(mlp, name) for name in ("router", "gate_network", "experts", "num_experts"))
+
+
+@contextlib.contextmanager
+def _installed(mlp: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """`mlp.forward` is `forward` within this context (nested: the outer one's stays)."""
+    if "forward" in mlp.__dict__:
+        yield
+        return
+    mlp.forward = forward
+    try:
+        yield
+    finally:
+        del mlp.forward
+
+
+def _checkpointed(checkpoint: Callable[..., object], mlp: nn.Module, forward: Callable[[Tensor], Tensor]
+                  ) -> Callable[..., object]:
+    """A layer's `_gradient_checkpointing_func` whose checkpointed function (run in the forward, and again in the
+    backward's recomputation) computes with the tiled MLP (decision 3)."""
+
+    def run(function: Callable[..., object], *args: object, **kwargs: object) -> object:
+        def tiled(*inner_args: object, **inner_kwargs: object) -> object:
+            with _installed(mlp, forward):
+                return function(*inner_args, **inner_kwargs)
+
+        return checkpoint(tiled, *args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def tiled_mlps(lm: nn.Module, tokens: int) -> Iterator[None]:
+    """Within this context each decoder layer's per-token MLP of the causal LM `lm` computes `tokens` tokens at a
+    time (`TiledMLP`), and a checkpointed layer recomputes it so in the backward (decision 3); 0: as is."""
+    if tokens <= 0:
+        yield
+        return
+    decoder = lm.get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None) or ()  # Llama family; GPT-2
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+            mlp = getattr(layer, "mlp", None)
+            if mlp is None or not _per_token(mlp) or "forward" in mlp.__dict__:
+                continue
+            forward = tiled_mlp(mlp, mlp.forward, tokens)
+            stack.enter_context(_installed(mlp, forward))
+            checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+            if checkpoint is not None:
+                layer._gradient_checkpointing_func = _checkpointed(checkpoint, mlp, forward)
+                stack.callback(setattr, layer, "_gradient_checkpointing_func", checkpoint)
+        yield

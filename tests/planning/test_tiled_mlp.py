@@ -1,0 +1,52 @@
+"""The planner's sequence-tiled MLP (`mlp_tile_tokens`), by hand on the small shape: E 64, I 128, float32, 4 rows of
+16 tokens, full training.
+
+Per token and layer the MLP keeps (`activation_bytes_per_token`) its input, the norm's output shared by gate and up
+(64 x 4 = 256 B), and gate, up, act(gate) x up and down's input ((3 + 1) x 128 x 4 = 2,048 B): 2,304 B. Tiled it keeps
+the input only: 2,048 B less per token, 4 x 16 = 64 tokens: 131,072 B less per layer. Its backward holds one tile's
+2,304 B per token (8 tokens: 18,432 B) and the sums of gate/up/down's gradients (3 x 64 x 128 x 4 = 98,304 B)."""
+
+import dataclasses
+
+from grpo_trainer.planning import estimate, plan_memory
+from tests.planning.shapes import SETTINGS, SHAPE
+
+TILED = dataclasses.replace(SETTINGS, mlp_tile_tokens=8)
+
+
+def test_the_saving_and_the_transient_by_hand():
+    assert estimate.tiled_mlp_saving_per_token(SETTINGS, SHAPE) == 0  # off
+    assert estimate.tiled_mlp_saving_per_token(TILED, SHAPE) == 2_048
+    assert estimate.tiled_mlp_transient(TILED, SHAPE, rows=4) == 8 * 2_304 + 98_304
+    lora = dataclasses.replace(SHAPE, adapter_parameters=1_000)  # adapter gradients are not counted
+    assert estimate.tiled_mlp_transient(TILED, lora, rows=4) == 8 * 2_304
+    # a tile larger than the micro-batch holds the micro-batch: 64 tokens
+    assert estimate.tiled_mlp_transient(dataclasses.replace(SETTINGS, mlp_tile_tokens=1000), SHAPE, 4) \
+        == 64 * 2_304 + 98_304
+
+
+def test_checkpointed_recomputation_holds_one_tile_of_the_mlp():
+    """Checkpointing: the recomputed layer keeps 131,072 B less and the tile's 116,736 B more: 14,336 B less; the
+    checkpointed inputs are unchanged."""
+    saved, recompute, _ = estimate._saved_activations(SETTINGS, SHAPE)
+    tiled_saved, tiled_recompute, _ = estimate._saved_activations(TILED, SHAPE)
+    assert tiled_saved == saved and recompute - tiled_recompute == 131_072 - 116_736
+
+
+def test_without_checkpointing_every_layer_keeps_less():
+    """2 layers x 131,072 B less saved; the backward's recomputation is the tile: 116,736 B."""
+    plain = dataclasses.replace(SETTINGS, checkpointing=False)
+    saved, recompute, _ = estimate._saved_activations(plain, SHAPE)
+    tiled_saved, tiled_recompute, _ = estimate._saved_activations(dataclasses.replace(plain, mlp_tile_tokens=8), SHAPE)
+    assert saved - tiled_saved == 2 * 131_072 and recompute == 0 and tiled_recompute == 116_736
+
+
+def test_the_scoring_forward_holds_one_tile_of_gate_up_and_product():
+    """beta 0.04 (a reference forward): gate, up and their product for 8 tokens instead of 64: (64 - 8) x 3 x 128 x
+    4 = 86,016 B less; the rollout's prefill (not a log-prob forward) is untiled."""
+    beta, tiled_beta = (dataclasses.replace(s, beta=0.04, rollout="generate") for s in (SETTINGS, TILED))
+    items = {i.name: i for i in plan_memory(beta, SHAPE).items}
+    tiled_items = {i.name: i for i in plan_memory(tiled_beta, SHAPE).items}
+    scoring = estimate.INSTANTS.index("scoring")
+    assert items["scoring forward"].bytes[scoring] - tiled_items["scoring forward"].bytes[scoring] == 86_016
+    assert items["generation working set"].bytes == tiled_items["generation working set"].bytes

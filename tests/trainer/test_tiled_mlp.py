@@ -1,0 +1,51 @@
+"""`mlp_tile_tokens` in a real run: one SGD step with the sequence-tiled MLP moves the weights as the untiled run's
+(float32 rounding), with activation checkpointing (the tiles recomputed in the backward); a bad value is refused by
+name before anything is loaded."""
+
+import pytest
+import torch
+
+from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
+
+
+def _args(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=12, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, max_steps=1,
+                    report_to="none", save_strategy="no", logging_steps=1, seed=0, gradient_checkpointing=True,
+                    loss_type="dapo", disable_dropout=True, beta=0.04)
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def _step(model_dir, tokenizer, args):
+    trainer = GRPOTrainer(str(model_dir), copy_digits_reward, args=args,
+                          train_dataset=copy_digits_dataset(num_prompts=16), processing_class=tokenizer)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
+
+
+def test_a_tiled_step_equals_the_untiled_one(tmp_path, tokenizer, monkeypatch):
+    from grpo_trainer.modeling import tiling
+
+    tiles = []
+    backward = tiling.TiledMLP.backward
+    monkeypatch.setattr(tiling.TiledMLP, "backward", staticmethod(lambda ctx, grad: tiles.append(ctx.tokens)
+                                                                  or backward(ctx, grad)))
+    path = tmp_path / "model"
+    make_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    untiled = _step(path, tokenizer, _args(tmp_path / "untiled"))
+    assert tiles == []
+    tiled = _step(path, tokenizer, _args(tmp_path / "tiled", mlp_tile_tokens=5))  # tiles of 5 tokens: many, uneven
+    assert tiles and set(tiles) == {5}  # the tiled MLP's backward ran (each layer, each micro-batch)
+    mlp = [n for n in untiled if "mlp" in n]
+    assert mlp and max(untiled[n].abs().max().item() for n in mlp) > 1e-4  # the MLP's weights moved
+    for name in untiled:
+        torch.testing.assert_close(tiled[name], untiled[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("value", [-1, 2.5])
+def test_a_bad_tile_is_refused_by_name(tmp_path, value):
+    with pytest.raises(ValueError, match="mlp_tile_tokens must be an integer >= 0"):
+        _args(tmp_path, mlp_tile_tokens=value)
