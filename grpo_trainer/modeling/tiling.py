@@ -40,6 +40,8 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, forward: Callable[[Tensor], Tensor], tokens: int, x: Tensor, *parameters: Tensor) -> Tensor:
         ctx.forward, ctx.tokens, ctx.parameters = forward, tokens, parameters  # parameters: leaves, kept as is
+        device = x.device.type  # the backward recomputes under the forward's autocast, as checkpointing does
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])  # [B*N, E]
         with torch.no_grad():
@@ -56,7 +58,8 @@ class TiledMLP(torch.autograd.Function):
         start = 0
         for tile, tile_grad in zip(flat.split(ctx.tokens), grads.split(ctx.tokens), strict=True):
             tile = tile.detach().requires_grad_(x_grad is not None)
-            with torch.enable_grad():
+            device, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 out = ctx.forward(tile)
             wrt = ([tile] if x_grad is not None else []) + parameters
             found = torch.autograd.grad(out, wrt, tile_grad, allow_unused=True) if wrt else ()

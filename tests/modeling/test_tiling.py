@@ -103,3 +103,22 @@ def test_tiled_mlp_alone_by_hand():
     y.backward(g)
     torch.testing.assert_close(linear.weight.grad, g[0].T @ x[0].detach())
     torch.testing.assert_close(x.grad, g @ linear.weight.detach())
+
+
+def test_the_backward_recomputes_under_the_forwards_autocast():
+    """Under bfloat16 autocast the tiles recomputed in the backward compute in bfloat16 as the forward did (as
+    checkpointing's recomputation does), not in the float32 the backward pass runs in."""
+    linear = torch.nn.Linear(4, 3)
+    dtypes = []
+
+    def forward(tile):  # the module's forward, recording the dtype it computed in
+        out = linear(tile)
+        dtypes.append(out.dtype)
+        return out
+
+    x = torch.randn(1, 5, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tiling.tiled_mlp(linear, forward, 2)(x)
+    y.float().sum().backward()
+    assert dtypes == [torch.bfloat16] * 6  # 3 tiles forward, 3 recomputed
+    assert linear.weight.grad.dtype == torch.float32
