@@ -9,6 +9,7 @@ import pytest
 
 from grpo_trainer.cli import entry
 from grpo_trainer.cli.toy import make_tiny_model
+from tests.helpers import write_remote_code_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,3 +90,49 @@ def test_a_hub_id_is_read_from_the_cache_offline(tmp_path, tokenizer):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Memory plan for someorg/tiny" in proc.stdout and "verdict: fits" in proc.stdout
+
+
+# ------------------------------------------------------------------- a Hub id the plan cannot read (issue 38)
+
+
+def test_a_hub_id_not_in_the_cache_offline_names_the_model_and_the_download(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out = plan(["--model_name_or_path", "no-such-org/no-such-model", "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1 and out.err.startswith("grpo-train plan: error: model 'no-such-org/no-such-model'")
+    assert "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in out.err
+    assert "`hf download no-such-org/no-such-model`" in out.err
+
+
+def test_a_gated_model_names_the_model_and_the_login(capsys, monkeypatch):
+    """The Hub's answer for a gated repository, huggingface_hub's own GatedRepoError, raised where transformers
+    downloads (no network here); everything above it is the real code path."""
+    import httpx2
+    from huggingface_hub.errors import GatedRepoError
+    from transformers.utils import hub
+
+    def gated(repo_id, filename, **kwargs):
+        url = f"https://huggingface.co/{repo_id}/resolve/main/{filename}"
+        response = httpx2.Response(403, request=httpx2.Request("GET", url))
+        raise GatedRepoError(f"403 Client Error. Cannot access gated repo for url {url}.", response=response)
+
+    monkeypatch.setattr(hub, "hf_hub_download", gated)
+    code, out = plan(["--model_name_or_path", "gated-org/gated-model", "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1
+    assert "model 'gated-org/gated-model' is gated on the Hub" in out.err
+    assert "https://huggingface.co/gated-org/gated-model" in out.err and "`hf auth login`" in out.err
+
+
+def test_remote_code_without_trust_names_the_model_and_the_flag(tmp_path, tokenizer, capsys):
+    folder = write_remote_code_model(tmp_path / "remote", tokenizer)
+    capsys.readouterr()  # the writer's progress bars
+    code, out = plan(["--model_name_or_path", folder, "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1 and f"{folder!r} contains custom code" in out.err
+    assert "`--trust_remote_code True`" in out.err
+    # with the flag, the same directory plans (its config is read through its own code)
+    code, out = plan(["--model_name_or_path", folder, "--max_prompt_length", "16", "--trust_remote_code", "True"],
+                     capsys)
+    assert code in (0, 1), out.err
+    assert f"Memory plan for {folder}" in out.out
