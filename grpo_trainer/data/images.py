@@ -19,7 +19,7 @@ from typing import Any
 
 from grpo_trainer.data.checks import is_conversational
 
-__all__ = ["attach_images", "count_images", "prompt_images", "row_images", "strip_images", "with_images"]
+__all__ = ["attach_images", "count_images", "prompt_images", "row_images", "row_prompts", "strip_images", "with_images"]
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -75,6 +75,15 @@ def attach_images(prompts: list, images: list[list | None]) -> list:
                          "dataset to the trainer. Please provide the raw conversational prompts and let the trainer "
                          "apply the chat template internally.")
     return [with_images(prompt, row) for prompt, row in zip(prompts, images)]
+
+
+def row_prompts(rows: list[dict]) -> list:
+    """The rows' prompts as the rollout tokenises them: each with its row's images in its image parts (decisions 1
+    and 2), or as they are for a text-only round. Every reader of prompts that a processor tokenises goes through
+    here: a prompt in TRL's VLM format (`{"type": "image"}` placeholders) cannot be tokenised without its images."""
+    prompts = [row["prompt"] for row in rows]
+    images = row_images(rows)  # [B] lists of images, or None for a text-only round
+    return prompts if images is None else attach_images(prompts, images)
 
 
 def prompt_images(prompt: Any) -> list:

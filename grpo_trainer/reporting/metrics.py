@@ -115,6 +115,14 @@ class MetricsWindow:
     def __getitem__(self, mode: str) -> dict[str, list]:
         return self.windows[mode]
 
+    def replace(self, windows: dict[str, dict[str, list]]) -> None:
+        """`windows` in place of the current ones (TRL's `trainer._metrics = {...}`, which TRL's tests and users'
+        callbacks assign): each mode's values as a default-list mapping, as `add` needs, and both modes present. A
+        `defaultdict` given is kept as it is, so the caller's later appends land in the window."""
+        given = {mode: values if isinstance(values, defaultdict) else defaultdict(list, values)
+                 for mode, values in windows.items()}
+        self.windows = {"train": defaultdict(list), "eval": defaultdict(list), **given}
+
     def add(self, mode: str, key: str, value: Any) -> None:
         self.windows[mode][key].append(value)
 

@@ -206,7 +206,9 @@ class GRPOTrainer(Trainer):
     reward_func_names = reward_names  # TRL's name: each reward source's metric name
     reward_weights = property(lambda self: self.reward_sources.weights)
     reward_processing_classes = property(lambda self: self.reward_sources.processing_classes)
-    _metrics = property(lambda self: self.metrics.windows)
+    # assignable, as TRL's is: the parts keep their window (a trainer made by object.__new__ gets one)
+    _metrics = property(lambda self: self.metrics.windows,
+                        lambda self, windows: self.__dict__.setdefault("metrics", MetricsWindow()).replace(windows))
     _logs = property(lambda self: self.completions.columns())  # TRL's completions table layout
     environments = property(lambda self: self._multi_turn.last_environments if self._multi_turn else None)
     aux_loss_enabled = property(lambda self: self.router_aux_loss_coef != 0.0)

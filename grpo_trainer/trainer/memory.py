@@ -7,8 +7,8 @@ Decisions:
    does not hold (ZeRO stage, FSDP, processes per machine) come from the DeepSpeed config or the environment
    `accelerate launch` sets, as the Trainer itself finds them later.
 2. The prompt length is the longest of the first `PROMPT_SAMPLE` prompts as the rollout tokenises them (chat
-   template included), at most `max_prompt_length`; the completion length is `max_completion_length` (a rollout
-   can always reach it).
+   template and a VLM's images included: `data.images.row_prompts`), at most `max_prompt_length`; the completion
+   length is `max_completion_length` (a rollout can always reach it).
 3. `check_memory` (the trainer's one call) stops a run whose plan exceeds the device with the itemised estimate
    and the settings that fit (`planning.fit`); with `auto_find_batch_size=True` it applies the first of them to
    `args` instead and logs it. The Trainer's own `auto_find_batch_size` (retrying smaller batches after an
@@ -31,6 +31,7 @@ from torch import nn
 from grpo_trainer import planning
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import check_config
+from grpo_trainer.data.images import row_prompts
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, host_memory, models
@@ -145,7 +146,8 @@ def prompt_length(args: GRPOConfig, dataset: Any, processing_class: Any) -> int:
     if dataset is not None and processing_class is not None and not (streamed and args.max_prompt_length):
         rows = itertools.islice(iter(dataset), PROMPT_SAMPLE) if streamed \
             else (dataset[i] for i in range(min(PROMPT_SAMPLE, len(dataset))))
-        prompts = [row["prompt"] for row in rows if row.get("prompt") is not None]
+        rows = [row for row in rows if row.get("prompt") is not None]
+        prompts = row_prompts(rows) if rows else []  # a VLM's prompts with their images, as the rollout has them
     if not prompts:
         return args.max_prompt_length or ASSUMED_PROMPT_TOKENS
     batch = tokenize_prompts(processing_class, prompts, args.max_prompt_length, args.chat_template_kwargs,

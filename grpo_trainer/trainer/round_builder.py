@@ -43,7 +43,7 @@ from transformers import TrainerState
 from grpo_trainer import rollout
 from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS, EngineCorrection
 from grpo_trainer.data.checks import is_conversational
-from grpo_trainer.data.images import attach_images, row_images, strip_images
+from grpo_trainer.data.images import row_images, row_prompts, strip_images
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting import metrics
@@ -163,10 +163,8 @@ class RoundBuilder:
         """The round's local half (decision 4): rollout and this process's rewards, no collective."""
         device = self.accelerator.device
         if self.multi_turn is None:
-            prompts = [row["prompt"] for row in batch]
-            images = row_images(batch)  # [B] lists of images, or None for a text-only round
-            if images is not None:
-                prompts = attach_images(prompts, images)  # rewards and the log see them as TRL passes them
+            prompts = row_prompts(batch)  # with their images: rewards and the log see them as TRL passes them
+            images = row_images(batch)  # [B] the rows' images for the completions table, or None for text only
             prompt_settings = self.settings.prompts
             prompt_batch = tokenize_prompts(self.processing_class, prompts, prompt_settings.max_prompt_length,
                                             prompt_settings.chat_template_kwargs,

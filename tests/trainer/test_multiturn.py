@@ -2,6 +2,7 @@
 TRL's set-up errors before any model is loaded, and tool tokens kept out of the loss in every loss type."""
 
 import dataclasses
+from collections import defaultdict
 
 import pytest
 import torch
@@ -153,6 +154,8 @@ def test_generate_works_on_a_trainer_assembled_attribute_by_attribute_as_trls_un
     assert run._tokenizer is TOKENIZER
     bare = object.__new__(GRPOTrainer)
     bare._tokenizer, bare.processing_class = TOKENIZER, TOKENIZER
+    bare._metrics = {"train": {"num_tokens": [], "completions/mean_length": []}}  # as TRL's tests reset it
+    assert bare._metrics["train"]["completions/mean_length"] == [] and bare._metrics["eval"] == {}
     bare.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2, 3]],
                                                   "logprobs": [[-0.1, -0.2]], "env_mask": [[1, 0]]}
     assert bare._generate(["prompt"])[:3] == ([[1]], [[2, 3]], [[1, 0]])  # TRL's order: ids, ids, mask
@@ -229,3 +232,17 @@ def test_tool_tokens_contribute_nothing_to_the_trainers_loss_or_gradient(tmp_pat
     unmasked = dataclasses.replace(base, env_mask=None, window_tokens=torch.tensor(float(completion.numel())))
     assert not torch.equal(loss_and_grads(unmasked)[0],
                            loss_and_grads(dataclasses.replace(unmasked, advantages=tool_advantages))[0])
+
+
+def test_metrics_can_be_reset_by_assignment_and_the_parts_keep_recording(tmp_path):
+    # TRL's `_metrics` is a plain attribute: its tests and users' callbacks assign a fresh
+    # {"train": defaultdict(list), "eval": defaultdict(list)}. After that assignment the parts must record into the
+    # new windows (not a detached old one), or the next log would miss the round's metrics.
+    run = trainer(tmp_path, generation_kwargs=None, max_steps=2, logging_steps=1)
+    run._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    fresh = run._metrics["train"]
+    run.metrics.add("train", "reward", 1.0)  # what a part records
+    assert fresh["reward"] == [1.0]
+    run._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    run.train()
+    assert [row["step"] for row in run.state.log_history if "reward" in row] == [1, 2]

@@ -14,7 +14,7 @@ from PIL import Image
 from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 from grpo_trainer.rollout import backend
-from tests.helpers import StopAt, make_trainer, train_and_compare, vlm_families
+from tests.helpers import StopAt, make_args, make_trainer, train_and_compare, vlm_families
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 # LLaVA's vision features are the encoder's hidden states, never its post-layernorm (the pooler's): by design those
@@ -33,6 +33,19 @@ def image_dataset(rows: int = 6, images_per_row: list[int] | None = None) -> Dat
         return Dataset.from_dict({"prompt": prompts, "image": [picture(i) for i in range(rows)]})
     images = [[picture(i, j) for j in range(images_per_row[i % len(images_per_row)])] for i in range(rows)]
     return Dataset.from_dict({"prompt": prompts, "images": images})
+
+
+def placeholder_dataset(column: str, rows: int = 4, images_per_row: int = 1) -> Dataset:
+    """TRL's documented VLM format: the user's content already holds one `{"type": "image"}` placeholder per picture,
+    the pictures themselves in an `image` (one per row) or `images` (a list per row) column."""
+    def picture(i: int, j: int) -> Image.Image:
+        return Image.new("RGB", (28 + 6 * ((i + j) % 4), 36), COLOURS[(i + j) % len(COLOURS)])
+
+    prompts = [[{"role": "user", "content": [*({"type": "image"} for _ in range(images_per_row)),
+                                             {"type": "text", "text": f"Which colour is picture {i}?"}]}]
+               for i in range(rows)]
+    pictures = [[picture(i, j) for j in range(images_per_row)] for i in range(rows)]
+    return Dataset.from_dict({"prompt": prompts, column: [p[0] for p in pictures] if column == "image" else pictures})
 
 
 def varied_reward(completions, **kwargs):
@@ -71,6 +84,41 @@ def test_several_images_per_prompt_and_prompts_without_any(family, tmp_path):
     trainer, moved = train(family, tmp_path, dataset, per_device_train_batch_size=6, num_generations=2)
     assert all(m for n, m in moved.items()
                if not any(part in n for part in UNUSED_BY_DESIGN.get(family, ())))
+
+
+@pytest.mark.parametrize("family", vlm_families(["qwen2_vl", "qwen2_5_vl", "gemma3", "llava_next"]))
+def test_trl_placeholder_format_passes_the_memory_check_and_trains(family, tmp_path):
+    # The memory check (memory_check='error', the default) tokenises the first prompts before any weight loads; a
+    # placeholder without its picture made the processor refuse the prompt ("Number of images provided (0) does not
+    # match number of image placeholders (1)") and no TRL-format VLM dataset could be trained.
+    trainer, moved = train(family, tmp_path, placeholder_dataset("image"), memory_check="error")
+    assert trainer.args.memory_check == "error" and trainer.state.global_step == 1
+    assert any(moved[n] for n in moved if "vision" in n or "visual" in n)  # the pictures reached the loss
+
+
+def test_trl_placeholder_format_with_an_images_column(tmp_path):
+    trainer, moved = train("qwen2_5_vl", tmp_path, placeholder_dataset("images", images_per_row=2),
+                           memory_check="error")
+    assert any(moved[n] for n in moved if "visual" in n)
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_the_memory_check_sizes_placeholder_prompts_with_their_image_tokens(column, tmp_path):
+    # The planned prompt length of TRL's placeholder format equals that of the same pictures and texts given as
+    # plain-string prompts (whose image parts the trainer places itself, a path that never failed): the pictures'
+    # expanded image tokens are counted, not refused and not left out.
+    from grpo_trainer.trainer.memory import prompt_length
+
+    _, processor = make_tiny_vlm("qwen2_vl")
+    args = make_args(tmp_path)
+    placeholders = placeholder_dataset(column, images_per_row=2 if column == "images" else 1)
+    strings = placeholders.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"][0]["content"][-1]
+                                                        ["text"]}]})
+    text_only = Dataset.from_dict({"prompt": strings["prompt"]})
+    planned = prompt_length(args, placeholders, processor)
+    assert planned == prompt_length(args, strings, processor)
+    assert prompt_length(args, placeholders.to_iterable_dataset(), processor) == planned  # a streamed dataset
+    assert planned > prompt_length(args, text_only, processor)  # image tokens included
 
 
 def test_reference_model_and_off_policy_micro_batches_carry_the_images(tmp_path):
