@@ -104,24 +104,39 @@ def test_a_hub_id_not_in_the_cache_offline_names_the_model_and_the_download(caps
     assert "`hf download no-such-org/no-such-model`" in out.err
 
 
-def test_a_gated_model_names_the_model_and_the_login(capsys, monkeypatch):
-    """The Hub's answer for a gated repository, huggingface_hub's own GatedRepoError, raised where transformers
-    downloads (no network here); everything above it is the real code path."""
+def hub_answers(monkeypatch, error_class, status: int) -> None:
+    """The Hub's answer `error_class` (huggingface_hub's own) raised where transformers downloads (no network here);
+    everything above it is the real code path."""
     import httpx2
-    from huggingface_hub.errors import GatedRepoError
     from transformers.utils import hub
 
-    def gated(repo_id, filename, **kwargs):
+    def answer(repo_id, filename, **kwargs):
         url = f"https://huggingface.co/{repo_id}/resolve/main/{filename}"
-        response = httpx2.Response(403, request=httpx2.Request("GET", url))
-        raise GatedRepoError(f"403 Client Error. Cannot access gated repo for url {url}.", response=response)
+        response = httpx2.Response(status, request=httpx2.Request("GET", url))
+        raise error_class(f"{status} Client Error for url {url}.", response=response)
 
-    monkeypatch.setattr(hub, "hf_hub_download", gated)
+    monkeypatch.setattr(hub, "hf_hub_download", answer)
+
+
+def test_a_gated_model_names_the_model_and_the_login(capsys, monkeypatch):
+    from huggingface_hub.errors import GatedRepoError
+
+    hub_answers(monkeypatch, GatedRepoError, 403)
     code, out = plan(["--model_name_or_path", "gated-org/gated-model", "--max_prompt_length", "16"], capsys)
     assert code == 2
     assert out.err.count("\n") == 1
     assert "model 'gated-org/gated-model' is gated on the Hub" in out.err
     assert "https://huggingface.co/gated-org/gated-model" in out.err and "`hf auth login`" in out.err
+
+
+def test_an_id_the_hub_does_not_have_names_the_model_and_what_to_check(capsys, monkeypatch):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    hub_answers(monkeypatch, RepositoryNotFoundError, 404)
+    code, out = plan(["--model_name_or_path", "some-org/typo-model", "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1
+    assert "model 'some-org/typo-model' is neither a local directory nor a model on the Hub: check the id" in out.err
 
 
 def test_remote_code_without_trust_names_the_model_and_the_flag(tmp_path, tokenizer, capsys):
