@@ -32,8 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-G = 2
-ROWS_PER_PROCESS = 4  # 2 groups of G = 2 on each process
+G = 2  # tests.helpers.TRAINER_DEFAULTS: 4 rows per process (2 groups of G = 2), 2 steps
 STEPS = 2
 VLM_FAMILY = "qwen2_5_vl"
 VLLM_VLM_FAMILY = "idefics3"  # the family vLLM's CPU build loads (tests/vllm_integration/test_vllm_images.py)
@@ -76,14 +75,13 @@ def placeholder_dataset(rows: int = 16):
     return Dataset.from_dict({"prompt": prompts, "image": images})
 
 
-def settings_of(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
-    """The GRPOConfig fields of `cell` (`vllm`: the vLLM stage's extra fields, e.g. the server's URL)."""
-    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=ROWS_PER_PROCESS, num_generations=G,
-                    max_completion_length=4, max_steps=STEPS, learning_rate=0.1, optim="sgd", logging_steps=1,
-                    save_strategy="no", report_to="none", disable_tqdm=True, seed=0, disable_dropout=True,
-                    zero_variance_groups=cell["zero_variance_groups"], max_resample_rounds=4,
-                    async_rollouts=int(cell["async_rollouts"]), padding_free=cell["padding_free"] == "on",
-                    beta=float(cell["beta"]), memory_check=cell["memory_check"])
+def settings_of(cell: dict, vllm: dict | None = None) -> dict:
+    """The GRPOConfig fields of `cell` where they differ from `tests.helpers.TRAINER_DEFAULTS` (4 rows per process,
+    G = 2, 2 steps at learning rate 0.1), `vllm`: the vLLM stage's servers."""
+    settings = dict(optim="sgd", disable_dropout=True, zero_variance_groups=cell["zero_variance_groups"],
+                    max_resample_rounds=4, async_rollouts=int(cell["async_rollouts"]),
+                    padding_free=cell["padding_free"] == "on", beta=float(cell["beta"]),
+                    memory_check=cell["memory_check"])
     if cell["backend"] in ("fast", "generate"):
         settings["generation_backend"] = cell["backend"]
     else:  # the real-vLLM stage: `vllm` holds the servers' URLs by prompt kind ({"text": url, "image": url})
@@ -101,11 +99,11 @@ def build(cell: dict, output_dir: Path, model=None, vllm: dict | None = None, **
     """The cell's trainer (its model built here unless given: a refusal cell passes `NOT_LOADED`)."""
     from transformers import set_seed
 
-    from grpo_trainer import GRPOConfig, GRPOTrainer
     from grpo_trainer.cli.toy import make_tiny_model, make_tokenizer
+    from tests.helpers import make_args, make_trainer
 
     set_seed(0)  # LoRA's A matrices are drawn before the trainer seeds: every run of a cell starts from one state
-    args = GRPOConfig(**{**settings_of(cell, output_dir, vllm), **overrides})
+    args = make_args(output_dir, **{**settings_of(cell, vllm), **overrides})
     on_vllm = cell["backend"].startswith("vllm_")
     if cell["prompts"] == "image":
         if on_vllm:  # the family vLLM's CPU build runs, at the head size its kernels take (vllm_helpers)
@@ -131,8 +129,8 @@ def build(cell: dict, output_dir: Path, model=None, vllm: dict | None = None, **
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    return GRPOTrainer(built if model is None else model, reward, args=args, train_dataset=dataset,
-                       processing_class=processing_class, peft_config=peft_config)
+    return make_trainer(output_dir, processing_class, dataset, reward, built if model is None else model, args=args,
+                        peft_config=peft_config)
 
 
 def _trained(trainer) -> dict[str, torch.Tensor]:
