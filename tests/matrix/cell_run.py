@@ -40,26 +40,26 @@ NOT_LOADED = "matrix-refusal/never-loaded"  # a Hub id not in the cache: a refus
 
 
 def reward(prompts, completions, **kwargs) -> list[float]:
-    """A constant for prompts whose characters sum to a multiple of 3 (their groups have no variance: 'skip' and
-    'resample' have groups to act on), else a number that differs between almost any two texts."""
+    """The first group of each call (this process's first G rows of the round) gets a constant: a zero-variance group
+    in every round, so 'skip' has a group to skip and 'resample' one to replace (its extra rounds' other groups are
+    informative). Every other completion gets a number that differs between almost any two texts."""
     def text(value) -> str:
         if isinstance(value, str):
             return value
-        return "".join(part["text"] if isinstance(part, dict) else str(part) for message in value
+        return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for message in value
                        for part in (message["content"] if isinstance(message["content"], list)
-                                    else [{"text": message["content"]}]) if not isinstance(part, dict)
-                       or part.get("type", "text") == "text")
+                                    else [{"text": message["content"]}]))
 
-    return [1.0 if sum(map(ord, text(p))) % 3 == 0 else float(sum(map(ord, text(c))) % 97)
-            for p, c in zip(prompts, completions)]
+    return [1.0 if i < G else float(sum(map(ord, text(c))) % 97) for i, c in enumerate(completions)]
 
 
 def text_dataset(rows: int = 16):
-    """The toy copy task with prompts of 1 to 4 digits: rows of a round differ in length, so a packed run and its
-    padded twin lay the tokens out differently."""
+    """The toy copy task with prompts of 1 to 24 digits: rows of a round differ enough in length that packing them
+    costs less than padding (`modeling.packing.plan`), so a packed run and its padded twin lay the tokens out
+    differently."""
     from datasets import Dataset
 
-    answers = ["".join(str((7 * i + 3 * j) % 10) for j in range(1 + i % 4)) for i in range(rows)]
+    answers = ["".join(str((7 * i + 3 * j) % 10) for j in range(1 + (5 * i) % 24)) for i in range(rows)]
     return Dataset.from_dict({"prompt": [f"copy {a}:" for a in answers], "answer": answers})
 
 
@@ -160,17 +160,25 @@ def _train(cell: dict, output_dir: Path, vllm: dict | None = None, **overrides) 
         return round_
 
     trainer.rounds.build = recording
-    packed_forwards, packed_logprobs = [0], forwards.packed_logprobs
+    # packed forwards of the training itself: the packing self-check's own forwards (once per model) not counted
+    packed_forwards, checking, packed_logprobs, self_check = [0], [False], forwards.packed_logprobs, forwards.self_check
 
     def counted(*args, **kwargs):
-        packed_forwards[0] += 1
+        packed_forwards[0] += not checking[0]
         return packed_logprobs(*args, **kwargs)
 
-    forwards.packed_logprobs = counted
+    def checked(*args, **kwargs):
+        checking[0] = True
+        try:
+            return self_check(*args, **kwargs)
+        finally:
+            checking[0] = False
+
+    forwards.packed_logprobs, forwards.self_check = counted, checked
     try:
         trainer.train(resume_from_checkpoint=overrides.get("resume_from_checkpoint"))
     finally:
-        forwards.packed_logprobs = packed_logprobs
+        forwards.packed_logprobs, forwards.self_check = packed_logprobs, self_check
     trainer.packed_forwards = packed_forwards[0]
     return trainer, before, _trained(trainer), rounds
 
