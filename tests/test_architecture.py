@@ -5,6 +5,7 @@ file, the line and the rule.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,137 @@ def test_test_modules_have_unique_names():
     `test_x.py` anywhere under tests/ fails the whole suite's collection ("import file mismatch")."""
     names = [path.name for path in (PACKAGE.parent / "tests").rglob("test_*.py")]
     assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+# ------------------------------------------------------------------------ ARCHITECTURE.md names what exists
+
+ROOT = PACKAGE.parent
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+_IDENTIFIER = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(\(\))?$")
+_PATH = re.compile(r"^[\w./-]*\.(py|md|yaml|json|sh)$|^[\w./-]+/$")
+
+
+def _code_spans(text: str) -> list[str]:
+    """The inline code spans of a Markdown text (fenced blocks left out)."""
+    return re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _repository_files() -> list[str]:
+    """Every file and folder of the repository (tracked or new), as paths relative to its root, folders with '/'."""
+    found = []
+    for path in ROOT.rglob("*"):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0].startswith(".") or "__pycache__" in relative.parts or "egg-info" in str(relative):
+            continue
+        found.append(relative.as_posix() + ("/" if path.is_dir() else ""))
+    return found
+
+
+def _class_attributes(node: ast.ClassDef) -> set[str]:
+    """A class's methods, annotated and class-level fields, and `self.x` attributes."""
+    attributes = set()
+    for item in ast.walk(node):
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            attributes.add(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            attributes.add(item.target.id)
+        elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store) \
+                and isinstance(item.value, ast.Name) and item.value.id == "self":
+            attributes.add(item.attr)
+        elif isinstance(item, ast.Assign) and item in node.body:
+            attributes.update(t.id for t in item.targets if isinstance(t, ast.Name))
+    return attributes
+
+
+def _definitions() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> the names it defines, not imports; class -> its methods and attributes), read with `ast`. Modules
+    are keyed by their dotted path below `grpo_trainer` (a package by its own name)."""
+    modules, classes = {}, {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        dotted = ".".join(part for part in path.relative_to(PACKAGE).with_suffix("").parts if part != "__init__")
+        names = modules.setdefault(dotted, set())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                names.update(t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                             if isinstance(t, ast.Name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, set()).update(_class_attributes(node))
+    return modules, classes
+
+
+def _names_outside_the_package() -> set[str]:
+    """Names the document may use that the package does not define: GRPOConfig's fields (TrainingArguments' too),
+    the tests' shared helpers, and the environment variables the package reads."""
+    import dataclasses
+
+    from grpo_trainer import GRPOConfig
+
+    helpers = ast.parse((ROOT / "tests" / "helpers.py").read_text())
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    names |= {n.name for n in helpers.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    names |= {t.id for n in helpers.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    source = "\n".join(path.read_text() for path in PACKAGE.rglob("*.py"))
+    return names | set(re.findall(r"\b(GRPO_TRAINER_[A-Z_]+)\b", source))
+
+
+def _resolves(span: str, modules: dict[str, set[str]], classes: dict[str, set[str]], others: set[str]) -> bool:
+    """Whether `span` (`module.name`, `Class.attribute`, `module.Class.attribute`, `name`) names something that
+    exists. A module is matched by the end of its dotted path (`memory.plan_run`, `trainer.memory.plan_run`)."""
+    parts = span.removesuffix("()").split(".")
+    import transformers
+
+    external = {"transformers": transformers, "Trainer": transformers.Trainer,
+                "TrainingArguments": transformers.TrainingArguments}
+    if parts[0] in external:  # transformers' own API
+        owner = external[parts[0]]
+        for part in parts[1:]:
+            if not hasattr(owner, part):
+                return False
+            owner = getattr(owner, part)
+        return True
+    for cut in range(len(parts), 0, -1):
+        head, rest = ".".join(parts[:cut]), parts[cut:]
+        for module in (m for m in modules if m == head or m.endswith("." + head)):
+            if not rest or (rest[0] in modules[module] and (len(rest) == 1 or set(rest[1:2]) <= classes.get(
+                    rest[0], set()))):
+                return True
+    if parts[0] in classes:
+        return len(parts) == 1 or parts[1] in classes[parts[0]]
+    return len(parts) == 1 and (parts[0] in others or any(parts[0] in names for names in modules.values())
+                                or any(parts[0] in attributes for attributes in classes.values()))
+
+
+def test_every_name_in_architecture_md_exists():
+    modules, classes = _definitions()
+    others = _names_outside_the_package()
+    spans = {s for s in _code_spans(ARCHITECTURE.read_text()) if _IDENTIFIER.match(s) and not _PATH.match(s)}
+    # a plain lowercase word (`image`, a column) is prose; identifiers with `_`, `.` or capitals are names
+    spans = {s for s in spans if re.search(r"[._A-Z]", s)}
+    missing = sorted(s for s in spans if not _resolves(s, modules, classes, others))
+    assert not missing, f"ARCHITECTURE.md names what does not exist: {missing}"
+
+
+def test_every_path_in_architecture_md_exists():
+    files = _repository_files()
+    spans = {s for s in _code_spans(ARCHITECTURE.read_text()) if _PATH.match(s) and "<" not in s}
+    missing = sorted(s for s in spans if not any(f == s or f.endswith("/" + s) for f in files))
+    assert not missing, f"ARCHITECTURE.md points at paths that do not exist: {missing}"
+
+
+def test_each_object_lives_where_architecture_md_says():
+    # "`Name` (`path.py`)" and "`path.py` (`Name`)": Name is defined (not only imported) in that module
+    modules, _ = _definitions()
+    text = ARCHITECTURE.read_text()
+    claims = re.findall(r"`([A-Z]\w+)` \(`([\w/]+)\.py`", text)
+    claims += [(name, path) for path, name in re.findall(r"`([\w/]+)\.py` \(`([A-Z]\w+)`", text)]
+    wrong = []
+    for name, path in claims:
+        dotted = path.removeprefix("grpo_trainer/").replace("/", ".")
+        homes = [m for m in modules if m == dotted or m.endswith("." + dotted)]
+        if not any(name in modules[m] for m in homes):
+            wrong.append(f"{name} is not defined in {path}.py")
+    assert claims and not wrong, wrong

@@ -1,1 +1,2 @@
-"""Pure tensor math: advantage estimators, policy losses, completion log-probs. Imports nothing else of this package."""
+"""Pure tensor math: advantage estimators, losses and surrogates, masks, entropy control, zero-variance groups,
+truncated supports, mismatch statistics. Imports nothing else of this package."""

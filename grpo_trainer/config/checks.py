@@ -8,15 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALES
-from grpo_trainer.algorithms.engine_correction import IS_MODES
-from grpo_trainer.algorithms.losses import LOSS_TYPES
+from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
+from grpo_trainer.config import choices as kinds
+from grpo_trainer.config.choices import choices
 
-__all__ = ["PENDING", "ZERO_VARIANCE_CHOICES", "advisories", "check_config", "check_pending"]
-
-# Fields whose feature is not built yet: field -> (is the value a request for it?, the feature and its issue).
-# Setting one raises NotImplementedError before any model is loaded; each entry goes when its feature lands.
-PENDING: dict[str, tuple[Any, str]] = {}  # every TRL 1.16 feature is built; the guard stays for new fields
+__all__ = ["advisories", "check_config"]
 
 
 def _rules(args: Any) -> list[tuple[bool, str]]:
@@ -49,16 +45,16 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (not 0 <= args.top_entropy_quantile <= 1,
          f"top_entropy_quantile must be in [0, 1] (got {args.top_entropy_quantile}); 1.0 keeps every token, 0.0 "
          "only the highest-entropy ones."),
-        (args.loss_type not in LOSS_TYPES,
-         f"unknown loss_type {args.loss_type!r}; choose one of {sorted(LOSS_TYPES)}."),
+        (args.loss_type not in choices(kinds.LossType),
+         f"unknown loss_type {args.loss_type!r}; choose one of {sorted(choices(kinds.LossType))}."),
         (isinstance(estimator, str) and estimator not in ADVANTAGE_ESTIMATORS,
          f"unknown advantage_estimator {estimator!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)} or register "
          "one with grpo_trainer.advantage.register_advantage."),
-        (args.importance_sampling_level not in ("token", "sequence"),
+        (args.importance_sampling_level not in choices(kinds.ImportanceSamplingLevel),
          f"unknown importance_sampling_level {args.importance_sampling_level!r}; choose 'token' or 'sequence'."),
         (args.scale_rewards not in SCALES,
          f"unknown scale_rewards {args.scale_rewards!r}; choose one of {list(SCALES)} (or True/False)."),
-        (args.reward_error_policy not in ("raise", "none"),
+        (args.reward_error_policy not in choices(kinds.RewardErrorPolicy),
          f"unknown reward_error_policy {args.reward_error_policy!r}; choose 'raise' or 'none'."),
         (args.reward_timeout is not None and not args.reward_timeout > 0,
          f"reward_timeout must be > 0 seconds or None (got {args.reward_timeout}); None sets no limit."),
@@ -66,8 +62,9 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"signal_grace_period must be >= 0 seconds (got {args.signal_grace_period})."),
         (args.sync_ref_model and args.beta == 0,
          "sync_ref_model=True needs beta > 0: with beta == 0 there is no reference model to sync."),
-        (args.zero_variance_groups not in ZERO_VARIANCE_CHOICES,
-         f"unknown zero_variance_groups {args.zero_variance_groups!r}; choose one of {ZERO_VARIANCE_CHOICES}."),
+        (args.zero_variance_groups not in choices(kinds.ZeroVarianceGroups),
+         f"unknown zero_variance_groups {args.zero_variance_groups!r}; choose one of "
+         f"{choices(kinds.ZeroVarianceGroups)}."),
         (args.zero_variance_groups == "skip" and _skip_changes_gradient(args) is not None,
          f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage completion adds "
          f"nothing to the loss, but {_skip_changes_gradient(args)} gives it a gradient; use 'train' (the same "
@@ -86,22 +83,25 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"padding_free must be True or False (got {args.padding_free!r})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
          "reward_weights must be numbers, not NaN."),
-        (args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS,
+        (args.multi_objective_aggregation not in choices(kinds.MultiObjectiveAggregation),
          f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
-         f"{sorted(MULTI_OBJECTIVE_AGGREGATIONS)}."),
-        (args.memory_check not in ("error", "warn", "off"),
+         f"{sorted(choices(kinds.MultiObjectiveAggregation))}."),
+        (args.memory_check not in choices(kinds.MemoryCheck),
          f"unknown memory_check {args.memory_check!r}; choose 'error', 'warn' or 'off'."),
         (not isinstance(args.async_rollouts, int) or args.async_rollouts < 0,
          f"async_rollouts must be an integer >= 0 (got {args.async_rollouts!r}); 0 is synchronous, 1 samples one "
          "round ahead."),
-        (args.async_correction not in ("recompute", "behaviour"),
+        (args.async_correction not in choices(kinds.AsyncCorrection),
          f"async_correction must be 'recompute' or 'behaviour' (got {args.async_correction!r})."),
         (args.async_rollout_timeout is not None and args.async_rollout_timeout <= 0,
          f"async_rollout_timeout must be > 0 seconds, or None for no limit (got {args.async_rollout_timeout})."),
-        (args.vllm_mode not in ("colocate", "server"),
+        (args.vllm_mode not in choices(kinds.VLLMMode),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
-        (args.vllm_importance_sampling_mode not in IS_MODES,
-         f"unknown vllm_importance_sampling_mode {args.vllm_importance_sampling_mode!r}; choose one of {IS_MODES}."),
+        (args.vllm_importance_sampling_mode not in choices(kinds.VLLMImportanceSamplingMode),
+         f"unknown vllm_importance_sampling_mode {args.vllm_importance_sampling_mode!r}; choose one of "
+         f"{choices(kinds.VLLMImportanceSamplingMode)}."),
+        (args.vllm_model_impl not in choices(kinds.VLLMModelImpl),
+         f"unknown vllm_model_impl {args.vllm_model_impl!r}; choose 'vllm' or 'transformers'."),
         (None not in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
          and args.vllm_importance_sampling_clip_min >= args.vllm_importance_sampling_clip_max,
          f"vllm_importance_sampling_clip_min ({args.vllm_importance_sampling_clip_min}) must be less than "
@@ -137,9 +137,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
     ]
 
 
-ZERO_VARIANCE_CHOICES = ("train", "skip", "resample")
-
-
 def _skip_changes_gradient(args: Any) -> str | None:
     """The setting under which a completion with advantage 0 still has a loss gradient (None: there is none)."""
     if args.beta != 0:
@@ -158,16 +155,6 @@ def _sequence_parallel(args: Any) -> bool:
 
 def _evaluates(args: Any) -> bool:
     return bool(args.do_eval) and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
-
-
-def check_pending(args: Any) -> None:
-    """NotImplementedError for the first field set to a value whose feature is not built yet (`PENDING`)."""
-    for name, (requested, feature) in PENDING.items():
-        value = getattr(args, name)
-        if requested(value):
-            default = type(args).__dataclass_fields__[name].default
-            raise NotImplementedError(f"{name}={value!r} asks for {feature}, which grpo_trainer does not implement "
-                                      f"yet; leave {name} at its default ({default!r}).")
 
 
 # Losses that sum token terms (a completion weighs as many tokens as it has).
@@ -195,8 +182,7 @@ def advisories(args: Any) -> list[str]:
 
 
 def check_config(args: Any) -> None:
-    """Refuse fields whose feature is pending, then raise the first rule that `args` (a GRPOConfig) breaks."""
-    check_pending(args)
+    """Raise the first rule that `args` (a GRPOConfig) breaks."""
     for wrong, message in _rules(args):
         if wrong:
             raise ValueError(message)

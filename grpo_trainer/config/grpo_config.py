@@ -4,9 +4,9 @@ Every field of TRL 1.16's `GRPOConfig` is here with its name, type, default and 
 unchanged (tests/config/test_trl_parity.py compares the two field by field). Documented differences: `bf16`
 defaults to what the hardware runs fast (bf16 on a GPU that supports it, fp32 on CPU, where bf16 matmuls are
 ~30x slower), activation checkpointing is on by default under its current name, and this project's own fields
-(`max_prompt_length`, `generation_backend`, `advantage_estimator`, ...). A field whose feature is not built yet
-raises `NotImplementedError` naming the feature when set (`config.checks.PENDING`), never silently ignored. Names that
-older TRL releases had are accepted with a warning naming their replacement (`config.legacy`).
+(`max_prompt_length`, `generation_backend`, `advantage_estimator`, ...). Choice fields are `Literal` types
+(`config.choices`), so `grpo-train --help` lists their values. Names that older TRL releases had are accepted with a
+warning naming their replacement (`config.legacy`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,18 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_trainer.config.checks import check_config
+from grpo_trainer.config.choices import (
+    AsyncCorrection,
+    ImportanceSamplingLevel,
+    LossType,
+    MemoryCheck,
+    MultiObjectiveAggregation,
+    RewardErrorPolicy,
+    VLLMImportanceSamplingMode,
+    VLLMMode,
+    VLLMModelImpl,
+    ZeroVarianceGroups,
+)
 from grpo_trainer.config.legacy import LegacyFields, resolve_legacy
 from grpo_trainer.runtime import compat
 
@@ -105,10 +117,10 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
 
     # vLLM
     use_vllm: bool = _opt(False, "Generate with vLLM instead of generation_backend.")
-    vllm_mode: str = _opt(
+    vllm_mode: VLLMMode = _opt(
         "colocate", "'colocate': a vLLM engine inside each training process, sharing its devices; 'server': a "
         "separately started vLLM server (vllm_server_* fields).")
-    vllm_model_impl: str = _opt("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
+    vllm_model_impl: VLLMModelImpl = _opt("vllm", "vLLM's model implementation: 'vllm' (its own) or 'transformers'.")
     vllm_enable_sleep_mode: bool = _opt(
         False, "Colocate: offload vLLM's weights and KV cache while the trainer runs (less memory, slower wake-up).")
     vllm_structured_outputs_regex: str | None = _opt(None, "Constrain vLLM's completions to this regex.")
@@ -128,7 +140,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     vllm_importance_sampling_correction: bool = _opt(
         True, "Correct for the difference between vLLM's sampling log-probs and the trainer's with an "
         "importance weight on each token or sequence.")
-    vllm_importance_sampling_mode: str = _opt(
+    vllm_importance_sampling_mode: VLLMImportanceSamplingMode = _opt(
         "sequence_mask", "How that weight is bounded: 'token_truncate' / 'sequence_truncate' clip it to "
         "[clip_min, clip_max], 'token_mask' / 'sequence_mask' zero it outside that range; per token, or one "
         "weight per sequence (the exponential of the summed log-ratio).")
@@ -142,7 +154,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
 
     # Rewards and advantages
     reward_weights: list[float] | None = _opt(None, "One weight per reward function (None = all 1.0).")
-    multi_objective_aggregation: str = _opt(
+    multi_objective_aggregation: MultiObjectiveAggregation = _opt(
         "sum_then_normalize", "Several reward functions: 'sum_then_normalize' weights and sums them, then "
         "normalises as scale_rewards says; 'normalize_then_sum' (GDPO) normalises each within its group, sums "
         "them with their weights, then normalises the sum over the batch.")
@@ -150,7 +162,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     advantage_estimator: str = _opt(
         "grpo", "Advantage estimator by registry name: 'grpo', 'rloo', 'dr_grpo', 'reinforce_pp_baseline' or one "
         "registered with grpo_trainer.advantage.register_advantage. The trainer also accepts an instance/callable.")
-    reward_error_policy: str = _opt(
+    reward_error_policy: RewardErrorPolicy = _opt(
         "raise", "A reward function that raises or returns NaN/inf: 'raise' stops with the function's name and "
         "the sample, 'none' treats that reward as missing (None).")
     reward_model_batch_size: int | None = _opt(
@@ -166,12 +178,12 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     epsilon: float = _opt(0.2, "Lower clip range epsilon_low.")
     epsilon_high: float | None = _opt(None, "Upper clip range (None = epsilon); DAPO suggests 0.28.")
     delta: float | None = _opt(None, "Two-sided clipping: cap on the unclipped ratio (INTELLECT-2).")
-    loss_type: str = _opt(
+    loss_type: LossType = _opt(
         "dapo", "Surrogate and aggregation: 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo' (sequence "
         "sums; pair it with importance_sampling_level='sequence') or 'vespo' (a Gamma-shaped sequence weight).")
-    importance_sampling_level: str = _opt("token", "'token' or 'sequence' (GSPO).")
+    importance_sampling_level: ImportanceSamplingLevel = _opt("token", "'token' or 'sequence' (GSPO).")
     mask_truncated_completions: bool = _opt(False, "Leave completions that never emitted EOS out of the loss.")
-    zero_variance_groups: str = _opt(
+    zero_variance_groups: ZeroVarianceGroups = _opt(
         "train", "Groups whose G rewards are all equal (advantage 0, no policy-gradient signal): 'train' trains on "
         "them as TRL does (they still count in every loss normaliser); 'skip' leaves out their forward and backward "
         "with the gradient unchanged (beta = 0, no entropy bonus or mask, no router loss); 'resample' (DAPO's dynamic "
@@ -221,7 +233,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         0.05, "Mean |sampler - trainer| log-prob difference (nats per token) above which the mismatch report warns.")
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
                                          "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
-    memory_check: str = _opt(
+    memory_check: MemoryCheck = _opt(
         "error", "Before loading weights, plan the run's peak memory per process (docs/MEMORY.md): 'error' stops a "
         "run that would not fit, naming settings that do; 'warn' logs that and trains anyway; 'off' skips the plan. "
         "With auto_find_batch_size=True the first setting that fits is applied instead (same global batch and "
@@ -241,7 +253,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "as TRL's GRPOTrainer). With k, round n + k is sampled with the weights of step n: at most k steps stale, "
         "by pacing (nothing is dropped). Pays off when generation and training use different devices (vLLM server) "
         "or rewards wait on I/O.")
-    async_correction: str = _opt(
+    async_correction: AsyncCorrection = _opt(
         "behaviour", "Off-policy correction of asynchronous rounds: 'behaviour' (the sampler's log-probs are the old "
         "log-probs, as TRL's async trainer and verl) or 'recompute' (decoupled PPO: old log-probs recomputed under "
         "the round's start weights, one no-grad forward per round, weighted by old / behaviour with the "

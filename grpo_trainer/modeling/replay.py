@@ -13,7 +13,7 @@ loss never reads (left padding, after EOS, the last token, which the rollout nev
 rollout left there, zeros for the last token: their gradient is exactly zero, as it is without replay.
 
 The LM head gets the same treatment in `modeling.logprobs`: on-policy its forward returns the rollout's log-probs,
-and its backward takes the rollout's tempered softmax (`Rollout.sampling_probs`) instead of recomputing the logits.
+and its backward takes the rollout's tempered softmax (`ReplayCapture.probs`) instead of recomputing the logits.
 Both kinds of tensors are kept only within the memory budget that `capture` applies.
 
 Shapes: `B` rows, `L` decoder layers, `N` = S + T columns (prompt then completion), `E` hidden size.

@@ -113,7 +113,7 @@ class PlanSettings:
 
     @property
     def on_policy(self) -> bool:
-        """Every micro-step of a round runs before the next optimizer step (`trainer.rounds._on_policy`)."""
+        """Every micro-step of a round runs before the next optimizer step (`trainer.schedule.Schedule.on_policy`)."""
         return self.accumulation_steps % (self.steps_per_generation * self.num_iterations) == 0
 
     @property

@@ -5,8 +5,8 @@ Every backend returns the tokens and masks. Beyond them:
 1. Sampling log-probs and entropies `[B, T]` (backends whose capabilities say `sampling_logps`) are kept when they
    are the distribution the loss scores: sampling (not greedy) at the loss's temperature. They are then the old
    log-probs, and on-policy the loss forward's own values (`modeling.logprobs`). An engine's log-probs
-   (`engine_logps`) are never those values: they are kept whenever the rollout sampled (they are the sampler's
-   distribution, whatever its temperature and filters), for the importance-sampling correction.
+   (`SamplerRecord.logps` without `exact`) are never those values: they are kept whenever the rollout sampled (they
+   are the sampler's distribution, whatever its temperature and filters), for the importance-sampling correction.
 2. For `replay`, on-policy training may also keep every decoder layer's output `[B, L, S + T, E]` (the checkpointed
    loss forward returns them instead of running its layers) and every step's tempered softmax `[B, T, V]` (the LM
    head's backward takes it instead of recomputing the logits). Only on-policy training qualifies (the weights
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from grpo_trainer.rollout.types import Rollout
+from grpo_trainer.rollout.types import KeptSupports, Rollout, SamplerRecord
 
 __all__ = ["KEEP_NOTHING", "REPLAY_MAX_BYTES", "SUPPORT_MAX_BYTES", "Capture", "drop_for_tool_results",
            "drop_unusable", "plan", "replay_buffers", "support_buffer"]
@@ -104,17 +104,21 @@ def drop_unusable(rollout: Rollout, config: GenerationConfig, temperature: float
     greedy decoding, sampling at another temperature than the loss's, or a truncated sampler whose supports the
     loss would recompute (decision 5); and without the sampler's own values when greedy (no sampling distribution
     to correct for or compare with)."""
+    record = original = rollout.sampler
     if not config.do_sample:
-        rollout = replace(rollout, engine_logps=None, behaviour_logps=None, log_kept_mass=None, sampling_mask=None)
-    truncated_unknown = capture.kept_support and rollout.log_kept_mass is not None and rollout.sampling_mask is None
-    if config.do_sample and config.temperature == temperature and not truncated_unknown:
-        return rollout
-    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)
+        record = replace(record, logps=None, entropy=None, exact=False, kept=KeptSupports(),
+                         replay=replace(record.replay, probs=None))
+    kept = record.kept
+    truncated_unknown = capture.kept_support and kept.log_mass is not None and kept.mask is None
+    if record.exact and (config.temperature != temperature or truncated_unknown):  # decision 1: not the loss's
+        record = replace(record, logps=None, entropy=None, exact=False, replay=replace(record.replay, probs=None))
+    return rollout if record is original else replace(rollout, sampler=record)
 
 
 def drop_for_tool_results(rollout: Rollout) -> Rollout:
     """The rollout without any sampling tensor when tools wrote part of its completions (decision 4)."""
     if rollout.env_mask is None:
         return rollout
-    return replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None, layer_outputs=None,
-                   sampling_mask=None, log_kept_mass=None, behaviour_logps=None)
+    record = rollout.sampler  # an engine's log-probs follow their tokens (`multiturn.loop`, decision 5)
+    return replace(rollout, sampler=SamplerRecord(record.kind, record.version,
+                                                  logps=None if record.exact else record.logps))

@@ -2,6 +2,10 @@
 `ImageInputs`), the completions coming out (`Rollout`), and the end every backend gives its completions the same way
 (`end_at_first_eos`: the EOS ids and pad id of the generation config, the mask up to the first EOS, padding after it).
 
+`SamplerRecord` says how a rollout was sampled (which sampler, which weights, the sampler's log-probs, kept supports
+under truncated sampling, what it captured for replay); it travels with the round to the last micro-step, and every
+consumer (old log-probs, importance sampling, the off-policy mask, the mismatch report) reads it.
+
 `ImageInputs` (built by `rollout.multimodal`) holds the model inputs a processor returned beside the prompt ids: token
 fields aligned with the prompt columns, image fields with their own leading axis (`U` entries: images or patches),
 and how many entries of each image field every row owns, so rows can be selected and columns trimmed.
@@ -12,13 +16,17 @@ layers, `E` hidden size, `V` vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
-__all__ = ["ImageInputs", "PromptBatch", "Rollout", "completion_mask", "end_at_first_eos", "special_tokens"]
+__all__ = ["ImageInputs", "KeptSupports", "PromptBatch", "ReplayCapture", "Rollout", "SamplerKind", "SamplerRecord",
+           "completion_mask", "end_at_first_eos", "special_tokens"]
 
 
 def _index(index: slice | Tensor, rows: int, device: torch.device) -> Tensor:
@@ -82,6 +90,117 @@ class ImageInputs:
         return any(value.shape[0] > 0 for value in self.image_fields.values())
 
 
+SamplerKind = Literal["decoder", "generate", "engine", "rollout_func"]
+_COMPLETION, _SEQUENCE = "completion", "sequence"
+
+
+def _columns(axis: str, dim: int = 1) -> Any:
+    """A record field spanning the completion columns (or the whole sequence) from dimension `dim`."""
+    return field(default=None, metadata={"columns": axis, "dim": dim})
+
+
+def _mapped(record: Any, fn: Callable[[Tensor, str, int], Tensor]) -> Any:
+    """`record` (a frozen dataclass of column fields and nested records) with `fn(value, axis, dim)` applied to
+    every tensor it holds."""
+    values = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if dataclasses.is_dataclass(value):
+            values[f.name] = _mapped(value, fn)
+        elif isinstance(value, Tensor) and "columns" in f.metadata:
+            values[f.name] = fn(value, f.metadata["columns"], f.metadata["dim"])
+    return dataclasses.replace(record, **values)
+
+
+def _joined(records: list[Any]) -> dict[str, Any]:
+    """The tensor fields of `records` (one type) concatenated along the rows; None where some record has none."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(records[0]):
+        column = [getattr(r, f.name) for r in records]
+        if dataclasses.is_dataclass(column[0]):
+            values[f.name] = dataclasses.replace(column[0], **_joined(column))
+        elif "columns" in f.metadata:
+            values[f.name] = None if any(v is None for v in column) else torch.cat(column)
+    return values
+
+
+class _Columns:
+    """Row selection, column trimming, padding and concatenation of a record whose fields declare their columns
+    (`Round`'s decision 1, for the record's tensors)."""
+
+    def select_rows(self, index: slice | Tensor) -> Any:
+        return _mapped(self, lambda value, axis, dim: value[index])
+
+    def select_columns(self, keep: dict[str, slice]) -> Any:
+        """`keep`: axis (`completion`, `sequence`) -> the columns kept."""
+        return _mapped(self, lambda value, axis, dim: value[(slice(None),) * dim + (keep[axis],)])
+
+    def pad_columns(self, sides: dict[str, tuple[int, int]]) -> Any:
+        """Zeros on each axis' `(left, right)` sides (F.pad counts its pairs from the last dimension backwards)."""
+        return _mapped(self, lambda value, axis, dim: nn.functional.pad(
+            value, (0, 0) * (value.dim() - dim - 1) + sides[axis]))
+
+
+@dataclass(frozen=True)
+class KeptSupports(_Columns):
+    """Truncated sampling (top-k / top-p / min-p, `algorithms.truncation`) as the sampler knew it at draw time (the
+    fast loop), or, for `mask`, as the trainer's first forward at the sampling weights collected it."""
+
+    # the kept support of each position, packed (bit v % 8 of byte v // 8: token v could be drawn)
+    mask: Tensor | None = _columns(_COMPLETION)  # [B, T, ceil(V / 8)] uint8
+    log_mass: Tensor | None = _columns(_COMPLETION)  # [B, T] log of the mass the tempered softmax put on it
+    # each token's log-prob under the processed distribution it was drawn from (after every logits processor)
+    drawn_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+
+
+@dataclass(frozen=True)
+class ReplayCapture(_Columns):
+    """What the sampler captured for the loss to replay (`capture.Capture`, `modeling.replay`)."""
+
+    probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V] the whole tempered softmax at every step
+    # every decoder layer's output at every prompt and completion column (zeros for the last completion token)
+    layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
+    # A Mixture-of-Experts model's routing (the experts each token was sent to, `[B, T, L, k]`) belongs here, as a
+    # `_columns(_COMPLETION)` field: it then selects, trims, pads and concatenates with the round.
+
+
+@dataclass(frozen=True)
+class SamplerRecord(_Columns):
+    """How a round was sampled: by which sampler, with which weights, and what the sampler knew of each token.
+
+    `logps` are the sampler's own log-prob of each sampled token: an engine's (vLLM, a `rollout_func`: computed by
+    other kernels, so never a stand-in for the trainer's values; NaN where it gave none, 0 on padding) or the
+    in-process sampler's. `exact`: they and `entropy` are computed as the loss computes them (the full tempered
+    softmax, or the kept supports' softmax under `keep_sampling_mask`) at the weights the loss starts from, so they
+    stand in for the loss forward's own values (`capture.drop_unusable` clears `exact` values that are not; the
+    off-policy preparation clears `exact` once the weights moved)."""
+
+    kind: SamplerKind = "generate"
+    version: int = 0  # optimizer steps the sampling weights had taken
+    logps: Tensor | None = _columns(_COMPLETION)  # [B, T] float32
+    entropy: Tensor | None = _columns(_COMPLETION)  # [B, T] float32, `exact` only
+    exact: bool = False
+    kept: KeptSupports = field(default_factory=KeptSupports)
+    replay: ReplayCapture = field(default_factory=ReplayCapture)
+
+    @property
+    def stand_ins(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(log-probs, entropies, softmax) that replace the loss forward's own values; Nones unless `exact`."""
+        return (self.logps, self.entropy, self.replay.probs) if self.exact else (None, None, None)
+
+    def without_stand_ins(self) -> SamplerRecord:
+        """The record once the weights moved past the sampling ones: the sampler's log-probs stay (what it drew
+        from), nothing stands in for the loss's values and nothing is replayed."""
+        return dataclasses.replace(self, entropy=None, exact=False, replay=ReplayCapture())
+
+    @staticmethod
+    def concat(records: list[SamplerRecord]) -> SamplerRecord:
+        """The rows of `records` in order (their columns already of one width): a tensor some lack is dropped; the
+        oldest version is kept."""
+        return dataclasses.replace(records[0], version=min(r.version for r in records),
+                                   exact=all(r.exact for r in records), **_joined(records))
+
+
 @dataclass
 class PromptBatch:
     """Tokenised prompts, one row per completion to sample."""
@@ -116,30 +235,11 @@ class Rollout:
     completion_ids: Tensor  # [B, T] right-padded with the pad id
     completion_mask: Tensor  # [B, T] 1 up to and including the first EOS
     is_truncated: Tensor  # [B] bool: the completion never emitted EOS
-    # log pi(token) and the entropy at each position under the weights that sampled, from the full tempered softmax
-    # (before top-k/top-p filtering), computed as the loss computes them. Only backends whose capabilities say
-    # `sampling_logps` fill them; `capture.drop_unusable` clears them where they are not the loss's distribution.
-    sampling_logps: Tensor | None = None  # [B, T] float32
-    sampling_entropy: Tensor | None = None  # [B, T] float32
-    # Kept on request for `replay` (`capture.Capture`): the whole tempered softmax at every step, and every decoder
-    # layer's output at every prompt and completion column (zeros for the last completion token, never fed back).
-    sampling_probs: Tensor | None = None  # [B, T, V] float32
-    layer_outputs: Tensor | None = None  # [B, L, S + T, E]
-    # An inference engine's own log-prob of each sampled token (vLLM's, backends whose capabilities say
-    # `engine_logps`): computed by other kernels than the trainer's, so never a stand-in for the loss's values; the
-    # importance-sampling correction compares them with the trainer's (`algorithms.engine_correction`). NaN where
-    # the engine gave none, 0 on padding.
-    engine_logps: Tensor | None = None  # [B, T] float32
+    # How the completions were sampled: the sampler's log-probs, kept supports and replay capture (`SamplerRecord`).
+    sampler: SamplerRecord = field(default_factory=lambda: SamplerRecord())
     # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
     # environment wrote. None: the policy sampled every completion token.
     env_mask: Tensor | None = None  # [B, T] int
-    # Truncated sampling (`algorithms.truncation`), from a backend that knows it at draw time (the fast loop): the
-    # kept support of each position, packed (bit v % 8 of byte v // 8: token v could be drawn; on request), the log
-    # of the mass the tempered softmax put on it, and each token's log-prob under the processed distribution it was
-    # drawn from (after every logits processor). None: not known, or nothing but the temperature processed logits.
-    sampling_mask: Tensor | None = None  # [B, T, ceil(V / 8)] uint8
-    log_kept_mass: Tensor | None = None  # [B, T] float32
-    behaviour_logps: Tensor | None = None  # [B, T] float32
 
     @property
     def sampled_mask(self) -> Tensor:

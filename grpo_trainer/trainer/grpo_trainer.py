@@ -14,7 +14,7 @@ What this trainer does, and how it differs from the papers and from TRL:
    exp(logp - logp.detach()). A rollout backend with the `sampling_logps` capability returns each token's log-prob
    and entropy under the sampling weights: they are the old log-probs, and on-policy the current values too, so the
    loss forward skips the LM-head projection (`trainer.scoring`). An inference engine's log-probs (vLLM) enter
-   through the importance-sampling correction only (`trainer.engine`).
+   through the importance-sampling correction only (`trainer.off_policy`).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
 6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion once,
    and log-probs never materialise float32 `[B, T, V]` logits (`modeling.logprobs`).
@@ -60,10 +60,9 @@ from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, memory, parts, setup
 from grpo_trainer.trainer.loss import NonFiniteGuard, pooled_high_entropy_mask
-from grpo_trainer.trainer.producer import ProducerPacing
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView
-from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
+from grpo_trainer.trainer.schedule import RoundBuffer
 
 __all__ = ["GRPOTrainer"]
 
@@ -130,12 +129,13 @@ class GRPOTrainer(Trainer):
         train_dataset = setup.training_prompts(train_dataset, environments, self._multi_turn, args)
         setup.check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
                            prompt_optional=environments is not None)
-        setup.check_async(args, backend, train_dataset, rollout_func)
+        source_type = parts.source_type(args)
+        source_type.check(args, backend, train_dataset, rollout_func)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         memory.prepare_host(args)
         memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)
         policy = setup.build_policy(model, args, peft_config, quantization_config)
-        setup.check_async_model(policy.model, args, in_process=not backend.capabilities.own_weights)
+        source_type.check_model(policy.model, args, in_process=not backend.capabilities.own_weights)
         self.ref_model, self.router_aux_loss_coef = policy.ref_model, policy.router_aux_loss_coef
         if self._multi_turn is not None:
             self._multi_turn.attach_model(eos_token_ids(processing_class, policy.model.generation_config),
@@ -159,8 +159,7 @@ class GRPOTrainer(Trainer):
 
     def _build_parts(self, args: GRPOConfig, backend: rollout.RolloutBackend, processing_class: Any) -> None:
         """The owned parts (module docstring; `trainer.parts`), once the accelerator and the prepared models exist."""
-        schedule = Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
-                            args.async_rollouts)
+        schedule = parts.schedule(args)
         self.metrics = MetricsWindow()
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
@@ -169,16 +168,17 @@ class GRPOTrainer(Trainer):
         first_turn = (lambda prompts: self._generate(prompts)) if self.rollout_func else None
         self.rounds = parts.round_builder(args, schedule, processing_class, backend, self.reward_sources,
                                           self.advantage_fn, self.accelerator, self.metrics, self.completions,
-                                          self.scorer, self._multi_turn, first_turn, self.train_dataset, self.model)
+                                          self._multi_turn, first_turn, self.train_dataset)
+        self.corrections = parts.corrections(args, schedule, self.rounds, self.scorer, self.accelerator, self.metrics,
+                                             self.model)
         self.buffer = RoundBuffer(schedule)
-        self.async_rounds = pacing = None
-        if args.async_rollouts:
-            self.async_rounds = parts.async_rounds(args, self.train_dataset, self.accelerator, self.rounds,
-                                                   self.scorer, schedule, self.model, backend, self.metrics,
-                                                   lambda: self.state.global_step)
-            pacing = ProducerPacing(self.async_rounds, self.buffer, self._signal_stop)
-            self.add_callback(pacing)
-        self.run_parts = lifecycle.RunParts(self.buffer, self.async_rounds, pacing, self.rounds.resampler)
+        self.source = parts.round_source(args, self.train_dataset, self.accelerator, self.rounds, self.corrections,
+                                         self.scorer, self.buffer, lambda rows, mode: self._generate_and_score(
+                                             rows, mode), self.model, backend,
+                                         self.metrics, lambda: self.state.global_step, self._signal_stop)
+        for callback in self.source.callbacks():
+            self.add_callback(callback)
+        self.run_parts = lifecycle.RunParts(self.source, self.rounds.resampler)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self.step_time, self._saving_stuck = StepTime(self.metrics), False
 
@@ -284,24 +284,17 @@ class GRPOTrainer(Trainer):
             self.model_wrapped, self.accelerator, self.args.ds3_gather_for_generation), self.state.global_step, plain)
 
     def _generate_and_score(self, batch: list[dict], mode: str) -> Round:
-        """One round from this process's dataset rows (`RoundBuilder.build`)."""
-        return self.rounds.build(batch, mode, self._policy_view(), self.state)
+        """One round from this process's dataset rows, built and corrected (`RoundSource.build`)."""
+        return self.source.build(batch, mode, self._policy_view(), self.state)
 
     def _prepare_inputs(self, generation_batch: list[dict]) -> Round:
         """Generate once per round; serve the round's micro-batches on the following micro-steps."""
         if not self.model.training:
-            if self.async_rounds is not None:
-                self.async_rounds.producer.drain()  # the backend (and torch's generator) are the main thread's now
-            return self.scorer.prepare(self._generate_and_score(generation_batch, "eval"), "eval", self.model)
+            return self.scorer.prepare(self.source.evaluation_round(generation_batch), "eval", self.model)
 
         def make_round() -> list[Round]:
             with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
-                if self.async_rounds is not None:
-                    return self.async_rounds.prepared_round(self.buffer.micro_step, generation_batch, self.model,
-                                                            self.state)
-                round_ = self._generate_and_score(generation_batch, "train")
-            return [self.scorer.prepare(part, "train", self.model)
-                    for part in round_.split(self.args.steps_per_generation)]
+                return self.source.training_round(self.buffer.micro_step, generation_batch, self.model, self.state)
 
         return self.buffer.next(make_round)
 
@@ -341,8 +334,7 @@ class GRPOTrainer(Trainer):
                 try:
                     output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
                 finally:
-                    if self.async_rounds is not None:  # nothing is left running (`trainer.producer`, decision 4)
-                        self.async_rounds.close()
+                    self.source.close()  # nothing is left running (`trainer.source`)
         if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
             self._completions_upload.push_now()
         return output

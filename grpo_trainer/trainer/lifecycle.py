@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from grpo_trainer.algorithms.entropy import EntropyControl
-from grpo_trainer.trainer.producer import AsyncRounds, ProducerPacing
 from grpo_trainer.trainer.resample import Resampler
-from grpo_trainer.trainer.schedule import RoundBuffer
+from grpo_trainer.trainer.source import RoundSource
 
 __all__ = ["ENTROPY_STATE", "RunParts", "load_run_state", "save_run_state"]
 
@@ -53,29 +52,18 @@ def load_run_state(folder: str, process_index: int, device: torch.device, entrop
 
 @dataclass(frozen=True)
 class RunParts:
-    """The trainer's parts whose state a checkpoint keeps per process: the round buffer, the producer's rounds
-    sampled ahead (asynchronous rollouts) and dynamic sampling's prompt stream."""
+    """The trainer's parts whose state a checkpoint keeps per process: the round source's (the buffer, and any
+    rounds it sampled ahead, `trainer.source`) and dynamic sampling's prompt stream."""
 
-    buffer: RoundBuffer
-    async_rounds: AsyncRounds | None = None
-    pacing: ProducerPacing | None = None
+    source: RoundSource
     resampler: Resampler | None = None
 
     def state_dict(self, stuck: bool = False) -> dict[str, Any]:
-        """`stuck`: saved from the signal watchdog while a producer job may hang (`trainer.producer`, decision 5):
-        the buffer as the step began and no sampled round."""
-        if self.pacing is not None and stuck:
-            state = self.pacing.stuck_state()
-        else:
-            state = self.buffer.state_dict()
-            if self.async_rounds is not None:  # the rounds sampled ahead, once the producer is idle
-                self.async_rounds.producer.drain()
-                state["producer"] = self.async_rounds.producer.state_dict()
+        """`stuck`: saved from the signal watchdog while a rollout may hang (`RoundSource.run_state`)."""
+        state = self.source.run_state(stuck)
         return state if self.resampler is None else {**state, "resample": self.resampler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buffer.load_state_dict(state)
-        if self.async_rounds is not None and "producer" in state:
-            self.async_rounds.producer.load_state_dict(state["producer"])
+        self.source.load_run_state(state)
         if self.resampler is not None and "resample" in state:
             self.resampler.load_state_dict(state["resample"])

@@ -70,9 +70,9 @@ class GRPOLoss:
         bonus = self.entropy.enabled
         norm = losses.LossNorm(settings.accumulation_steps if mode == "train" else 1, inputs.window_tokens,
                                settings.max_completion_length)
+        # the off-policy mask compares with the sampler's log-probs where the record has them (`trainer.off_policy`)
         batch = losses.LossBatch(inputs.advantages, mask, inputs.old_logps, inputs.ref_logps,
-                                 sampling_logps=inputs.engine_logps if inputs.engine_logps is not None
-                                 else inputs.sampling_logps, engine_ratio=inputs.engine_ratio,
+                                 sampling_logps=inputs.sampler.logps, engine_ratio=inputs.token_weights,
                                  entropy_mask=entropy_mask, entropy=entropy if bonus else None,
                                  entropy_coef=self.entropy.applied() if bonus else None)
         out = losses.objective_loss(logps, batch, objective, norm)
@@ -81,7 +81,7 @@ class GRPOLoss:
         for key, values in out.per_sequence.items():  # extremes over every process's completions
             self.metrics.add(mode, key, losses.SEQUENCE_METRICS[key][1](gather(values)))
         self.metrics.add(mode, "entropy", (entropy.detach() * measured).sum() / measured.sum().clamp(min=1))
-        masses = masses if masses is not None else inputs.log_kept_mass  # the forward's, else the sampler's
+        masses = masses if masses is not None else inputs.sampler.kept.log_mass  # the forward's, else the sampler's
         if masses is not None:  # truncated sampling: the bias a full-softmax ratio would carry, always shown
             mean_mass = (masses * measured).sum() / measured.sum().clamp(min=1)
             self.metrics.add(mode, "sampling/log_kept_mass/mean", mean_mass)

@@ -7,7 +7,8 @@ Decisions:
    a forward computes them anyway (an inference engine's importance-sampling correction), and with
    `sampling_mismatch_report` by one more no-grad forward otherwise (the fast decoder on-policy, whose own values
    otherwise stand in for the trainer's). The sampler's side is what it drew from: its processed log-probs
-   (`Round.behaviour_logps`), else an engine's (`engine_logps`), else its kept log-probs (`sampling_logps`).
+   (`KeptSupports.drawn_logps`), else its own (`SamplerRecord.logps`). `trainer.off_policy` decides when a round is
+   reported and with which scores.
 2. Everything logged is reduced over processes, so every process records the same metrics: TRL's
    `sampling/sampling_logp_difference/{mean,max}` (unless the engine correction already logged them this round),
    the quantiles of |delta| (`/p50`, `/p90`, `/p99`) and its mean per completion-position bucket
@@ -71,10 +72,8 @@ class MismatchSettings:
 
 def sampler_logps(round_: Round) -> Tensor | None:
     """The sampler's log-probs of the round's tokens `[B, T]`, what it drew from (decision 1)."""
-    for values in (round_.behaviour_logps, round_.engine_logps, round_.sampling_logps):
-        if values is not None:
-            return values
-    return None
+    record = round_.sampler
+    return record.kept.drawn_logps if record.kept.drawn_logps is not None else record.logps
 
 
 class MismatchReport:
@@ -101,7 +100,8 @@ class MismatchReport:
         size = torch.where(known, delta.abs(), 0.0)
         values = self._gathered_sizes(size[known])
         mean_delta = float(values.mean()) if values.numel() else 0.0
-        masses = round_.log_kept_mass[:, :width] if round_.log_kept_mass is not None else trainer_masses
+        kept_mass = round_.sampler.kept.log_mass
+        masses = kept_mass[:, :width] if kept_mass is not None else trainer_masses
         cut = torch.zeros(2, device=delta.device)
         if masses is not None:
             cut = torch.stack([-(masses * known).sum(), known.sum().float()])

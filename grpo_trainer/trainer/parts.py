@@ -17,20 +17,24 @@ from grpo_trainer import rollout
 from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
-from grpo_trainer.data.sampler import RoundSource
+from grpo_trainer.data.sampler import RoundSource as PromptRows
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
+from grpo_trainer.trainer.off_policy import OffPolicy, OffPolicySettings
 from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings
 from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
-from grpo_trainer.trainer.schedule import Schedule
+from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
 from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
+from grpo_trainer.trainer.source import RoundSource, SyncRounds
 
-__all__ = ["async_rounds", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder", "scorer"]
+__all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder",
+           "round_source", "schedule", "scorer", "source_type"]
 
 
 def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
@@ -79,29 +83,51 @@ def mismatch_report(args: GRPOConfig, model: nn.Module, tokenizer: Any, accelera
 
 def round_builder(args: GRPOConfig, schedule: Schedule, processing_class: Any, backend: rollout.RolloutBackend,
                   reward_sources: RewardSources, estimator: Any, accelerator: Accelerator, metrics: MetricsWindow,
-                  completions: CompletionLog, policy_scorer: PolicyScorer, multi_turn: multiturn.MultiTurn | None,
-                  first_turn: Callable | None, dataset: Any, model: nn.Module) -> RoundBuilder:
+                  completions: CompletionLog, multi_turn: multiturn.MultiTurn | None, first_turn: Callable | None,
+                  dataset: Any) -> RoundBuilder:
     """Prompts -> rollout -> rewards -> advantages -> `Round` (`trainer.round_builder`), with dynamic sampling's
-    resampler and the mismatch report."""
+    resampler."""
     settings = RoundSettings(typed.sampling_settings(args), typed.prompt_settings(args), args.num_generations,
                              args.num_generations_eval or args.num_generations, args.mask_truncated_completions,
                              args.log_completions, args.log_multimodal, args.keep_sampling_mask)
-    tokenizer = multimodal.text_tokenizer(processing_class)
     return RoundBuilder(settings=settings, schedule=schedule, processing_class=processing_class, backend=backend,
                         rewards=reward_sources, estimator=estimator, accelerator=accelerator,
-                        metrics_window=metrics, completions=completions, score=policy_scorer.sampling_scores,
-                        engine_correction=typed.engine_correction(args), multi_turn=multi_turn,
-                        first_turn=first_turn, resampler=resampler(args, dataset, accelerator, reward_sources.weights),
-                        mismatch=mismatch_report(args, model, tokenizer, accelerator, metrics))
+                        metrics_window=metrics, completions=completions, multi_turn=multi_turn,
+                        first_turn=first_turn, resampler=resampler(args, dataset, accelerator, reward_sources.weights))
 
 
-def async_rounds(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
-                 policy_scorer: PolicyScorer, schedule: Schedule, model: nn.Module, backend: rollout.RolloutBackend,
-                 metrics: MetricsWindow, global_step: Callable[[], int]) -> AsyncRounds:
-    """Asynchronous rollouts (`trainer.producer`, docs/ASYNC.md): a producer over this process's share of the
-    prompts, seeded per process as `set_seed(..., device_specific=True)` seeds the synchronous path."""
-    source = RoundSource(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
-                         args.shuffle_dataset, args.seed, accelerator.process_index, accelerator.num_processes)
+def corrections(args: GRPOConfig, schedule: Schedule, rounds: RoundBuilder, policy_scorer: PolicyScorer,
+                accelerator: Accelerator, metrics: MetricsWindow, model: nn.Module) -> OffPolicy:
+    """Old log-probs, importance weights and the mismatch report (`trainer.off_policy`); the sampler's dtype is read
+    from the builder's backend when asked (a test or the trainer may swap it)."""
+    settings = OffPolicySettings(typed.engine_correction(args), source_type(args).sampled_ahead(args)[1])
+    report = mismatch_report(args, model, multimodal.text_tokenizer(rounds.processing_class), accelerator, metrics)
+    return OffPolicy(settings, schedule, policy_scorer.sampling_scores, accelerator, metrics, report,
+                     lambda lm: rounds.backend.sampler_dtype(causal_lm(lm)))
+
+
+def schedule(args: GRPOConfig) -> Schedule:
+    """Which micro-step trains on which micro-batch of which round (`trainer.schedule`)."""
+    return Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
+                    source_type(args).sampled_ahead(args)[0])
+
+
+def source_type(args: GRPOConfig) -> type[RoundSource]:
+    """The round source the config asks for (`trainer.source`, decision 3): the one place that chooses."""
+    return AsyncRounds if args.async_rollouts else SyncRounds
+
+
+def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
+                 off_policy: OffPolicy, policy_scorer: PolicyScorer, buffer: RoundBuffer,
+                 generate: Callable[[list[dict], str], Any], model: nn.Module, backend: rollout.RolloutBackend,
+                 metrics: MetricsWindow, global_step: Callable[[], int], signal_stop: Any) -> RoundSource:
+    """Where the trainer takes its rounds from (`trainer.source`). The asynchronous one (`trainer.producer`,
+    docs/ASYNC.md) has a producer over this process's share of the prompts, seeded per process as
+    `set_seed(..., device_specific=True)` seeds the synchronous path."""
+    if source_type(args) is SyncRounds:
+        return SyncRounds(rounds, off_policy, policy_scorer, buffer, generate)
+    rows = PromptRows(dataset, args.num_generations, args.generation_batch_size // args.num_generations,
+                      args.shuffle_dataset, args.seed, accelerator.process_index, accelerator.num_processes)
 
     def view(version: int) -> PolicyView:  # the bare model; grad mode (per thread) keeps checkpointing out
         return PolicyView(model, lambda: contextlib.nullcontext(accelerator.unwrap_model(model)), version,
@@ -111,8 +137,8 @@ def async_rounds(args: GRPOConfig, dataset: Any, accelerator: Accelerator, round
         backend.sync_weights(accelerator.unwrap_model(model), global_step())
 
     settings = AsyncSettings(args.async_rollouts, args.seed + accelerator.process_index, args.async_rollout_timeout)
-    return AsyncRounds(settings, args.async_correction, rounds, policy_scorer, source, schedule, view,
-                       push if backend.capabilities.own_weights else None, metrics)
+    return AsyncRounds(settings, rounds, off_policy, policy_scorer, buffer, generate, rows, view,
+                       push if backend.capabilities.own_weights else None, metrics, signal_stop)
 
 
 def prepare_auxiliary(module: nn.Module, accelerator: Accelerator, deepspeed: bool, fsdp: bool,

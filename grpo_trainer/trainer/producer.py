@@ -19,6 +19,10 @@ Decisions (docs/ASYNC.md explains the schedule to users):
    `close` ends it: nothing is left running at exit.
 5. A checkpoint stores the rounds sampled but not yet trained (with their versions); a resumed run takes them from
    the checkpoint instead of sampling them again with other weights.
+6. A job gives each round the log-probs its correction and report need at the weights that sampled it (nothing
+   changes them while a job runs): the behaviour policy's by one no-grad forward where the sampler kept none
+   (`generate`), and with `sampling_mismatch_report` the trainer's beside the sampler's own (`Sampled.trainer_scores`,
+   `trainer.off_policy` decision 3).
 
 Shapes: none (rounds are `RoundBuilder.Sampled`).
 """
@@ -40,13 +44,18 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerState
 
-from grpo_trainer.data.sampler import RoundSource
+from grpo_trainer.data.sampler import RoundSource as PromptRows
 from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING
+from grpo_trainer.runtime import compat
+from grpo_trainer.runtime.distributed import launched_world_size
 from grpo_trainer.runtime.interrupts import SignalStop
+from grpo_trainer.trainer.off_policy import OffPolicy
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, Sampled
-from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
+from grpo_trainer.trainer.schedule import RoundBuffer
 from grpo_trainer.trainer.scoring import PolicyScorer
+from grpo_trainer.trainer.source import RoundSource
 
 __all__ = ["AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "RoundProducer", "round_seed"]
 
@@ -210,22 +219,127 @@ def _close_producers() -> None:
         producer.close(timeout=_EXIT_WAIT_S)
 
 
-class AsyncRounds:
-    """The main thread's side of asynchronous rollouts: at the start of each training round, take it from the
-    producer, correct it for being sampled off-policy, prepare its micro-batches, then submit the next rounds.
+def _sharded_weights(args: Any) -> str | None:
+    """'DeepSpeed ZeRO-3' or 'FSDP' when the launch shards the weights (from the config or `accelerate launch`'s
+    environment), else None: known before any model loads."""
+    import json
+    import os
 
-    `make_view(version)`: the weights jobs sample with (the bare model, no activation-checkpointing switch: grad mode
-    is per thread, so the producer's no-grad forward runs the layers plainly); `push_weights()`: hand an engine the
-    current weights (main thread, no job in flight; a no-op for in-process backends)."""
+    deepspeed = args.deepspeed
+    if isinstance(deepspeed, str) and os.path.isfile(deepspeed):
+        with open(deepspeed) as f:
+            deepspeed = json.load(f)
+    stage = (deepspeed or {}).get("zero_optimization", {}).get("stage") if isinstance(deepspeed, dict) else None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        stage = stage or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if str(stage) == "3":
+        return "DeepSpeed ZeRO-3"
+    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "FSDP"
+    return None
 
-    def __init__(self, settings: AsyncSettings, correction: str, builder: RoundBuilder, scorer: PolicyScorer,
-                 source: RoundSource, schedule: Schedule, make_view: Callable[[int], PolicyView],
-                 push_weights: Callable[[], None] | None, metrics_window: MetricsWindow) -> None:
-        self.settings, self.correction = settings, correction
-        self.builder, self.scorer, self.source, self.schedule = builder, scorer, source, schedule
+
+class AsyncRounds(RoundSource):
+    """The asynchronous round source (`trainer.source`): at the start of each training round, take it from the
+    producer, correct it for being sampled off-policy (`trainer.off_policy`), prepare its micro-batches, then submit
+    the next rounds.
+
+    `rows`: this process's dataset rows of each round; `make_view(version)`: the weights jobs sample with (the bare
+    model, no activation-checkpointing switch: grad mode is per thread, so the producer's no-grad forward runs the
+    layers plainly); `push_weights()`: hand an engine the current weights (main thread, no job in flight; None for
+    in-process backends); `signal_stop`: what a checkpoint saved while a job hangs asks (`ProducerPacing`)."""
+
+    def __init__(self, settings: AsyncSettings, builder: RoundBuilder, corrections: OffPolicy, scorer: PolicyScorer,
+                 buffer: RoundBuffer, generate: Callable[[list[dict], str], Round], rows: PromptRows,
+                 make_view: Callable[[int], PolicyView], push_weights: Callable[[], None] | None,
+                 metrics_window: MetricsWindow, signal_stop: SignalStop) -> None:
+        super().__init__(builder, corrections, scorer, buffer, generate)
+        self.settings, self.rows, self.schedule = settings, rows, buffer.schedule
         self.make_view, self.engine_push, self.metrics = make_view, push_weights, metrics_window
         self.producer = RoundProducer(settings)
         self.last_round: int | None = None  # the last round a run of `max_steps` trains (set at train start)
+        self.pacing = ProducerPacing(self, buffer, signal_stop)
+
+    @classmethod
+    def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
+        return args.async_rollouts, args.async_correction
+
+    @classmethod
+    def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
+        """Asynchronous rollouts where they cannot be made safe, refused before any model loads, each with the
+        working alternative."""
+        from torch.utils.data import IterableDataset
+
+        own_weights = backend.capabilities.own_weights
+        refusals = [
+            (rollout_func is not None,
+             "a rollout_func receives the trainer, which the producer thread would share with the training step; "
+             "use tools or environment_factory, or async_rollouts=0"),
+            (isinstance(train_dataset, IterableDataset),
+             "a streamed train_dataset cannot be read rounds ahead; pass a map-style datasets.Dataset, or "
+             "async_rollouts=0"),
+            (backend.name == CONTINUOUS_BATCHING,
+             "transformers' continuous batching switches the model between train and eval mode while it generates; "
+             "use generation_backend='fast' or 'generate'"),
+            (own_weights and args.vllm_mode == "server" and launched_world_size() > 1,
+             "with several training processes the main process's client serves every process's prompts, a "
+             "collective the producer thread cannot run; train with one process beside the vLLM server, use "
+             "vllm_mode='colocate', or async_rollouts=0"),
+            (own_weights and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1,
+             "tensor-parallel colocated vLLM generates through a collective; use vllm_tensor_parallel_size=1 or a "
+             "vLLM server"),
+            (not own_weights and _sharded_weights(args) is not None,
+             f"an in-process backend samples from the live weights on a second thread, which "
+             f"{_sharded_weights(args)} shards (gathering them is a collective); use a vLLM server (use_vllm=True, "
+             "vllm_mode='server'), DDP or ZeRO-2, or async_rollouts=0"),
+            (own_weights and args.sampling_mismatch_report,
+             "sampling_mismatch_report compares the sampler's log-probs with the trainer's at the weights that "
+             "sampled them, which an inference engine's rounds sampled ahead outlive (`trainer.off_policy`, "
+             "decision 3); use async_rollouts=0 for the report, or an in-process backend ('fast' or 'generate')"),
+        ]
+        for refused, reason in refusals:
+            if refused:
+                raise ValueError(f"async_rollouts={args.async_rollouts} is not supported here: {reason}.")
+
+    @classmethod
+    def check_model(cls, model: nn.Module, args: Any, in_process: bool) -> None:
+        """An in-process producer samples from torch's generator while the training step runs: active dropout would
+        draw from it at the same time and make runs irreproducible (decision 3)."""
+        if not in_process:
+            return
+        # A checkpointed layer's backward would save and restore torch's generator around its recompute, rewinding
+        # the producer's draws; without dropout there is nothing to replay.
+        compat.default_checkpointing_kwarg(args, "use_reentrant", False)  # transformers' default, kept explicit
+        compat.default_checkpointing_kwarg(args, "preserve_rng_state", False)
+        active = next((name for name, module in model.named_modules()
+                       if (isinstance(module, nn.Dropout) and module.p > 0)
+                       or float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0), None)
+        if active is not None:
+            raise ValueError(f"async_rollouts={args.async_rollouts} with an in-process backend needs dropout off, "
+                             f"but {active} drops with p > 0: the training step would draw random numbers while the "
+                             "producer samples, so runs would not be reproducible. Set disable_dropout=True (it also "
+                             "zeroes LoRA's lora_dropout) and the model config's attention_dropout to 0, or sample "
+                             "with vLLM.")
+
+    def callbacks(self) -> list[TrainerCallback]:
+        return [self.pacing]
+
+    def evaluation_round(self, rows: list[dict]) -> Round:
+        self.producer.drain()  # the backend (and torch's generator) are the main thread's now
+        return super().evaluation_round(rows)
+
+    def run_state(self, stuck: bool = False) -> dict[str, Any]:
+        """`stuck`: saved from the signal watchdog while a job may hang (decision 5): the buffer as the step began
+        and no sampled round; else the buffer and the rounds sampled ahead, once the producer is idle."""
+        if stuck:
+            return self.pacing.stuck_state()
+        self.producer.drain()
+        return {**self.buffer.state_dict(), "producer": self.producer.state_dict()}
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)
+        if "producer" in state:
+            self.producer.load_state_dict(state["producer"])
 
     @property
     def in_process(self) -> bool:
@@ -250,12 +364,12 @@ class AsyncRounds:
     def round_index(self, micro_step: int) -> int:
         return micro_step // self.schedule.micro_steps_per_round
 
-    def prepared_round(self, micro_step: int, delivered: list[dict], model: nn.Module, state: TrainerState
+    def training_round(self, micro_step: int, delivered: list[dict], model: nn.Module, state: TrainerState
                        ) -> list[Round]:
         """The prepared micro-batches of the round that starts at `micro_step`; `delivered`: the rows the
         Trainer's dataloader gave for it, which must be the rows the producer sampled."""
         r = self.round_index(micro_step)
-        expected = self.source.rows(r)
+        expected = self.rows.rows(r)
         if [row.get("prompt") for row in expected] != [row.get("prompt") for row in delivered]:
             raise RuntimeError(f"async_rollouts: round {r}'s rows from the dataloader are not the rows the producer "
                                "sampled; the dataloader's order was changed (a custom sampler, a dataset edited "
@@ -264,8 +378,9 @@ class AsyncRounds:
             self.push_weights()
             self._submit(r, state)
         sampled = self.producer.take(r)
-        round_ = self._off_policy(self.builder.finish(sampled, "train", self.make_view(state.global_step), state),
-                                  sampled)
+        round_, log = self.builder.finish(sampled, "train", self.make_view(state.global_step), state)
+        round_, columns = self.corrections.correct(round_, "train", model, state.global_step, sampled.trainer_scores)
+        self.builder.log(log, columns)
         self._record(sampled, state)
         generator = torch.Generator().manual_seed(round_seed(self.settings.seed, r) ^ 0x5EED)
         parts = [self.scorer.prepare(part, "train", model)
@@ -280,37 +395,29 @@ class AsyncRounds:
         return parts
 
     def _submit(self, round_index: int, state: TrainerState) -> None:
-        rows, view = self.source.rows(round_index), self.make_view(state.global_step)
+        rows, view = self.rows.rows(round_index), self.make_view(state.global_step)
         frozen = copy.deepcopy(state)  # decision 3: the job's reward functions see the state at submission
 
         def sample() -> Sampled:
             sampled = self.builder.sample(rows, "train", view, frozen)
             out = sampled.rollout
-            if out.sampling_logps is None and out.engine_logps is None:  # the behaviour policy's log-probs
-                with view.for_generation() as bare:
-                    behaviour = self.scorer.no_grad_logps(bare, Round(
-                        prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-                        completion_mask=out.completion_mask, images=sampled.prompt_images).trimmed())
-                width = out.completion_ids.shape[1]
-                sampled.rollout = dataclasses.replace(out, sampling_logps=nn.functional.pad(
-                    behaviour, (0, width - behaviour.shape[1])))
+            record = out.sampler
+            wants_report = self.corrections.mismatch is not None and self.corrections.mismatch.settings.enabled
+            if record.logps is not None and not wants_report:
+                return sampled
+            round_ = Round(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                           completion_mask=out.completion_mask, images=sampled.prompt_images, sampler=record)
+            with view.for_generation() as bare:  # the sampling weights: no optimizer step runs while a job does
+                scores = self.scorer.sampling_scores(bare, round_.trimmed(), collect=False)
+            if record.logps is not None:  # the mismatch report's side (`trainer.off_policy`, decision 3)
+                sampled.trainer_scores = scores
+                return sampled
+            # the behaviour policy's log-probs, as the loss computes them (`generate` keeps none)
+            logps = nn.functional.pad(scores.logps, (0, out.completion_ids.shape[1] - scores.logps.shape[1]))
+            sampled.rollout = dataclasses.replace(out, sampler=dataclasses.replace(record, logps=logps, exact=True))
             return sampled
 
         self.producer.submit(round_index, view.version, sample)
-
-    def _off_policy(self, round_: Round, sampled: Sampled) -> Round:
-        """The round's old and behaviour log-probs by `correction` (docs/ASYNC.md): 'behaviour' takes the sampler's
-        as the old ones; 'recompute' lets `RoundBuilder.finish`'s engine correction weigh old (recomputed at the
-        round's start weights) against the behaviour's. An engine's round is corrected by `finish` already."""
-        if round_.engine_logps is not None:
-            return round_ if self.correction == "recompute" else dataclasses.replace(
-                round_, old_logps=round_.engine_logps, engine_logps=None, engine_ratio=None)
-        behaviour = round_.sampling_logps
-        round_ = dataclasses.replace(round_, sampling_entropy=None, sampling_probs=None, layer_outputs=None)
-        if self.correction == "behaviour":
-            return dataclasses.replace(round_, old_logps=behaviour, sampling_logps=None)
-        round_ = dataclasses.replace(round_, sampling_logps=None, engine_logps=behaviour)
-        return self.builder.correct_off_policy(round_, "train", self.make_view(sampled.version), asynchronous=True)
 
     def _record(self, sampled: Sampled, state: TrainerState) -> None:
         staleness = float(state.global_step - sampled.version)
@@ -321,6 +428,7 @@ class AsyncRounds:
         self.metrics.add_max("train", "async/staleness_max", staleness)
 
     def close(self) -> None:
+        """Nothing is left running (decision 4)."""
         self.producer.close()
 
 

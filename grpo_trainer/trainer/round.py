@@ -15,6 +15,8 @@ Decisions:
 4. With `pad_to_multiple_of` (TRL's option, for compilers that build one graph per input shape), the round's
    prompt and completion widths are padded once to multiples of it (`padded`), and every trim keeps multiples:
    it rounds the kept prompt and completion widths up, never past the round's own.
+5. The sampler's values (log-probs, kept supports, replay capture) are one `SamplerRecord` (`rollout.types`), whose
+   tensors select, trim, pad and concatenate with the round's.
 
 Shapes: `B` rows, `S` prompt tokens, `T` completion tokens, `L` decoder layers, `E` hidden size, `V` vocabulary.
 """
@@ -28,11 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_trainer.rollout.types import ImageInputs, Rollout
+from grpo_trainer.rollout.types import ImageInputs, ReplayCapture, Rollout, SamplerRecord
 
 __all__ = ["Round"]
 
-_PROMPT, _COMPLETION, _SEQUENCE = "prompt", "completion", "sequence"
+_PROMPT, _COMPLETION, _SEQUENCE, _RECORD = "prompt", "completion", "sequence", "record"
 
 
 def _columns(axis: str, dim: int = 1, token_ids: bool = False) -> Any:
@@ -59,25 +61,13 @@ class Round:
     window_tokens: Tensor | None = None
     old_logps: Tensor | None = _columns(_COMPLETION)  # [B, T] pi_old, when the round outlives an optimizer step
     ref_logps: Tensor | None = _columns(_COMPLETION)  # [B, T] the reference model's, when beta != 0
-    # The rollout's own values under the sampling weights (`rollout.types.Rollout`): on-policy stand-ins for the
-    # loss forward's, and for `replay`.
-    sampling_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
-    sampling_entropy: Tensor | None = _columns(_COMPLETION)  # [B, T]
-    sampling_probs: Tensor | None = _columns(_COMPLETION)  # [B, T, V]
-    layer_outputs: Tensor | None = _columns(_SEQUENCE, dim=2)  # [B, L, S + T, E]
+    # Each token's importance weight against its sampler (`trainer.off_policy`: an engine's correction,
+    # `algorithms.engine_correction`, broadcast over a completion's tokens in the sequence modes); None: none.
+    token_weights: Tensor | None = _columns(_COMPLETION)  # [B, T]
     # A vision-language model's image inputs for these rows (decision 3); None for text prompts.
     images: ImageInputs | None = _columns(_PROMPT)
-    # An inference engine's log-probs of the sampled tokens (never the trainer's values), and the importance weight
-    # correcting for its sampler (`algorithms.engine_correction`, broadcast over a completion's tokens in the
-    # sequence modes); None without an engine or without the correction.
-    engine_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
-    engine_ratio: Tensor | None = _columns(_COMPLETION)  # [B, T]
-    # Truncated sampling (`rollout.types.Rollout`): the sampler's kept supports, packed (from the backend, or
-    # collected by the trainer's first forward at the sampling weights), the log of the mass the sampler's softmax
-    # put on them, and each token's log-prob under the processed distribution it was drawn from.
-    sampling_mask: Tensor | None = _columns(_COMPLETION)  # [B, T, ceil(V / 8)] uint8
-    log_kept_mass: Tensor | None = _columns(_COMPLETION)  # [B, T]
-    behaviour_logps: Tensor | None = _columns(_COMPLETION)  # [B, T]
+    # How the round was sampled (decision 5): the sampler's log-probs, kept supports, replay capture.
+    sampler: SamplerRecord = field(default_factory=lambda: SamplerRecord(), metadata={"columns": _RECORD})
     # Keep S and T multiples of this (decision 4); None: trims keep exactly the columns some row uses.
     pad_to_multiple_of: int | None = None
 
@@ -89,11 +79,8 @@ class Round:
         and its normaliser; padded as decision 4 says."""
         return cls(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
                    completion_mask=loss_mask.int(), env_mask=out.env_mask, advantages=advantages,
-                   window_tokens=window_tokens, sampling_logps=out.sampling_logps,
-                   sampling_entropy=out.sampling_entropy, sampling_probs=out.sampling_probs,
-                   layer_outputs=out.layer_outputs, images=images, engine_logps=out.engine_logps,
-                   sampling_mask=out.sampling_mask, log_kept_mass=out.log_kept_mass,
-                   behaviour_logps=out.behaviour_logps, pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
+                   window_tokens=window_tokens, images=images, sampler=out.sampler,
+                   pad_to_multiple_of=pad_to_multiple_of).padded(pad_token_id)
 
     @property
     def rows(self) -> int:
@@ -109,15 +96,15 @@ class Round:
         values = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            per_row = isinstance(value, Tensor) and value.dim() > 0 or isinstance(value, ImageInputs)
-            values[f.name] = (value.select_rows(index) if isinstance(value, ImageInputs) else value[index]) \
+            per_row = isinstance(value, Tensor) and value.dim() > 0 or isinstance(value, (ImageInputs, SamplerRecord))
+            values[f.name] = (value[index] if isinstance(value, Tensor) else value.select_rows(index)) \
                 if per_row else value
         return Round(**values)
 
     def without_replay(self) -> Round:
-        """This round without its replay tensors (the `[B, T, V]` softmax and the layer outputs): what a buffered
-        micro-batch keeps once its last loss has run, so they do not outlive their backward pass."""
-        return dataclasses.replace(self, sampling_probs=None, layer_outputs=None)
+        """This round without its replay capture (`SamplerRecord.replay`): what a buffered micro-batch keeps once its
+        last loss has run, so it does not outlive its backward pass."""
+        return dataclasses.replace(self, sampler=dataclasses.replace(self.sampler, replay=ReplayCapture()))
 
     def split(self, parts: int, generator: torch.Generator | None = None) -> list[Round]:
         """Shuffle the rows and cut `parts` equal micro-batches (one part: the round itself, no copy). `generator`:
@@ -147,7 +134,7 @@ class Round:
             axis = f.metadata.get("columns")
             if f.name == "advantages" and isinstance(value, Tensor) and value.dim() == 2:
                 axis = _COMPLETION  # token-level advantages
-            if axis is not None and isinstance(value, (Tensor, ImageInputs)):
+            if axis is not None and isinstance(value, (Tensor, ImageInputs, SamplerRecord)):
                 found.append((f, value, axis))
         return found
 
@@ -160,7 +147,7 @@ class Round:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f, value, axis in self._column_fields():
             if not isinstance(value, Tensor):
-                values[f.name] = value.select_columns(keep[axis])
+                values[f.name] = value.select_columns(keep if axis == _RECORD else keep[axis])
                 continue
             values[f.name] = value[(slice(None),) * f.metadata.get("dim", 1) + (keep[axis],)]
         return Round(**values)
@@ -184,7 +171,7 @@ class Round:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f, value, axis in self._column_fields():
             if not isinstance(value, Tensor):
-                values[f.name] = value.pad_columns(sides[axis])
+                values[f.name] = value.pad_columns(sides if axis == _RECORD else sides[axis])
                 continue
             dim = f.metadata.get("dim", 1)
             # F.pad counts its (left, right) pairs from the last dimension backwards
@@ -217,6 +204,8 @@ class Round:
                 values[f.name] = None
             elif isinstance(column[0], ImageInputs):
                 values[f.name] = ImageInputs.concat(column)
+            elif isinstance(column[0], SamplerRecord):
+                values[f.name] = SamplerRecord.concat(column)
             else:
                 values[f.name] = torch.cat(column)
         return cls(**values)

@@ -8,18 +8,17 @@ Decisions:
    count, which reward functions may read as `trainer_state`).
 2. Rewards are gathered across processes before advantages are computed (a group may span processes); each
    process keeps its own rows. Every collective runs on the calling thread.
-3. A round sampled by an inference engine with the importance-sampling correction on gets the trainer's log-probs
-   at the sampling weights in one no-grad forward (`trainer.engine`).
+3. The builder stops at advantages: old log-probs, importance weights and the mismatch report are
+   `trainer.off_policy`'s, which runs between `finish` and `log` (the completions table takes the report's columns).
 4. A round is built in two halves: `sample` (prompts, rollout, this process's rewards: no collective, so it may run
    on a producer thread, `trainer.producer`) and `finish` (gathers, advantages, metrics, the completions table,
    the `Round`: on the main thread). `build` is one after the other.
 5. With dynamic sampling (`zero_variance_groups='resample'`, `trainer.resample`), `finish` assembles the round from
    several generation rounds: its zero-variance groups are replaced by informative groups of extra prompts, each
    sampled (`sample`) and gathered there. The round's metrics cover every completion generated for it; its
-   advantages, normaliser, completions table and engine correction cover the kept round only.
-6. A synchronous training round whose sampler returned its own log-probs is compared with the trainer's at the same
-   weights (`trainer.mismatch`): where the engine correction computed them, and with `sampling_mismatch_report`
-   always. (An asynchronous round was sampled with older weights on purpose: it is not reported.)
+   advantages, normaliser and completions table cover the kept round only.
+6. Every rollout's sampler record is stamped with the optimizer step of the weights that sampled it
+   (`SamplerRecord.version`).
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -41,7 +39,6 @@ from torch import Tensor, nn
 from transformers import TrainerState
 
 from grpo_trainer import rollout
-from grpo_trainer.algorithms.engine_correction import CROSS_PROCESS, EngineCorrection
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import row_images, row_prompts, strip_images
 from grpo_trainer.modeling.logprobs import LogProbs
@@ -57,13 +54,11 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make_generation_config
 from grpo_trainer.rollout.types import ImageInputs
 from grpo_trainer.runtime import compat
-from grpo_trainer.trainer.engine import apply_engine_correction
-from grpo_trainer.trainer.mismatch import MismatchReport, sampler_logps
 from grpo_trainer.trainer.resample import Resampler, Selection
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.schedule import Schedule
 
-__all__ = ["PolicyView", "RoundBuilder", "RoundSettings", "Sampled"]
+__all__ = ["PolicyView", "RoundBuilder", "RoundLog", "RoundSettings", "Sampled"]
 
 logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")  # the trainer's one logger (as TRL's is)
 
@@ -104,6 +99,9 @@ class Sampled:
     tool_counts: ToolCounts | None
     rows: int  # dataset rows of the round on this process
     version: int  # the optimizer step of the weights that sampled it
+    # The trainer's log-probs at the sampling weights, where the round was sampled ahead in-process and the mismatch
+    # report wants them (`trainer.producer`, `trainer.off_policy` decision 3); None otherwise.
+    trainer_scores: LogProbs | None = None
 
 
 @dataclass
@@ -114,6 +112,15 @@ class CompletionRows:
     completions: list
     extra: dict[str, list]  # the `log_extra` columns
     images: list | None
+
+
+@dataclass
+class RoundLog:
+    """A training round's rows for the completions table (`RoundBuilder.log`), over every process."""
+
+    rows: CompletionRows
+    rewards: Tensor  # [B_global, F]
+    advantages: Tensor  # [B_global]
 
 
 @dataclass
@@ -131,32 +138,30 @@ class Generated:
 
 
 class RoundBuilder:
-    """Decision 1. `score(model, round_)` gives a round's log-probs `[B, T]` (the engine correction's forward), and
-    under truncated sampling the kept supports it used (`PolicyScorer.sampling_scores`)."""
+    """Decision 1."""
 
     def __init__(self, *, settings: RoundSettings, schedule: Schedule, processing_class: Any,
                  backend: rollout.RolloutBackend, rewards: RewardSources, estimator: Callable,
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
-                 score: Callable[[nn.Module, Round], LogProbs],
-                 engine_correction: EngineCorrection | None = None,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
-                 resampler: Resampler | None = None, mismatch: MismatchReport | None = None) -> None:
+                 resampler: Resampler | None = None) -> None:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
         self.accelerator, self.metrics, self.completions = accelerator, metrics_window, completions
-        self.score, self.engine_correction = score, engine_correction
         self.multi_turn, self.first_turn = multi_turn, first_turn
-        self.resampler, self.mismatch = resampler, mismatch  # decisions 5 and 6
+        self.resampler = resampler  # decision 5
 
     def num_generations(self, mode: str) -> int:
         return self.settings.num_generations_eval if mode == "eval" else self.settings.num_generations
 
     # ------------------------------------------------------------------------------------------------ the round
 
-    def build(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Round:
-        """This process's share of one round from its dataset rows `batch` (each prompt G times in a row)."""
+    def build(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState
+              ) -> tuple[Round, RoundLog | None]:
+        """This process's share of one round from its dataset rows `batch` (each prompt G times in a row), with its
+        completions-table rows (`finish`)."""
         return self.finish(self.sample(batch, mode, policy, state), mode, policy, state)
 
     def sample(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Sampled:
@@ -177,6 +182,7 @@ class RoundBuilder:
             prompts, out, completions = episode.prompts, episode.rollout, episode.completions
             episode_columns, tool_counts = episode.reward_kwargs, episode.tool_counts
             images = prompt_images = None  # multi-turn rounds are text-only (`rollout.prompts` rejects images)
+        out = dataclasses.replace(out, sampler=dataclasses.replace(out.sampler, version=policy.version))  # decision 6
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
         columns.update(episode_columns)
@@ -194,10 +200,12 @@ class RoundBuilder:
         return Sampled(prompts, completions, out, prompt_images, images, local_rewards, reward_logs, tool_counts,
                        len(batch), policy.version)
 
-    def finish(self, sampled: Sampled, mode: str, policy: PolicyView, state: TrainerState) -> Round:
-        """The round's collective half (decision 4): every process's rewards, the advantages, the round's metrics
-        and log, and the `Round`; with dynamic sampling, after its zero-variance groups were replaced (decision 5).
-        `policy`: the weights the loss starts from (the engine correction's forward, extra prompts' rollouts)."""
+    def finish(self, sampled: Sampled, mode: str, policy: PolicyView, state: TrainerState
+               ) -> tuple[Round, RoundLog | None]:
+        """The round's collective half (decision 4): every process's rewards, the advantages, the round's metrics,
+        and the `Round`; with dynamic sampling, after its zero-variance groups were replaced (decision 5). `policy`:
+        the weights extra prompts are sampled with. Also a training round's completions-table rows (`log` adds
+        them; None when not logged)."""
         generated = [self._gathered(sampled, mode)]
         if self.resampler is None or mode != "train":
             round_, rewards, log = generated[0].round, generated[0].rewards, generated[0].log
@@ -218,14 +226,16 @@ class RoundBuilder:
         self._record_round_metrics(mode, generated, state)
         round_ = dataclasses.replace(round_, advantages=advantages,
                                      window_tokens=self._window_tokens(round_.loss_mask, mode))
-        asynchronous = mode == "train" and self.schedule.rounds_ahead > 0  # sampled ahead (`trainer.producer`)
-        round_, scores = self._correct(round_, mode, policy, asynchronous)
-        columns = {} if asynchronous else self._report_mismatch(round_, scores, mode, policy)
-        if log is not None and mode == "train":
-            extra = {**log.extra, **{name: gather_object(values) for name, values in columns.items()}}
-            self.completions.add(log.prompts, log.completions, rewards.cpu(), all_advantages, extra,
-                                 images=log.images)
-        return round_
+        return round_, RoundLog(log, rewards.cpu(), all_advantages) if log is not None and mode == "train" else None
+
+    def log(self, entry: RoundLog | None, columns: dict[str, list]) -> None:
+        """A training round's rows in the completions table, with this process's per-row `columns` (the mismatch
+        report's) gathered over every process."""
+        if entry is None:
+            return
+        rows = entry.rows
+        extra = {**rows.extra, **{name: gather_object(values) for name, values in columns.items()}}
+        self.completions.add(rows.prompts, rows.completions, entry.rewards, entry.advantages, extra, images=rows.images)
 
     def _gathered(self, sampled: Sampled, mode: str) -> Generated:
         """One generation round's gathers (rewards, lengths, the completions table's rows) and its `Round` without
@@ -275,58 +285,6 @@ class RoundBuilder:
                              else [entry.images[r] for entry, r in zip(logs, rows)])
         return round_, rewards, log
 
-    def correct_off_policy(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False) -> Round:
-        """Decision 3, for a round whose `engine_logps` are the sampler's (an engine's; or, `asynchronous`, the
-        producer's behaviour policy, `trainer.producer`): the trainer's log-probs under `policy`'s weights become the
-        old ones, weighed against the sampler's by `engine_correction` (when set); records the `sampling/*` metrics
-        and, `asynchronous`, the raw importance ratio before truncation."""
-        return self._correct(round_, mode, policy, asynchronous)[0]
-
-    def _correct(self, round_: Round, mode: str, policy: PolicyView, asynchronous: bool = False
-                 ) -> tuple[Round, LogProbs | None]:
-        """`correct_off_policy`, and the trainer's log-probs it computed (None when it computed none). Under
-        truncated sampling the kept supports that forward used become the round's, for every later forward."""
-        if round_.engine_logps is None or (self.engine_correction is None and not asynchronous):
-            return round_, None
-        with torch.no_grad():
-            scores = self.score(policy.model, round_.trimmed())
-        width = round_.completion_ids.shape[1]
-        old = nn.functional.pad(scores.logps, (0, width - scores.logps.shape[1]))  # [B, T]
-        if scores.sampling_mask is not None:
-            round_ = dataclasses.replace(round_, sampling_mask=nn.functional.pad(
-                scores.sampling_mask, (0, 0, 0, width - scores.sampling_mask.shape[1])))
-        if asynchronous:
-            mask = round_.loss_mask.bool()
-            raw = torch.exp(old - round_.engine_logps.nan_to_num())[mask]  # pi_old / pi_behaviour per token
-            empty = raw.numel() == 0  # every process records every key (they are reduced together)
-            self.metrics.add(mode, "async/importance_ratio_raw_mean", math.nan if empty else raw.mean())
-            self.metrics.add_min(mode, "async/importance_ratio_raw_min", math.inf if empty else float(raw.min()))
-            self.metrics.add_max(mode, "async/importance_ratio_raw_max", -math.inf if empty else float(raw.max()))
-        if self.engine_correction is None:
-            return dataclasses.replace(round_, old_logps=old, engine_logps=None), scores
-        round_, values = apply_engine_correction(round_, old, self.engine_correction,
-                                                 self.schedule.on_policy(mode) and not asynchronous)
-        for key, value in values.items():
-            self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
-        return round_, scores
-
-    def _report_mismatch(self, round_: Round, scores: LogProbs | None, mode: str, policy: PolicyView
-                         ) -> dict[str, list]:
-        """The mismatch report of a training round (decision 6, `trainer.mismatch`): with the trainer's log-probs at
-        the sampling weights from the engine correction, else from a no-grad forward when asked for. This process's
-        completions-table columns."""
-        if self.mismatch is None or mode != "train" or sampler_logps(round_) is None:
-            return {}
-        corrected = scores is not None
-        if not corrected:
-            if not self.mismatch.settings.enabled:
-                return {}
-            with torch.no_grad():
-                scores = self.score(policy.model, round_.trimmed())
-        # a rollout_func samples with whatever it likes: its dtype is unknown here
-        dtype = self.backend.sampler_dtype(causal_lm(policy.model)) if self.first_turn is None else None
-        return self.mismatch.report(round_, scores.logps, scores.log_kept_mass, policy.version, dtype, corrected)
-
     # ------------------------------------------------------------------------------------------------ the rollout
 
     def rollout(self, prompts: rollout.PromptBatch, mode: str, policy: PolicyView, max_new_tokens: int | None = None,
@@ -345,12 +303,12 @@ class RoundBuilder:
             config = make_generation_config(sampling, lm.generation_config, self.tokenizer, max_new_tokens,
                                             suppress_tokens=self._suppressed(lm))
             out = backend.generate(policy.model, prompts, config, plan)
-            return capture.drop_unusable(out, config, sampling.temperature, plan)
-        with policy.for_generation() as model:
-            config = make_generation_config(sampling, model.generation_config, self.tokenizer, max_new_tokens,
-                                            suppress_tokens=self._suppressed(model))
-            with torch.no_grad():
-                out = backend.generate(model, prompts, config, plan)
+        else:
+            with policy.for_generation() as model:
+                config = make_generation_config(sampling, model.generation_config, self.tokenizer, max_new_tokens,
+                                                suppress_tokens=self._suppressed(model))
+                with torch.no_grad():
+                    out = backend.generate(model, prompts, config, plan)
         return capture.drop_unusable(out, config, sampling.temperature, plan)
 
     def _turns(self, mode: str, policy: PolicyView) -> Callable:

@@ -18,10 +18,10 @@ Decisions:
 
 4. Under truncated sampling (top-k / top-p / min-p) every forward scores over the sampler's kept supports
    (`modeling.support`; a softmax over them with `keep_sampling_mask`, else the full softmax with the kept mass
-   measured): the round's own (`Round.sampling_mask`) where it has them, else the truncation rules on the forward's
-   logits. A no-grad forward at the sampling weights (`sampling_scores`: the engine correction's, the old
-   log-probs') keeps the supports it used, so that later forwards (after an update, the reference model's) score
-   over the same supports.
+   measured): the round's own (its sampler record's `KeptSupports.mask`) where it has them, else the truncation
+   rules on the forward's logits. A no-grad forward at the sampling weights (`sampling_scores`: the engine
+   correction's, the old log-probs') keeps the supports it used, so that later forwards (after an update, the
+   reference model's) score over the same supports.
 
 Shapes: `B` completions, `T` completion tokens, `W = ceil(V / 8)`.
 """
@@ -81,9 +81,10 @@ class PolicyScorer:
         one. The round's own supports count even where the config truncates nothing (a logits processor of the
         model's, e.g. one that bans or forces tokens, truncated them): the rollout's values were taken over them, so
         every forward must be. `collect`: return the supports used, when the round has none of its own."""
-        if not self.settings.truncation.active and part.sampling_mask is None:
+        kept = part.sampler.kept.mask
+        if not self.settings.truncation.active and kept is None:
             return None
-        packed = None if part.sampling_mask is None else part.sampling_mask.reshape(-1, part.sampling_mask.shape[-1])
+        packed = None if kept is None else kept.reshape(-1, kept.shape[-1])
         return KeptSupport(self.settings.truncation, packed, self.settings.keep_sampling_mask,
                            collect=collect and packed is None)
 
@@ -96,8 +97,8 @@ class PolicyScorer:
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
-        known = (inputs.sampling_logps, inputs.sampling_entropy, inputs.sampling_probs) if policy else (None,) * 3
-        replayed = inputs.layer_outputs if policy and model.training else None
+        known = inputs.sampler.stand_ins if policy else (None,) * 3
+        replayed = inputs.sampler.replay.layer_outputs if policy and model.training else None
         return forwards.score(model, input_ids, attention_mask, width, self.forward, with_entropy, known,
                               with_aux_loss=with_aux_loss, model_inputs=images, layer_outputs=replayed,
                               support=self.support(inputs, collect))
@@ -129,12 +130,15 @@ class PolicyScorer:
         old = ref = None
         with torch.no_grad():
             if not self.schedule.on_policy(mode):
-                old = part.old_logps if part.old_logps is not None else part.sampling_logps
+                record = part.sampler
+                old = part.old_logps
+                if old is None and record.exact:  # the sampler's become the old ones (no second copy is kept)
+                    old, record = record.logps, dataclasses.replace(record, logps=None)
                 if old is None:
                     old, mask = self._old_logps(model, part)
-                    part = part if mask is None else dataclasses.replace(part, sampling_mask=mask)
-                part = dataclasses.replace(part, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
-                                           layer_outputs=None)
+                    if mask is not None:
+                        record = dataclasses.replace(record, kept=dataclasses.replace(record.kept, mask=mask))
+                part = dataclasses.replace(part, sampler=record.without_stand_ins())
             if self.settings.beta != 0.0:
                 if self.ref_model is not None:
                     ref = self.no_grad_logps(self.ref_model, part)

@@ -30,11 +30,10 @@ from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import as_processing_classes
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
-from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING
-from grpo_trainer.runtime import compat, models
+from grpo_trainer.runtime import models
 
-__all__ = ["Policy", "build_policy", "build_reward_sources", "check_async", "check_async_model", "check_inputs",
-           "check_processor_setup", "load_processing_class", "multi_turn_of"]
+__all__ = ["Policy", "build_policy", "build_reward_sources", "check_inputs", "check_processor_setup",
+           "load_processing_class", "multi_turn_of"]
 
 
 def check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
@@ -161,79 +160,3 @@ def training_prompts(train_dataset: Any, environments: multiturn.Environments | 
     if multi_turn is not None:
         multi_turn.check_dataset(train_dataset, "train_dataset")
     return train_dataset
-
-
-def _sharded_weights(args: GRPOConfig) -> str | None:
-    """'DeepSpeed ZeRO-3' or 'FSDP' when the launch shards the weights (from the config or `accelerate launch`'s
-    environment), else None: known before any model loads."""
-    import json
-    import os
-
-    deepspeed = args.deepspeed
-    if isinstance(deepspeed, str) and os.path.isfile(deepspeed):
-        with open(deepspeed) as f:
-            deepspeed = json.load(f)
-    stage = (deepspeed or {}).get("zero_optimization", {}).get("stage") if isinstance(deepspeed, dict) else None
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        stage = stage or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if str(stage) == "3":
-        return "DeepSpeed ZeRO-3"
-    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "FSDP"
-    return None
-
-
-def check_async(args: GRPOConfig, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
-    """Asynchronous rollouts (`trainer.producer`) where they cannot be made safe, refused before any model loads,
-    each with the working alternative."""
-    from torch.utils.data import IterableDataset
-
-    from grpo_trainer.runtime.distributed import launched_world_size
-
-    if not args.async_rollouts:
-        return
-    own_weights = backend.capabilities.own_weights
-    refusals = [
-        (rollout_func is not None,
-         "a rollout_func receives the trainer, which the producer thread would share with the training step; use "
-         "tools or environment_factory, or async_rollouts=0"),
-        (isinstance(train_dataset, IterableDataset),
-         "a streamed train_dataset cannot be read rounds ahead; pass a map-style datasets.Dataset, or "
-         "async_rollouts=0"),
-        (backend.name == CONTINUOUS_BATCHING,
-         "transformers' continuous batching switches the model between train and eval mode while it generates; use "
-         "generation_backend='fast' or 'generate'"),
-        (own_weights and args.vllm_mode == "server" and launched_world_size() > 1,
-         "with several training processes the main process's client serves every process's prompts, a collective "
-         "the producer thread cannot run; train with one process beside the vLLM server, use vllm_mode='colocate', "
-         "or async_rollouts=0"),
-        (own_weights and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1,
-         "tensor-parallel colocated vLLM generates through a collective; use vllm_tensor_parallel_size=1 or a vLLM "
-         "server"),
-        (not own_weights and _sharded_weights(args) is not None,
-         f"an in-process backend samples from the live weights on a second thread, which {_sharded_weights(args)} "
-         "shards (gathering them is a collective); use a vLLM server (use_vllm=True, vllm_mode='server'), DDP or "
-         "ZeRO-2, or async_rollouts=0"),
-    ]
-    for refused, reason in refusals:
-        if refused:
-            raise ValueError(f"async_rollouts={args.async_rollouts} is not supported here: {reason}.")
-
-
-def check_async_model(model: nn.Module, args: GRPOConfig, in_process: bool) -> None:
-    """An in-process producer samples from torch's generator while the training step runs: active dropout would
-    draw from it at the same time and make runs irreproducible (`trainer.producer`, decision 3)."""
-    if not (args.async_rollouts and in_process):
-        return
-    # A checkpointed layer's backward would save and restore torch's generator around its recompute, rewinding the
-    # producer's draws; without dropout there is nothing to replay.
-    compat.default_checkpointing_kwarg(args, "use_reentrant", False)  # transformers' default, kept explicit
-    compat.default_checkpointing_kwarg(args, "preserve_rng_state", False)
-    active = next((name for name, module in model.named_modules()
-                   if (isinstance(module, nn.Dropout) and module.p > 0)
-                   or float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0), None)
-    if active is not None:
-        raise ValueError(f"async_rollouts={args.async_rollouts} with an in-process backend needs dropout off, but "
-                         f"{active} drops with p > 0: the training step would draw random numbers while the producer "
-                         "samples, so runs would not be reproducible. Set disable_dropout=True (it also zeroes LoRA's "
-                         "lora_dropout) and the model config's attention_dropout to 0, or sample with vLLM.")

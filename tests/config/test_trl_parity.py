@@ -101,6 +101,9 @@ def test_defaults_equal_trls_unless_listed(name):
 @pytest.mark.parametrize("name", sorted(set(THEIRS) - set(_fields(TrainingArguments))))
 def test_types_equal_trls(name):
     ours, theirs = typing.get_type_hints(GRPOConfig)[name], typing.get_type_hints(trl.GRPOConfig)[name]
+    if typing.get_origin(ours) is typing.Literal:  # a choice field: TRL's str narrowed to its values (documented)
+        assert theirs is str and all(isinstance(value, str) for value in typing.get_args(ours)), name
+        return
     assert ours == theirs, f"{name}: {ours} here, {theirs} in trl {trl.__version__}"
 
 
@@ -118,41 +121,11 @@ def test_deprecated_spellings_map_to_their_replacements_with_trls_warning():
     assert GRPOConfig(output_dir="unused", report_to="none", pad_to_multiple_of="none").pad_to_multiple_of is None
 
 
-@pytest.fixture
-def pending_feature(monkeypatch):
-    """A temporary PENDING entry (the guard must keep working whatever is pending when this runs)."""
-    from grpo_trainer.config import checks
-
-    monkeypatch.setitem(checks.PENDING, "top_entropy_quantile", (lambda v: v != 1.0, "a feature (issue 0)"))
-    return "top_entropy_quantile", 0.5, "a feature"
-
-
-def test_fields_of_pending_features_are_refused_by_name(pending_feature):
-    field, value, feature = pending_feature
-    with pytest.raises(NotImplementedError, match=f"{field}={value!r} asks for {feature} \\(issue 0\\), which "
-                                                  "grpo_trainer does not implement yet; leave top_entropy_quantile "
-                                                  "at its default \\(1.0\\)"):
-        GRPOConfig(output_dir="unused", report_to="none", **{field: value})
-    GRPOConfig(output_dir="unused", report_to="none", **{field: 1.0})  # the default is not a request
-
-
-def test_a_pending_feature_set_after_construction_is_refused_by_the_trainer(pending_feature, tokenizer, tiny_model,
-                                                                           toy_dataset):
-    from grpo_trainer import GRPOTrainer
-    from grpo_trainer.rewards.library import copy_digits_reward
-
-    field, value, feature = pending_feature
-    args = GRPOConfig(output_dir="unused", report_to="none", per_device_train_batch_size=8, num_generations=4)
-    setattr(args, field, value)  # what scripts do after parsing their arguments
-    with pytest.raises(NotImplementedError, match=f"{field}={value!r} asks for {feature}"):
-        GRPOTrainer(tiny_model, copy_digits_reward, args=args, train_dataset=toy_dataset, processing_class=tokenizer)
-
-
 def test_every_trl_feature_is_built():
-    from grpo_trainer.config.checks import PENDING
-
-    assert PENDING == {}  # the last ones: use_vllm (issue 21), max_tool_calling_iterations (issue 22)
+    # the last ones were use_vllm (issue 21) and max_tool_calling_iterations (issue 22); the guard that refused
+    # fields of unbuilt features is gone with them
     assert GRPOConfig(output_dir="unused", report_to="none", use_vllm=True).use_vllm
+    assert GRPOConfig(output_dir="unused", report_to="none", max_tool_calling_iterations=2).max_tool_calling_iterations
 
 
 def test_every_legacy_name_is_listed_with_its_reason():

@@ -50,9 +50,9 @@ def main() -> None:
     build = trainer.rounds.build
 
     def recording(batch, mode, policy, state):
-        round_ = build(batch, mode, policy, state)
+        round_, log = build(batch, mode, policy, state)
         kept.append({"rows": round_.rows, "advantages": round_.advantages.tolist()})
-        return round_
+        return round_, log
 
     trainer.rounds.build = recording
     trainer.train()

@@ -9,6 +9,7 @@ import torch
 from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model
 from grpo_trainer.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from grpo_trainer.experimental.async_grpo.config import REFUSED_UNLESS_DEFAULT
+from grpo_trainer.trainer.producer import AsyncRounds
 
 
 def test_every_field_of_trls_async_config_exists_here(tmp_path):
@@ -49,7 +50,7 @@ def test_a_trl_async_script_trains_with_the_import_swapped(tmp_path, tokenizer, 
     trainer = AsyncGRPOTrainer(model, reward_funcs=copy_digits_reward, args=config, train_dataset=toy_dataset,
                                processing_class=tokenizer)
     trainer.train()
-    assert trainer.async_rounds is not None and trainer.state.global_step == 2
+    assert isinstance(trainer.source, AsyncRounds) and trainer.state.global_step == 2
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     staleness = [row["async/staleness"] for row in trainer.state.log_history if "async/staleness" in row]
     assert staleness == [0.0, 1.0]

@@ -116,4 +116,4 @@ def test_the_fast_backend_samples_with_generate_on_cuda_by_default(tokenizer, ca
         reference = generate_rollout(model, prompts, config)
     assert "measured faster than the decoder" in caplog.text
     assert_same_rollout(default, reference)
-    assert default.sampling_logps is None  # generate keeps no sampler values
+    assert default.sampler.logps is None  # generate keeps no sampler values

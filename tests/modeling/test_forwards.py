@@ -304,17 +304,18 @@ def test_replay_composes_with_packing(tokenizer, kind, monkeypatch):
     packed = PackedBatch.of(ids, mask, T, ROWS_OF_17)
     assert len(_shared_rows(packed)) >= 2
     runs = _count_layer_runs(lm, monkeypatch)
-    known = (rollout.sampling_logps, rollout.sampling_entropy, rollout.sampling_probs)
+    known = (rollout.sampler.logps, rollout.sampler.entropy, rollout.sampler.replay.probs)
     padded = completion_logprobs(model, ids, mask, T, with_entropy=True)
     plain = _loss_grads(model, padded, rollout.completion_mask)
     runs[0] = 0
-    ours = forwards.score(model, ids, mask, T, ON, with_entropy=True, known=known, layer_outputs=rollout.layer_outputs)
+    ours = forwards.score(model, ids, mask, T, ON, with_entropy=True, known=known,
+                          layer_outputs=rollout.sampler.replay.layer_outputs)
     layers = len(lm.get_decoder().layers)
     assert runs[0] == 3 * layers  # the self-check's three forwards, then nothing: every layer replayed
     replayed = _loss_grads(model, ours, rollout.completion_mask)
     assert runs[0] == 4 * layers  # the backward recomputes each layer once, on packed rows
     real = rollout.completion_mask.bool()
-    torch.testing.assert_close(ours.logps[real], rollout.sampling_logps[real], atol=0, rtol=0)  # the rollout's
+    torch.testing.assert_close(ours.logps[real], rollout.sampler.logps[real], atol=0, rtol=0)  # the rollout's
     torch.testing.assert_close(ours.logps[real], padded.logps[real], atol=2e-5, rtol=0)
     for name in plain:
         torch.testing.assert_close(replayed[name], plain[name], atol=2e-5, rtol=1e-4, msg=name)

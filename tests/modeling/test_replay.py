@@ -11,6 +11,7 @@ import torch
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.modeling import replay
 from grpo_trainer.modeling.logprobs import completion_logprobs
+from grpo_trainer.rollout.types import ReplayCapture
 from grpo_trainer.runtime import compat
 from tests.helpers import (
     TWO_GROUPS_OF_4,
@@ -60,7 +61,7 @@ def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokeniz
     rollout = fast_rollout(model, prompts, greedy_config(tokenizer, do_sample=True, max_new_tokens=10),
                            layer_outputs=True)
     B, T = rollout.completion_ids.shape
-    assert rollout.layer_outputs.shape == (B, len(lm.get_decoder().layers), prompts.ids.shape[1] + T,
+    assert rollout.sampler.replay.layer_outputs.shape == (B, len(lm.get_decoder().layers), prompts.ids.shape[1] + T,
                                            lm.config.hidden_size)
     assert 1 < int(rollout.completion_mask.sum(1).min()) < T  # rows end at different lengths
     weights = torch.randn(B, T) * rollout.completion_mask  # any loss that reads only completion tokens
@@ -71,10 +72,10 @@ def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokeniz
     def grads(replayed: bool):
         model.zero_grad()
         runs[0] = 0
-        context = replay.replayed_layers(lm.get_decoder().layers, rollout.layer_outputs) if replayed \
+        context = replay.replayed_layers(lm.get_decoder().layers, rollout.sampler.replay.layer_outputs) if replayed \
             else contextlib.nullcontext()
         with context:
-            logps = completion_logprobs(model, input_ids, attention_mask, T, known_logps=rollout.sampling_logps).logps
+            logps = completion_logprobs(model, input_ids, attention_mask, T, known_logps=rollout.sampler.logps).logps
         (logps * weights).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, runs[0]
 
@@ -106,7 +107,8 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
     torch.manual_seed(0)
     round_ = trainer._generate_and_score(batch, "train")
     T = round_.completion_ids.shape[1]
-    assert round_.layer_outputs.shape[:2] == (8, 2) and round_.sampling_probs.shape == (8, T, len(tokenizer))
+    replayed = round_.sampler.replay
+    assert replayed.layer_outputs.shape[:2] == (8, 2) and replayed.probs.shape == (8, T, len(tokenizer))
     model = trainer.model
 
     def loss_and_grads(inputs):
@@ -122,7 +124,8 @@ def test_trainer_micro_batches_replay_their_rows_and_columns_with_the_plain_grad
         runs[0] = 0
         replayed = loss_and_grads(inputs)
         assert runs[0] == 2  # 2 layers, each run once (the backward's recompute)
-        plain = loss_and_grads(dataclasses.replace(inputs, layer_outputs=None, sampling_probs=None))
+        plain = loss_and_grads(dataclasses.replace(inputs, sampler=dataclasses.replace(inputs.sampler,
+                                                                                       replay=ReplayCapture())))
         torch.testing.assert_close(replayed[0], plain[0], atol=1e-6, rtol=0)
         for got, want in zip(replayed[1], plain[1]):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -7,9 +7,14 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout import capture
-from grpo_trainer.rollout.types import Rollout
+from grpo_trainer.rollout.types import ReplayCapture, Rollout, SamplerRecord
 from grpo_trainer.runtime import compat
 from tests.helpers import checkpointing_trainer
+
+
+def _replayed(round_, name):
+    """The round's replay tensor `name` (`layer_outputs`, or `sampling_probs`: the softmax)."""
+    return getattr(round_.sampler.replay, "probs" if name == "sampling_probs" else name)
 
 
 @pytest.mark.parametrize(("overrides", "keeps"), [
@@ -24,9 +29,9 @@ def test_the_rollout_keeps_what_can_be_replayed(tmp_path, tokenizer, toy_dataset
     if overrides.get("gradient_checkpointing") is False:
         compat.disable_checkpointing(trainer.model)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
-    assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps
+    assert tuple(k for k in ("layer_outputs", "sampling_probs") if _replayed(round_, k) is not None) == keeps
     evaluation = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "eval")
-    assert evaluation.layer_outputs is None and evaluation.sampling_probs is None
+    assert evaluation.sampler.replay.layer_outputs is None and evaluation.sampler.replay.probs is None
 
 
 @pytest.mark.parametrize(("cap", "keeps"), [
@@ -39,7 +44,7 @@ def test_replay_tensors_over_the_memory_cap_are_not_kept(tmp_path, tokenizer, to
     trainer = checkpointing_trainer(tmp_path, tokenizer, toy_dataset)
     monkeypatch.setattr(capture, "REPLAY_MAX_BYTES", cap)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
-    assert tuple(k for k in ("layer_outputs", "sampling_probs") if getattr(round_, k) is not None) == keeps
+    assert tuple(k for k in ("layer_outputs", "sampling_probs") if _replayed(round_, k) is not None) == keeps
 
 
 @pytest.mark.parametrize(("training", "on_policy", "plain", "checkpointing", "expected"), [
@@ -92,8 +97,8 @@ def _with_sampler_values() -> Rollout:
     """A rollout of 2 rows x 3 tokens (all ones) carrying every sampler tensor."""
     ones = torch.ones(2, 3)
     return Rollout(ones.long(), ones.long(), ones.long(), ones.long(), torch.zeros(2, dtype=torch.bool),
-                   sampling_logps=ones, sampling_entropy=ones, sampling_probs=ones[..., None],
-                   layer_outputs=ones[:, None, :, None])
+                   SamplerRecord("decoder", logps=ones, entropy=ones, exact=True,
+                                 replay=ReplayCapture(ones[..., None], ones[:, None, :, None])))
 
 
 def test_a_rollout_with_tool_tokens_keeps_no_sampler_tensor():
@@ -101,8 +106,8 @@ def test_a_rollout_with_tool_tokens_keeps_no_sampler_tensor():
     out = _with_sampler_values()
     assert capture.drop_for_tool_results(out) is out  # every token sampled: all of it stays
     with_tools = capture.drop_for_tool_results(dataclasses.replace(out, env_mask=torch.tensor([[1, 0, 1], [1, 1, 1]])))
-    assert (with_tools.sampling_logps, with_tools.sampling_entropy, with_tools.sampling_probs,
-            with_tools.layer_outputs) == (None, None, None, None)
+    assert (with_tools.sampler.logps, with_tools.sampler.entropy, with_tools.sampler.replay.probs,
+            with_tools.sampler.replay.layer_outputs) == (None, None, None, None)
     assert torch.equal(with_tools.env_mask, torch.tensor([[1, 0, 1], [1, 1, 1]]))
 
 
@@ -112,5 +117,6 @@ def test_sampling_values_are_dropped_where_they_are_not_the_losss_distribution()
     assert capture.drop_unusable(out, sampled, 0.7) is out
     for config, temperature in ((sampled, 1.0), (GenerationConfig(do_sample=False), 0.7)):
         kept = capture.drop_unusable(out, config, temperature)
-        assert kept.sampling_logps is None and kept.sampling_entropy is None and kept.sampling_probs is None
-        assert kept.layer_outputs is out.layer_outputs  # hidden states do not depend on the temperature
+        assert kept.sampler.logps is None and kept.sampler.entropy is None and kept.sampler.replay.probs is None
+        # hidden states do not depend on the temperature
+        assert kept.sampler.replay.layer_outputs is out.sampler.replay.layer_outputs

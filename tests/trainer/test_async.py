@@ -2,6 +2,7 @@
 a producer thread, deterministically, resumably, with the off-policy correction chosen, and refused where unsafe.
 Real tiny training runs on the copy task."""
 
+import copy
 import dataclasses
 import hashlib
 import random
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from transformers import TrainerCallback
 
 from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model
@@ -111,19 +113,19 @@ def test_behaviour_mode_takes_the_samplers_log_probs_as_the_old_ones(tmp_path, t
     prepared = []
     trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7), **COPY_TASK,
                            **TWO_GROUPS_OF_4, async_rollouts=1, async_correction="behaviour", max_steps=2)
-    finish = trainer.async_rounds.builder.finish
+    finish = trainer.source.builder.finish
 
     def finishing(sampled, mode, policy, state):
-        round_ = finish(sampled, mode, policy, state)
-        prepared.append((sampled.rollout.sampling_logps.clone(), round_))
-        return round_
+        round_, log = finish(sampled, mode, policy, state)
+        prepared.append((sampled.rollout.sampler.logps.clone(), round_))
+        return round_, log
 
-    monkeypatch.setattr(trainer.async_rounds.builder, "finish", finishing)
+    monkeypatch.setattr(trainer.source.builder, "finish", finishing)
     trainer.train()
     behaviour, _ = prepared[1]
     served = trainer.buffer.parts[0]  # round 1's micro-batch, trimmed
     width = served.completion_ids.shape[1]
-    assert served.engine_ratio is None and served.engine_logps is None
+    assert served.token_weights is None and not served.sampler.exact
     assert torch.equal(served.old_logps, behaviour[:, :width])
 
 
@@ -137,18 +139,89 @@ def test_recompute_mode_weighs_old_against_behaviour_with_the_truncation(tmp_pat
     served = trainer.buffer.parts[0]  # round 1: sampled with the weights after step 0, trained at step 1
     with torch.no_grad():
         recomputed = trainer.scorer.no_grad_logps(trainer.model, dataclasses.replace(
-            served, old_logps=None, engine_logps=None, engine_ratio=None))
+            served, old_logps=None, token_weights=None))
     # the model has since taken step 1: the old log-probs are those of the weights the round started with, which a
     # recomputation now does not reproduce; the ratio is rebuilt from the round's own old and behaviour values
     mask = served.loss_mask.bool()
-    expected = torch.exp(served.old_logps - served.engine_logps).clamp(max=3.0)
-    torch.testing.assert_close(served.engine_ratio[mask], expected[mask], rtol=1e-6, atol=1e-7)
+    expected = torch.exp(served.old_logps - served.sampler.logps).clamp(max=3.0)
+    torch.testing.assert_close(served.token_weights[mask], expected[mask], rtol=1e-6, atol=1e-7)
     assert not torch.allclose(recomputed[mask], served.old_logps[mask])
     logged = trainer.state.log_history[1]
     assert {"async/importance_ratio_raw_mean", "async/importance_ratio_raw_min",
             "async/importance_ratio_raw_max", "sampling/importance_sampling_ratio/mean"} <= set(logged)
     assert logged["async/importance_ratio_raw_min"] <= logged["async/importance_ratio_raw_mean"] \
         <= logged["async/importance_ratio_raw_max"]
+
+
+def test_recompute_mode_old_log_probs_are_a_forward_at_the_rounds_start_weights(tmp_path, tokenizer, toy_dataset):
+    """'recompute' is named for one property: round 1 (sampled with the weights after 0 steps) gets old log-probs
+    from the weights it starts training with (after 1 step). Checked against an independent forward of a copy of the
+    model holding those weights, and shown to differ from the sampling weights' forward, so old log-probs taken under
+    the wrong weights fail here."""
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    model = make_tiny_model(tokenizer, seed=7)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, model=model, **COPY_TASK, **TWO_GROUPS_OF_4,
+                           async_rollouts=1, max_steps=2, async_correction="recompute", callbacks=[Snapshot()])
+    trainer.train()
+    served = trainer.buffer.parts[0]  # round 1's micro-batch, trained at step 1
+    unscored = dataclasses.replace(served, old_logps=None, token_weights=None)
+    mask = served.loss_mask.bool()
+
+    def forward_at(weights):
+        frozen = copy.deepcopy(trainer.model)
+        frozen.load_state_dict(weights)
+        frozen.eval()
+        with torch.no_grad():
+            return trainer.scorer.no_grad_logps(frozen, unscored)
+
+    torch.testing.assert_close(served.old_logps[mask], forward_at(snapshots[1])[mask], rtol=1e-5, atol=1e-5)
+    at_sampling = forward_at(initial)[mask]  # the behaviour weights: what a wrong recomputation would have used
+    assert (at_sampling - served.old_logps[mask]).abs().max() > 1e-3
+
+
+def test_no_optimizer_step_runs_while_an_in_process_round_is_sampled(tmp_path, tokenizer, toy_dataset, monkeypatch):
+    """`drain`: an in-process backend reads the live weights, so each optimizer step waits for the round in flight.
+    A slow reward keeps every job running longer than a training step: without the drain (the negative control,
+    `drain` made a no-op) a step lands inside a job; with it, none does."""
+    from grpo_trainer.trainer.producer import RoundProducer
+
+    def slow_reward(completions, **kwargs):
+        time.sleep(0.25)
+        return copy_digits_reward(completions, **kwargs)
+
+    def overlaps(tmp):
+        jobs, steps = [], []
+        sample = round_builder.RoundBuilder.sample
+
+        def timed(self, batch, mode, policy, state):
+            started = time.perf_counter()
+            out = sample(self, batch, mode, policy, state)
+            jobs.append((started, time.perf_counter()))
+            return out
+
+        # the optimizer's own step, timed by torch's global step hooks (callbacks would run beside the drain's)
+        before = register_optimizer_step_pre_hook(lambda *_: steps.append([time.perf_counter(), None]))
+        after = register_optimizer_step_post_hook(lambda *_: steps[-1].__setitem__(1, time.perf_counter()))
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(round_builder.RoundBuilder, "sample", timed)
+                _run(tmp, tokenizer, toy_dataset, slow_reward, max_steps=3)
+        finally:
+            before.remove()
+            after.remove()
+        assert len(jobs) == 3 and len(steps) == 3
+        return [(s, j) for s in steps for j in jobs if s[0] < j[1] and j[0] < s[1]]
+
+    assert overlaps(tmp_path / "drained") == []
+    with monkeypatch.context() as patch:
+        patch.setattr(RoundProducer, "drain", lambda self: None)
+        assert overlaps(tmp_path / "undrained")  # the check sees an undrained step
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_iterations": 2, "steps_per_generation": 2}])
@@ -207,7 +280,7 @@ def test_a_round_past_the_time_limit_stops_the_run(tmp_path, tokenizer, toy_data
 
 def test_the_producer_thread_ends_with_the_run(tmp_path, tokenizer, toy_dataset):
     trainer, _ = _run(tmp_path, tokenizer, toy_dataset, max_steps=2)
-    thread = trainer.async_rounds.producer._thread
+    thread = trainer.source.producer._thread
     assert thread.daemon and not thread.is_alive()
 
 
@@ -250,3 +323,25 @@ def test_active_dropout_is_refused_with_an_in_process_backend(tmp_path, tokenize
     model.model.layers[1].self_attn.attention_dropout = 0.1  # Qwen2's attention dropout, a float the forward reads
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn drops with p > 0"):
         make_trainer(tmp_path, tokenizer, toy_dataset, model=model, **COPY_TASK, async_rollouts=1, disable_dropout=True)
+
+
+def test_one_round_source_interface_for_both_schedules(tmp_path, tokenizer, toy_dataset):
+    """The trainer takes rounds from a `RoundSource`: the synchronous one samples nothing ahead and checkpoints the
+    buffer alone; the asynchronous one checkpoints the rounds it sampled ahead beside it, and paces the optimizer."""
+    from grpo_trainer.trainer.producer import AsyncRounds, ProducerPacing
+    from grpo_trainer.trainer.source import SyncRounds
+
+    plain = make_trainer(tmp_path / "sync", tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
+                         **COPY_TASK, **TWO_GROUPS_OF_4, max_steps=1)
+    ahead = make_trainer(tmp_path / "async", tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
+                         **COPY_TASK, **TWO_GROUPS_OF_4, async_rollouts=1, max_steps=1)
+    assert isinstance(plain.source, SyncRounds) and plain.source.callbacks() == []
+    assert plain.source.sampled_ahead(plain.args) == (0, None) and not plain.buffer.schedule.rounds_ahead
+    assert isinstance(ahead.source, AsyncRounds) and ahead.source.sampled_ahead(ahead.args) == (1, "behaviour")
+    assert any(isinstance(c, ProducerPacing) for c in ahead.callback_handler.callbacks)
+    plain.train()
+    ahead.train()
+    assert plain.run_parts.state_dict().keys() == {"buffer", "micro_step"}
+    state = ahead.run_parts.state_dict()
+    # max_steps=1: round 0 trained, round 1 never submitted (past the run's last round)
+    assert state.keys() == {"buffer", "micro_step", "producer"} and state["producer"]["done"] == {}

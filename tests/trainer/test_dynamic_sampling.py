@@ -49,12 +49,12 @@ class KeptRounds:
         G = trainer.args.num_generations
 
         def recording(batch, mode, policy, state):
-            round_ = build(batch, mode, policy, state)
+            round_, log = build(batch, mode, policy, state)
             if mode == "train":
                 texts = tokenizer.batch_decode(round_.prompt_ids, skip_special_tokens=True)
                 self.answers.append([by_prompt[texts[i]] for i in range(0, len(texts), G)])
                 self.rounds.append(round_)
-            return round_
+            return round_, log
 
         trainer.rounds.build = recording
 

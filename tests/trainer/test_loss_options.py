@@ -14,6 +14,7 @@ from grpo_trainer import GRPOTrainer
 from grpo_trainer.algorithms.entropy import EntropyControl
 from grpo_trainer.algorithms.losses import LossSettings
 from grpo_trainer.reporting.metrics import MetricsWindow
+from grpo_trainer.rollout.types import SamplerRecord
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from tests.helpers import logged, make_args, make_trainer, train_and_compare, varied_reward
 
@@ -60,8 +61,7 @@ def test_entropy_bonus_covers_every_row_when_advantages_are_zero(tmp_path, tiny_
     inputs = trainer.scorer.prepare(round_, "train", trainer.model)
     assert not inputs.advantages.any()
     loss = trainer.compute_loss(trainer.model, inputs)
-    plain = dataclasses.replace(inputs, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
-                                layer_outputs=None)
+    plain = dataclasses.replace(inputs, sampler=SamplerRecord())
     with torch.no_grad():
         entropy = trainer.scorer.logps(trainer.model, plain, with_entropy=True).entropy
     mask = inputs.completion_mask.float()

@@ -16,6 +16,7 @@ from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.backend import BACKENDS, Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.fast.backend import FastBackend
+from grpo_trainer.rollout.types import SamplerRecord
 
 LOGGER = "grpo_trainer.trainer.grpo_trainer"
 
@@ -36,8 +37,7 @@ class _CopyEngine(RolloutBackend):
 
     def generate(self, model, prompts, config, capture=None):
         out = FastBackend().generate(self.copy, prompts, config)
-        return dataclasses.replace(out, engine_logps=out.sampling_logps.float(), sampling_logps=None,
-                                   sampling_entropy=None, sampling_probs=None, layer_outputs=None)
+        return dataclasses.replace(out, sampler=SamplerRecord("engine", logps=out.sampler.logps.float()))
 
     def sampler_dtype(self, model):
         return self.dtype
@@ -147,7 +147,33 @@ def test_a_round_reported_without_the_option_logs_metrics_but_writes_no_file(tmp
                           train_dataset=toy_dataset)
     round_ = trainer._generate_and_score([toy_dataset[i // 4] for i in range(8)], "train")
     trainer._metrics["train"].clear()
-    columns = trainer.rounds.mismatch.report(round_, round_.sampling_logps + 0.1, None, 0, torch.float32, False)
+    columns = trainer.corrections.mismatch.report(round_, round_.sampler.logps + 0.1, None, 0, torch.float32, False)
     assert trainer._metrics["train"]["sampling/sampling_logp_difference/mean"][0] == pytest.approx(0.1, abs=1e-6)
     assert len(columns["logp_difference_mean"]) == 8
     assert not (tmp_path / "sampling_mismatch").exists()
+
+
+def test_asynchronous_rounds_are_reported_against_the_weights_that_sampled_them(tmp_path, tokenizer, toy_dataset,
+                                                                               caplog):
+    """async_rollouts=1 with the fast decoder: each round is compared with the trainer's log-probs at the weights
+    that sampled it (its producer job computes them). The decoder agrees with the model's forward there on every
+    round, also on those trained a step after they were sampled, whose drift from the training weights the
+    'recompute' correction measures well above that (`async/importance_ratio_raw_*`). A file per sampling step."""
+    _, reports, logs = _train(tmp_path, tokenizer, toy_dataset, caplog, async_rollouts=1, max_steps=4,
+                              async_correction="recompute")
+    # rounds 0 and 1 are sampled with the first weights (step 0), rounds 2 and 3 after steps 1 and 2
+    assert [r["step"] for r in reports] == [0, 1, 2]
+    assert all(r["mean_abs_difference"] < 1e-4 and r["cause"] == "kernel difference" for r in reports)
+    assert "Likely cause" not in caplog.text
+    assert len(logs) == 4 and all(e["sampling/sampling_logp_difference/p99"] < 1e-3 for e in logs)
+    stale = [e for e in logs if e["async/staleness"] > 0]
+    assert stale and all(max(e["async/importance_ratio_raw_max"] - 1, 1 - e["async/importance_ratio_raw_min"]) > 1e-2
+                         for e in stale)
+
+
+def test_the_report_is_refused_for_an_engines_rounds_sampled_ahead(tmp_path, tokenizer, toy_dataset, engines):
+    with pytest.raises(ValueError, match="sampling_mismatch_report compares the sampler's log-probs"):
+        GRPOTrainer(make_tiny_model(tokenizer, seed=2), copy_digits_reward, processing_class=tokenizer,
+                    args=GRPOConfig(output_dir=str(tmp_path), generation_backend="synced_engine", async_rollouts=1,
+                                    sampling_mismatch_report=True, report_to="none"),
+                    train_dataset=toy_dataset)

@@ -62,7 +62,7 @@ def test_a_model_calls_a_tool_and_trains_on_every_backend(tmp_path, backend):
     assert round_.env_mask.tolist() == [expected] * 4
     assert round_.completion_mask.tolist() == [[1] * len(expected)] * 4  # attended to, all of it
     # Tool tokens were never sampled: the fast backend's sampler values are gone, the loss ran its own forward.
-    assert round_.sampling_logps is None and round_.layer_outputs is None
+    assert round_.sampler.logps is None and round_.sampler.replay.layer_outputs is None
     assert all(not torch.equal(before[n], p) for n, p in run.model.named_parameters())
 
 

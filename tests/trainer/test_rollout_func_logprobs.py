@@ -81,5 +81,6 @@ def test_the_rollout_funcs_logprobs_reach_the_round(tmp_path, tokenizer, toy_dat
                           train_dataset=toy_dataset, rollout_func=rollout_func)
     round_ = trainer._generate_and_score([toy_dataset[i // 2] for i in range(4)], "train")
     expected = torch.tensor([[-0.5, -0.25, 0.0], [-1.0, float("nan"), -3.0]] * 2)
-    torch.testing.assert_close(round_.engine_logps, expected, equal_nan=True)
-    assert round_.engine_ratio is None  # no importance-sampling correction without vLLM, as in TRL
+    torch.testing.assert_close(round_.sampler.logps, expected, equal_nan=True)
+    assert round_.sampler.kind == "rollout_func" and not round_.sampler.exact
+    assert round_.token_weights is None  # no importance-sampling correction without vLLM, as in TRL

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo_trainer.cli.toy import make_tiny_model
+from grpo_trainer.rollout.types import SamplerRecord
 from grpo_trainer.runtime import compat
 from tests.helpers import TWO_GROUPS_OF_4, make_trainer
 
@@ -25,8 +26,7 @@ def _micro_batch(trainer, dataset):
 
 
 def _without_rollout_values(inputs):
-    return dataclasses.replace(inputs, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
-                               layer_outputs=None)
+    return dataclasses.replace(inputs, sampler=SamplerRecord())
 
 
 @pytest.mark.parametrize(("beta", "entropy_coef"), [(0.0, 0.0), (0.04, 0.0), (0.0, 0.3)])
@@ -38,7 +38,7 @@ def test_loss_and_gradients_with_rollout_logps_equal_a_full_forward(tmp_path, to
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, beta=beta, temperature=0.9, entropy_coef=entropy_coef)
     model = trainer.model
     inputs = _micro_batch(trainer, toy_dataset)
-    assert inputs.sampling_logps is not None
+    assert inputs.sampler.stand_ins[0] is not None
 
     def loss_and_grads(batch):
         model.zero_grad()
@@ -66,7 +66,7 @@ def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokeniz
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, num_iterations=2)
     inputs = _micro_batch(trainer, toy_dataset)
     # The losses after the first optimizer step must recompute the current log-probs: no sampling values left.
-    assert inputs.sampling_logps is None and inputs.sampling_probs is None and inputs.old_logps is not None
+    assert inputs.sampler.stand_ins == (None, None, None) and inputs.old_logps is not None
     with torch.no_grad():
         recomputed = trainer.scorer.no_grad_logps(trainer.model, inputs)
     active = inputs.completion_mask.bool()
@@ -154,7 +154,7 @@ def test_a_micro_batch_drops_its_replay_tensors_after_its_last_loss(tmp_path, to
     kept = []
     for _ in range(4):
         served = trainer._prepare_inputs(batch)
-        assert served.sampling_probs is not None and served.layer_outputs is not None
-        kept.append([part.sampling_probs is not None and part.layer_outputs is not None
+        assert served.sampler.replay.probs is not None and served.sampler.replay.layer_outputs is not None
+        kept.append([part.sampler.replay.probs is not None and part.sampler.replay.layer_outputs is not None
                      for part in trainer.buffer.parts])
     assert kept == [[True, True], [True, True], [False, True], [False, False]]

@@ -31,30 +31,38 @@ def _round(trainer, dataset):
 
 def _forward(trainer, round_):
     """The model's own forward over the round (no rollout values standing in), through the trainer's scorer."""
-    plain = dataclasses.replace(round_, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
-                                layer_outputs=None).trimmed()
+    plain = dataclasses.replace(round_, sampler=round_.sampler.without_stand_ins()).trimmed()
     with torch.no_grad():
         return trainer.scorer.logps(trainer.model, plain)
+
+
+def _with_kept(value, mask):
+    """`value` (a rollout or a round) whose sampler record holds the kept supports `mask`, nothing standing in."""
+    record = value.sampler.without_stand_ins()
+    return dataclasses.replace(value, sampler=dataclasses.replace(record, kept=dataclasses.replace(record.kept,
+                                                                                                   mask=mask)))
 
 
 def test_with_the_mask_the_ratio_to_the_sampler_is_one_at_the_first_iteration(tmp_path, tokenizer, toy_dataset):
     """keep_sampling_mask (the default): the decoder returns each position's kept support; the forward at the
     sampling weights scores over it, so exp(trainer - sampler) = 1 on every token: against the log-probs the
-    decoder sampled from (`behaviour_logps`) and against the ones it kept for the loss (`sampling_logps`)."""
+    decoder sampled from (`KeptSupports.drawn_logps`) and against the ones it kept for the loss
+    (`SamplerRecord.logps`)."""
     trainer = _trainer(tmp_path, tokenizer, toy_dataset)
     round_ = _round(trainer, toy_dataset)
-    assert round_.sampling_mask is not None and round_.behaviour_logps is not None
+    assert round_.sampler.kept.mask is not None and round_.sampler.kept.drawn_logps is not None
     active = round_.completion_mask.bool()
     V = trainer.model.config.vocab_size
-    kept = unpack(round_.sampling_mask, V)[active]  # [tokens, V]
+    kept = unpack(round_.sampler.kept.mask, V)[active]  # [tokens, V]
     assert (kept.sum(-1) <= 8).all() and (kept.sum(-1) < V).all()  # top_k 8 (then top_p) cut every position
     out = _forward(trainer, round_)
     width = out.logps.shape[1]
-    ratio = torch.exp(out.logps - round_.behaviour_logps[:, :width])[active[:, :width]]
+    ratio = torch.exp(out.logps - round_.sampler.kept.drawn_logps[:, :width])[active[:, :width]]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=2e-5, rtol=0)
-    torch.testing.assert_close(out.logps[active[:, :width]], round_.sampling_logps[:, :width][active[:, :width]],
+    torch.testing.assert_close(out.logps[active[:, :width]], round_.sampler.logps[:, :width][active[:, :width]],
                                atol=2e-5, rtol=0)
-    assert (round_.log_kept_mass[active] < -1e-3).any()  # real mass was cut: without the mask the ratio is not 1
+    # real mass was cut: without the mask the ratio is not 1
+    assert (round_.sampler.kept.log_mass[active] < -1e-3).any()
 
 
 def test_without_the_mask_the_mean_ratio_is_the_mean_kept_mass(tmp_path, tokenizer, toy_dataset):
@@ -63,19 +71,19 @@ def test_without_the_mask_the_mean_ratio_is_the_mean_kept_mass(tmp_path, tokeniz
     kept mass (well below 1 here), and the trainer's forward measures that same mass."""
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, keep_sampling_mask=False)
     round_ = _round(trainer, toy_dataset)
-    assert round_.sampling_mask is None  # not needed: the loss scores the full softmax
+    assert round_.sampler.kept.mask is None  # not needed: the loss scores the full softmax
     active = round_.completion_mask.bool()
     out = _forward(trainer, round_)
     width = out.logps.shape[1]
     on = active[:, :width]
-    ratio = torch.exp(out.logps - round_.behaviour_logps[:, :width])[on]
-    kept_mass = torch.exp(round_.log_kept_mass[:, :width])[on]
+    ratio = torch.exp(out.logps - round_.sampler.kept.drawn_logps[:, :width])[on]
+    kept_mass = torch.exp(round_.sampler.kept.log_mass[:, :width])[on]
     assert ratio.mean().item() == pytest.approx(kept_mass.mean().item(), abs=2e-5)
     torch.testing.assert_close(ratio, kept_mass, atol=2e-5, rtol=0)
     assert kept_mass.mean().item() < 0.95
-    torch.testing.assert_close(out.log_kept_mass[on], round_.log_kept_mass[:, :width][on], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.log_kept_mass[on], round_.sampler.kept.log_mass[:, :width][on], atol=2e-5, rtol=0)
     # the sampler's values for the loss are the full softmax's, as the loss computes them
-    torch.testing.assert_close(out.logps[on], round_.sampling_logps[:, :width][on], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.logps[on], round_.sampler.logps[:, :width][on], atol=2e-5, rtol=0)
 
 
 class _ScriptedEngine(RolloutBackend):
@@ -91,8 +99,8 @@ class _ScriptedEngine(RolloutBackend):
         kept = torch.zeros(*ids.shape, V, dtype=torch.bool)
         for offset in range(1, 4):
             kept.scatter_(-1, ((ids + offset) % V)[..., None], True)
-        return dataclasses.replace(out, sampling_logps=None, sampling_entropy=None, sampling_probs=None,
-                                   sampling_mask=pack(kept))
+        out = _with_kept(out, pack(kept))
+        return dataclasses.replace(out, sampler=dataclasses.replace(out.sampler, logps=None))
 
 
 @pytest.fixture
@@ -116,7 +124,7 @@ def test_a_scripted_engines_supports_are_what_every_forward_scores_over(tmp_path
                                position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
         T = round_.completion_ids.shape[1]
         z = logits[:, -T - 1:-1][:, :width].float() / 0.9
-        kept = unpack(round_.sampling_mask[:, :width], z.shape[-1]).scatter(-1, ids[..., None], True)
+        kept = unpack(round_.sampler.kept.mask[:, :width], z.shape[-1]).scatter(-1, ids[..., None], True)
         expected = torch.log_softmax(z.masked_fill(~kept, -torch.inf), -1).gather(-1, ids[..., None])[..., 0]
     on = round_.completion_mask[:, :width].bool()
     torch.testing.assert_close(out.logps[on], expected[on], atol=2e-5, rtol=0)
@@ -141,7 +149,7 @@ def test_the_reference_and_old_log_probs_score_over_the_same_supports(tmp_path, 
     3 tokens after each sampled one instead, the reference forward follows it."""
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, beta=0.04, num_iterations=2)
     part = trainer.scorer.prepare(_round(trainer, toy_dataset), "train", trainer.model)
-    assert part.sampling_mask is not None and part.ref_logps is not None and part.old_logps is not None
+    assert part.sampler.kept.mask is not None and part.ref_logps is not None and part.old_logps is not None
     input_ids = torch.cat([part.prompt_ids, part.completion_ids], 1)
     attention = torch.cat([part.prompt_mask, part.completion_mask], 1)
     T = part.completion_ids.shape[1]
@@ -156,7 +164,7 @@ def test_the_reference_and_old_log_probs_score_over_the_same_supports(tmp_path, 
         kept = unpack(packed, z.shape[-1]).scatter(-1, tokens, True)
         return torch.log_softmax(z.masked_fill(~kept, -torch.inf), -1).gather(-1, tokens)[..., 0]
 
-    reference, old = dense(trainer.ref_model, part.sampling_mask), dense(trainer.model, part.sampling_mask)
+    reference, old = dense(trainer.ref_model, part.sampler.kept.mask), dense(trainer.model, part.sampler.kept.mask)
     torch.testing.assert_close(part.ref_logps[on], reference[on], atol=2e-5, rtol=0)
     torch.testing.assert_close(part.old_logps[on], old[on], atol=2e-5, rtol=0)
     V = trainer.model.config.vocab_size
@@ -165,6 +173,6 @@ def test_the_reference_and_old_log_probs_score_over_the_same_supports(tmp_path, 
         other.scatter_(-1, ((part.completion_ids + offset) % V)[..., None], True)
     other = pack(other)
     with torch.no_grad():
-        ref = trainer.scorer.no_grad_logps(trainer.ref_model, dataclasses.replace(part, sampling_mask=other))
+        ref = trainer.scorer.no_grad_logps(trainer.ref_model, _with_kept(part, other))
     torch.testing.assert_close(ref[on], dense(trainer.ref_model, other)[on], atol=2e-5, rtol=0)
     assert (ref[on] - part.ref_logps[on]).abs().max() > 0.1

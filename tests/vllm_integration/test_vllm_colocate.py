@@ -56,7 +56,7 @@ def _policy_logps(model, rollout, temperature):
 def _assert_engine_matches(model, out, temperature):
     trainer_logps = _policy_logps(model, out, temperature)
     mask = out.completion_mask.bool()
-    gap = (out.engine_logps - trainer_logps)[mask].abs().max().item()
+    gap = (out.sampler.logps - trainer_logps)[mask].abs().max().item()
     assert gap < LOGP_ATOL, gap
     return gap
 
@@ -100,7 +100,7 @@ def test_after_optimizer_steps_the_engine_samples_with_the_new_weights(tmp_path,
     assert torch.equal(out.completion_ids, generate_rollout(trainer.model, prompts, config).completion_ids)
     _assert_engine_matches(trainer.model, out, temperature=1.0)
     initial = vllm_tiny_model(tokenizer).to(trainer.accelerator.device)
-    stale_gap = (out.engine_logps - _policy_logps(initial, out, 1.0))[out.completion_mask.bool()].abs().max()
+    stale_gap = (out.sampler.logps - _policy_logps(initial, out, 1.0))[out.completion_mask.bool()].abs().max()
     assert stale_gap > 100 * LOGP_ATOL
 
 
@@ -120,7 +120,7 @@ def test_lora_training_pushes_the_merged_weights(tmp_path, tokenizer):
     _assert_engine_matches(trainer.model, out, temperature=1.0)
     # the adapter moved the policy away from its base weights, and the engine followed
     with trainer.model.disable_adapter():
-        base_gap = (out.engine_logps - _policy_logps(trainer.model, out, 1.0))[out.completion_mask.bool()]
+        base_gap = (out.sampler.logps - _policy_logps(trainer.model, out, 1.0))[out.completion_mask.bool()]
     assert base_gap.abs().max() > 10 * LOGP_ATOL
 
 

@@ -59,11 +59,11 @@ def test_an_off_policy_round_keeps_its_sampling_time_logps(tmp_path, tokenizer):
     trainer = GRPOTrainer(vllm_tiny_model(tokenizer), copy_digits_reward,
                           args=trainer_args(tmp_path, steps_per_generation=2, max_steps=2),
                           train_dataset=copy_digits_dataset(num_prompts=32), processing_class=tokenizer)
-    forward = trainer.rounds.score
-    trainer.rounds.score = lambda model, part: calls.append(part.rows) or forward(model, part)
+    forward = trainer.corrections.score
+    trainer.corrections.score = lambda model, part: calls.append(part.rows) or forward(model, part)
     trainer.train()
     assert calls == [16]  # one forward over the whole round (2 x 8 rows), none per micro-batch
-    assert all(part.old_logps is not None and part.engine_ratio is not None for part in trainer.buffer.parts)
+    assert all(part.old_logps is not None and part.token_weights is not None for part in trainer.buffer.parts)
 
 
 def test_without_the_correction_no_forward_and_no_metrics(tmp_path, tokenizer):
@@ -71,8 +71,8 @@ def test_without_the_correction_no_forward_and_no_metrics(tmp_path, tokenizer):
     trainer = GRPOTrainer(vllm_tiny_model(tokenizer), copy_digits_reward,
                           args=trainer_args(tmp_path, vllm_importance_sampling_correction=False),
                           train_dataset=copy_digits_dataset(num_prompts=32), processing_class=tokenizer)
-    forward = trainer.rounds.score
-    trainer.rounds.score = lambda model, part: calls.append(part.rows) or forward(model, part)
+    forward = trainer.corrections.score
+    trainer.corrections.score = lambda model, part: calls.append(part.rows) or forward(model, part)
     trainer.train()
     assert calls == []  # on-policy: no old log-probs to compute
     steps = [h for h in trainer.state.log_history if "loss" in h]

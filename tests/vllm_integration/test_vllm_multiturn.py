@@ -76,12 +76,12 @@ def test_vllms_logprobs_follow_the_tokens_of_every_turn_and_tool_tokens_are_mask
     with torch.no_grad():
         ours = completion_logprobs(calling_model(), ids, mask, round_.completion_ids.shape[1]).logps
     sampled = round_.loss_mask.bool()
-    assert (round_.engine_logps - ours)[sampled].abs().max() < 1e-4
+    assert (round_.sampler.logps - ours)[sampled].abs().max() < 1e-4
     after_result = torch.arange(sampled.shape[1]) > min(result_at)
     assert (sampled & after_result)[tool_rows].any()  # second-turn tokens were compared too
     # tool tokens: no engine value (0), never compared (their weight is 1)
     tool = round_.completion_mask.bool() & (round_.env_mask == 0)
-    assert round_.engine_logps[tool].eq(0).all() and round_.engine_ratio[tool].eq(1).all()
+    assert round_.sampler.logps[tool].eq(0).all() and round_.token_weights[tool].eq(1).all()
     assert (ours[tool] < -0.01).any()  # a real log-prob there would have differed from 0
 
 

@@ -44,7 +44,7 @@ def test_server_rollouts_and_weight_sync_after_optimizer_steps(tmp_path, tokeniz
     after = _engine_rollout(trainer, prompts, greedy)  # pushes the trained weights (new step)
     assert torch.equal(after.completion_ids, generate_rollout(trainer.model, prompts, greedy).completion_ids)
     _assert_engine_matches(trainer.model, after, temperature=1.0)
-    assert not torch.equal(after.engine_logps, before.engine_logps)  # the server's weights changed
+    assert not torch.equal(after.sampler.logps, before.sampler.logps)  # the server's weights changed
 
 
 def test_a_server_that_does_not_answer_is_named_after_the_timeout(tmp_path, tokenizer):

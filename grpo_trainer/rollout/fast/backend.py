@@ -12,7 +12,7 @@ Decisions:
 2. Distinct prompts are found once (consecutive identical rows); each is prefilled once and its keys/values are
    copied into the rows of its G completions. Positions count real tokens only, as `generate`'s do.
 3. The token loop (`loop.run`) stops as soon as every row has emitted an EOS token. Each token's log-prob and
-   entropy under the full tempered softmax are kept (`Rollout.sampling_logps`). On request (`capture.Capture`)
+   entropy under the full tempered softmax are kept (`SamplerRecord.logps`, `exact`). On request (`capture.Capture`)
    the decoder also keeps every layer's output and every step's softmax, for `replay`.
 4. The loop runs in inference mode (no autograd bookkeeping per operation); its outputs are cloned out of it, and
    replay buffers are allocated outside it and filled inside, so the training forward can use them uncopied.

@@ -134,7 +134,9 @@ def forward_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfi
         decoded, plain_logits = _decode(lm, config, prompts, max_new, probs, masks, capture.kept_support)
     rollout = loop.to_rollout(prompts, config, decoded, probs, masks)
     if not plain_logits:  # decision 2: the sampler's own values stay (the processed log-probs, the supports)
-        rollout = dataclasses.replace(rollout, sampling_logps=None, sampling_entropy=None, sampling_probs=None)
+        rollout = dataclasses.replace(rollout, sampler=dataclasses.replace(
+            rollout.sampler, logps=None, entropy=None, exact=False,
+            replay=dataclasses.replace(rollout.sampler.replay, probs=None)))
     return rollout
 
 

@@ -5,11 +5,11 @@ Decisions:
 
 1. Token selection is transformers' own logits processors on the same sequences `generate` passes them, then
    argmax or a categorical draw (`sampling`). Each token's log-prob and entropy under the tempered softmax of the
-   raw logits are kept (`Rollout.sampling_logps`), and on request that softmax itself (`replay`).
+   raw logits are kept (`SamplerRecord.logps`, `exact`), and on request that softmax itself (`replay`).
 5. With processors beyond the temperature (top-k / top-p / min-p, penalties, suppressed tokens), the loop also keeps
    what the sampler knows at draw time (`algorithms.truncation`): the log of the mass the tempered softmax puts on
    the kept support (the finite processed scores), the log-prob of each token under the processed distribution it
-   was drawn from (`Rollout.behaviour_logps`), and on request the kept supports, packed. With `renormalise` (the
+   was drawn from (`KeptSupports.drawn_logps`), and on request the kept supports, packed. With `renormalise` (the
    loss's `keep_sampling_mask`) the kept log-probs, entropies and softmax are those of the tempered softmax over
    the kept support, as the loss computes them.
 2. Rows stop at their first EOS and are padded after it; the loop stops once every row has.
@@ -35,7 +35,15 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from grpo_trainer.algorithms.truncation import pack
 from grpo_trainer.rollout.fast.guard import processors
 from grpo_trainer.rollout.fast.sampling import sample_from_logits, sample_from_probs
-from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
+from grpo_trainer.rollout.types import (
+    KeptSupports,
+    PromptBatch,
+    ReplayCapture,
+    Rollout,
+    SamplerRecord,
+    end_at_first_eos,
+    special_tokens,
+)
 
 __all__ = ["Decoded", "Draw", "NonFiniteLogitsError", "choose", "run", "to_rollout"]
 
@@ -152,8 +160,9 @@ def to_rollout(prompts: PromptBatch, config: GenerationConfig, decoded: Decoded,
     probs = None if probs is None else probs[:, :T]
     masks = None if masks is None or masses is None else masks[:, :T]
     completion_ids, mask, truncated = end_at_first_eos(completion_ids, config)
-    return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, logps, entropy, probs, outputs,
-                   sampling_mask=masks, log_kept_mass=masses, behaviour_logps=behaviour)
+    record = SamplerRecord("decoder", logps=logps, entropy=entropy, exact=True,
+                           kept=KeptSupports(masks, masses, behaviour), replay=ReplayCapture(probs, outputs))
+    return Rollout(prompts.ids, prompts.mask, completion_ids, mask, truncated, record)
 
 
 def _raise_non_finite(logps: Tensor, finished: Tensor, step: int) -> None:

@@ -39,7 +39,7 @@ from grpo_trainer.rollout.multiturn.tool_calls import select_parser
 from grpo_trainer.rollout.multiturn.tools import check_tools, tool_list, toolbox
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings
-from grpo_trainer.rollout.types import PromptBatch, Rollout
+from grpo_trainer.rollout.types import PromptBatch, Rollout, SamplerRecord
 
 __all__ = ["Episode", "MultiTurn", "TurnSettings"]
 
@@ -161,12 +161,12 @@ class MultiTurn:
         if counts.results_kept == 0:  # no tool wrote a token: the first turn is the whole rollout, as sampled
             return first, completions, counts
         prompts = PromptBatch(first.prompt_ids, first.prompt_mask)
-        return to_rollout(prompts, trajectories, self.tokenizer.pad_token_id), completions, counts
+        return to_rollout(prompts, trajectories, self.tokenizer.pad_token_id, first.sampler.kind), completions, counts
 
     def _from_token_lists(self, output: RolloutFuncOutput, device: torch.device | str) -> Rollout:
         """A rollout_func's token lists as a `Rollout` (TRL: every returned completion token is in the completion;
         it is truncated when its last token is neither EOS nor padding). Its `logprobs` are the behaviour policy's,
-        the sampler's own (`Rollout.engine_logps`: TRL's `sampling_per_token_logps`, which the off-policy mask and,
+        the sampler's own (`SamplerRecord.logps`: TRL's `sampling_per_token_logps`, which the off-policy mask and,
         with vLLM, the importance-sampling correction read); None is NaN (no value), padding 0."""
         pad = self.tokenizer.pad_token_id
         masks = output.env_mask or [[1] * len(c) for c in output.completion_ids]
@@ -174,9 +174,9 @@ class MultiTurn:
         trajectories = [Trajectory(p, list(c), list(m), ended=bool(c) and c[-1] in {*self.eos_token_ids, pad},
                                    engine_logps=None if lp is None else [float(v) for v in lp])
                         for p, c, m, lp in zip(output.prompt_ids, output.completion_ids, masks, logprobs)]
-        out = to_rollout(left_padded(output.prompt_ids, pad).to(device), trajectories, pad)
+        out = to_rollout(left_padded(output.prompt_ids, pad).to(device), trajectories, pad, "rollout_func")
         logps = torch.zeros(out.completion_ids.shape, dtype=torch.float32)
         for row, values in enumerate(output.logprobs):
             logps[row, :len(values)] = torch.tensor([math.nan if v is None else float(v) for v in values])
-        out = dataclasses.replace(out, engine_logps=logps.to(out.completion_ids.device))
+        out = dataclasses.replace(out, sampler=SamplerRecord("rollout_func", logps=logps.to(out.completion_ids.device)))
         return out if output.env_mask is not None else dataclasses.replace(out, env_mask=None)

@@ -13,9 +13,10 @@ Decisions:
    would pass the model's context length, are dropped and the rollout ends with its call.
 4. At most `max_tool_calling_iterations` rounds of tool calls (None: until no rollout calls a tool). A rollout
    whose turn did not end with EOS (out of budget) calls nothing more.
-5. An inference engine's log-probs (`Rollout.engine_logps`, vLLM's) follow the tokens they belong to, turn after
-   turn, so the importance-sampling correction covers multi-turn rollouts as TRL's does: a tool token gets 0 (its
-   `env_mask` is 0, so it never enters the correction). When a turn came back without them, the rollout has none.
+5. An inference engine's log-probs (`SamplerRecord.logps` without `exact`: vLLM's) follow the tokens they belong
+   to, turn after turn, so the importance-sampling correction covers multi-turn rollouts as TRL's does: a tool
+   token gets 0 (its `env_mask` is 0, so it never enters the correction). When a turn came back without them, the
+   rollout has none.
 
 Shapes: `B` rollouts, `S` prompt tokens, `T` completion tokens.
 """
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from grpo_trainer.rollout.multiturn.tool_calls import ToolCallParser, tool_calls_of
 from grpo_trainer.rollout.multiturn.tools import run_calls
-from grpo_trainer.rollout.types import PromptBatch, Rollout
+from grpo_trainer.rollout.types import PromptBatch, Rollout, SamplerKind, SamplerRecord
 
 __all__ = ["Generate", "Trajectory", "ToolCounts", "left_padded", "run_tool_loop", "sampled_turns", "to_rollout"]
 
@@ -102,14 +103,16 @@ def sampled_turns(rollout: Rollout) -> list[tuple[list[int], bool, list[float] |
     """Each row's sampled tokens (through its first EOS), whether it ended with EOS, and the engine's log-probs of
     those tokens (None without them)."""
     masks = rollout.completion_mask.bool()
-    logps = [None] * len(masks) if rollout.engine_logps is None else \
-        [values[mask].tolist() for values, mask in zip(rollout.engine_logps, masks)]
+    engine = None if rollout.sampler.exact else rollout.sampler.logps  # an in-process sampler's are not carried
+    logps = [None] * len(masks) if engine is None else [values[mask].tolist() for values, mask in zip(engine, masks)]
     return [(ids[mask].tolist(), not bool(truncated), values)
             for ids, mask, truncated, values in zip(rollout.completion_ids, masks, rollout.is_truncated, logps)]
 
 
-def to_rollout(prompts: PromptBatch, trajectories: Sequence[Trajectory], pad_token_id: int) -> Rollout:
-    """The trajectories as one `Rollout` `[B, T]` with its `env_mask`, over the first turn's prompts."""
+def to_rollout(prompts: PromptBatch, trajectories: Sequence[Trajectory], pad_token_id: int,
+               kind: SamplerKind = "engine") -> Rollout:
+    """The trajectories as one `Rollout` `[B, T]` with its `env_mask`, over the first turn's prompts, sampled by a
+    sampler of `kind`."""
     device = prompts.ids.device
     completions = [t.completion_ids for t in trajectories]
     completion_ids = _right_padded(completions, pad_token_id, device)
@@ -120,7 +123,7 @@ def to_rollout(prompts: PromptBatch, trajectories: Sequence[Trajectory], pad_tok
     if all(t.engine_logps is not None for t in trajectories):  # decision 5; 0 on padding, as every backend pads
         engine_logps = _right_padded([t.engine_logps for t in trajectories], 0.0, device, torch.float32)
     return Rollout(prompts.ids, prompts.mask, completion_ids, completion_mask.int(), truncated,
-                   engine_logps=engine_logps, env_mask=env_mask.int())
+                   SamplerRecord(kind, logps=engine_logps), env_mask=env_mask.int())
 
 
 def _append_results(trajectory: Trajectory, messages: list[dict], suffix_ids: list[int], max_completion_length: int,

@@ -8,8 +8,9 @@ Decisions:
    the sampled token's log-prob (`logprobs=0`).
 2. The rows of a prompt batch repeat each prompt G times in a row: each run of identical rows is one request with
    `n` = its length, so the engine prefills the prompt once, and its completions come back in row order.
-3. vLLM's log-probs are the engine's (`Rollout.engine_logps`), never the trainer's: a token vLLM could not score is
-   NaN. Completions end at their first EOS (vLLM includes the EOS it stopped on); the rest is padding.
+3. vLLM's log-probs are the engine's (`SamplerRecord.logps`, kind `engine`), never the trainer's: a token vLLM
+   could not score is NaN. Completions end at their first EOS (vLLM includes the EOS it stopped on); the rest is
+   padding.
 4. A prompt with images goes to vLLM as the chat template wrote it, each image as its placeholder
    (`multimodal.unexpanded_ids`), with the images themselves: vLLM expands the placeholders with its own processor.
    The prompt it ends up with must be the trainer's, token for token (`check_engine_prompts`); otherwise the loss
@@ -31,7 +32,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_trainer.rollout.settings import max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
+from grpo_trainer.rollout.types import PromptBatch, Rollout, SamplerRecord, end_at_first_eos, special_tokens
 
 __all__ = ["Completion", "Request", "check_engine_prompts", "check_generation_kwargs", "prompt_runs", "row_ids",
            "run_starts", "sampling_settings", "to_rollout"]
@@ -135,4 +136,4 @@ def to_rollout(prompts: PromptBatch, completions: Sequence[Completion], config: 
     device = prompts.ids.device
     ids, mask, truncated = end_at_first_eos(ids.to(device), config)
     engine_logps = logps.to(device).masked_fill(mask == 0, 0.0)
-    return Rollout(prompts.ids, prompts.mask, ids, mask, truncated, engine_logps=engine_logps)
+    return Rollout(prompts.ids, prompts.mask, ids, mask, truncated, SamplerRecord("engine", logps=engine_logps))

@@ -72,9 +72,9 @@ def test_sampling_logps_and_probs_are_the_training_forwards(tokenizer, kind):
                                   with_entropy=True)
     logps, entropy = out.logps, out.entropy
     active = rollout.completion_mask.bool()
-    torch.testing.assert_close(rollout.sampling_logps[active], logps[active], atol=1e-5, rtol=0)
-    torch.testing.assert_close(rollout.sampling_entropy[active], entropy[active], atol=1e-5, rtol=0)
-    chosen = rollout.sampling_probs.gather(2, rollout.completion_ids[..., None]).squeeze(2)
+    torch.testing.assert_close(rollout.sampler.logps[active], logps[active], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.sampler.entropy[active], entropy[active], atol=1e-5, rtol=0)
+    chosen = rollout.sampler.replay.probs.gather(2, rollout.completion_ids[..., None]).squeeze(2)
     torch.testing.assert_close(chosen.log()[active], logps[active], atol=1e-5, rtol=0)
 
 
@@ -84,11 +84,11 @@ def test_soft_capped_logits_keep_no_log_probs(tokenizer):
     model = model_of_kind("gemma2", tokenizer)
     rollout = BACKENDS["forward"]().generate(model, grouped_prompts(tokenizer), greedy_config(tokenizer,
                                                                                               do_sample=True))
-    assert rollout.sampling_logps is None and rollout.sampling_entropy is None and rollout.sampling_probs is None
+    assert rollout.sampler.logps is None and rollout.sampler.entropy is None and rollout.sampler.replay.probs is None
     uncapped = model_of_kind("gemma2", tokenizer, final_logit_softcapping=None)
     rollout = BACKENDS["forward"]().generate(uncapped, grouped_prompts(tokenizer), greedy_config(tokenizer,
                                                                                                  do_sample=True))
-    assert rollout.sampling_logps is not None
+    assert rollout.sampler.logps is not None
 
 
 def test_capabilities_are_what_it_keeps():

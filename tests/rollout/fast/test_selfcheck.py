@@ -29,7 +29,7 @@ def checks(monkeypatch):
 def decoded_by_the_decoder(model, tokenizer) -> bool:
     """Whether the fast backend ran its decoder (the only tier that keeps every layer's output)."""
     rollout = fast_rollout(model, grouped_prompts(tokenizer), greedy_config(tokenizer), layer_outputs=True)
-    return rollout.layer_outputs is not None
+    return rollout.sampler.replay.layer_outputs is not None
 
 
 def scale_output(module: nn.Module, factor: float):

@@ -124,5 +124,5 @@ def test_sampling_logps_are_the_training_forwards_values(tokenizer, kind):
             rollout.completion_ids.shape[1], temperature=0.7, with_entropy=True)
     logps, entropy = out.logps, out.entropy
     active = rollout.completion_mask.bool()
-    torch.testing.assert_close(rollout.sampling_logps[active], logps[active], atol=1e-5, rtol=0)
-    torch.testing.assert_close(rollout.sampling_entropy[active], entropy[active], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.sampler.logps[active], logps[active], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.sampler.entropy[active], entropy[active], atol=1e-5, rtol=0)

@@ -8,7 +8,7 @@ import torch
 from grpo_trainer.cli.toy import make_tokenizer
 from grpo_trainer.rollout.multiturn import Environments, MultiTurn, TurnSettings, call_rollout_func
 from grpo_trainer.rollout.settings import PromptSettings
-from grpo_trainer.rollout.types import Rollout, completion_mask
+from grpo_trainer.rollout.types import Rollout, SamplerRecord, completion_mask
 from tests.tool_helpers import get, multiply
 
 TOKENIZER = make_tokenizer(tool_calling=True)
@@ -44,8 +44,9 @@ class Script:
         engine = None
         if self.engine and turn not in self.engine_lacks:
             engine = torch.full(completion.shape, -(turn + 1.0)).masked_fill(mask == 0, 0.0)
-        return Rollout(prompts.ids, prompts.mask, completion, mask, truncated, sampling_logps=values,
-                       sampling_entropy=values, engine_logps=engine)
+        record = SamplerRecord("engine", logps=engine) if self.engine else \
+            SamplerRecord("decoder", logps=values, entropy=values, exact=values is not None)
+        return Rollout(prompts.ids, prompts.mask, completion, mask, truncated, record)
 
 
 class Door:
@@ -90,7 +91,7 @@ def test_a_round_whose_calls_got_results_drops_every_sampler_tensor():
     episode = multi_turn.run(rows(1, 2), Script(["no<|end|>", "<call>get</call><|end|>"], ["42<|end|>"]), None,
                              "cpu")
     out = episode.rollout
-    assert out.env_mask is not None and out.sampling_logps is None and out.sampling_entropy is None
+    assert out.env_mask is not None and out.sampler.logps is None and out.sampler.entropy is None
     assert episode.completions[1] == [
         {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "get", "arguments": {}}}]},
@@ -101,7 +102,7 @@ def test_a_round_whose_calls_got_results_drops_every_sampler_tensor():
 def test_a_round_where_no_tool_answered_is_the_first_turn_as_sampled():
     multi_turn = make([get])
     episode = multi_turn.run(rows(1, 2), Script(["no<|end|>", "nor<|end|>"]), None, "cpu")
-    assert episode.rollout.env_mask is None and episode.rollout.sampling_logps is not None
+    assert episode.rollout.env_mask is None and episode.rollout.sampler.logps is not None
     assert (episode.tool_counts.calls, episode.tool_counts.failures) == (0, 0)
 
 
@@ -168,15 +169,15 @@ def test_engine_logps_follow_their_tokens_across_tool_turns():
         len(ids("42<|end|>"))
     assert out.env_mask[1].tolist()[:first + result + second] == [1] * first + [0] * result + [1] * second
     expected = [-1.0] * first + [0.0] * result + [-2.0] * second
-    assert out.engine_logps[1].tolist()[:len(expected)] == expected
-    assert out.engine_logps[0].tolist()[:3] == [-1.0, -1.0, -1.0] and out.engine_logps[0, 3:].eq(0).all()
-    assert out.sampling_logps is None  # tools wrote tokens: no sampler tensor (capture, decision 4)
+    assert out.sampler.logps[1].tolist()[:len(expected)] == expected
+    assert out.sampler.logps[0].tolist()[:3] == [-1.0, -1.0, -1.0] and out.sampler.logps[0, 3:].eq(0).all()
+    assert not out.sampler.exact and out.sampler.entropy is None  # tools wrote tokens: no in-process sampler tensor
 
 
 def test_a_turn_without_engine_logps_leaves_the_rollout_without_any():
     multi_turn = make([get])
     script = Script(["no<|end|>", "<call>get</call><|end|>"], ["42<|end|>"], engine=True, engine_lacks={1})
-    assert multi_turn.run(rows(1, 2), script, None, "cpu").rollout.engine_logps is None
+    assert multi_turn.run(rows(1, 2), script, None, "cpu").rollout.sampler.logps is None
 
 
 def test_a_rollout_funcs_logprobs_are_the_samplers_with_or_without_vllm():
@@ -189,6 +190,6 @@ def test_a_rollout_funcs_logprobs_are_the_samplers_with_or_without_vllm():
     prompts = [{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"role": "user", "content": "b"}]}]
     first_turn = lambda p: call_rollout_func(rollout_func, p, None)  # noqa: E731
     with_vllm = make(use_vllm=True).run(prompts, Script(), first_turn, "cpu").rollout
-    assert with_vllm.engine_logps.tolist() == [[-0.5, -0.25, -0.125], [-1.0, 0.0, 0.0]]
-    assert make().run(prompts, Script(), first_turn, "cpu").rollout.engine_logps.tolist() == \
+    assert with_vllm.sampler.logps.tolist() == [[-0.5, -0.25, -0.125], [-1.0, 0.0, 0.0]]
+    assert make().run(prompts, Script(), first_turn, "cpu").rollout.sampler.logps.tolist() == \
         [[-0.5, -0.25, -0.125], [-1.0, 0.0, 0.0]]

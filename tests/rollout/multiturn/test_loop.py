@@ -131,4 +131,4 @@ def test_trajectories_become_one_rollout_with_its_env_mask():
     assert out.env_mask[0].tolist() == trajectories[0].env_mask and out.env_mask[1, :3].tolist() == [1, 1, 1]
     assert out.is_truncated.tolist() == [True, False]
     assert out.sampled_mask.sum(1).tolist() == [len(ids(CALL)) + 1, 3]  # tool tokens are not the model's
-    assert out.sampling_logps is None and out.layer_outputs is None
+    assert out.sampler.logps is None and out.sampler.replay.layer_outputs is None

@@ -82,7 +82,7 @@ def test_rollout_ends_at_the_first_eos_and_keeps_the_engines_logps_apart():
     assert out.completion_ids.tolist() == [[4, 6, PAD], [4, 4, 4], [1, PAD, PAD]]
     assert out.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
     assert out.is_truncated.tolist() == [False, True, False]
-    assert out.sampling_logps is None  # the engine's values are never the trainer's
-    logps = out.engine_logps
+    assert out.sampler.kind == "engine" and not out.sampler.exact  # the engine's values are never the trainer's
+    logps = out.sampler.logps
     assert logps[0].tolist() == [-0.5, -1.0, 0.0] and logps[2].tolist() == [-2.0, 0.0, 0.0]
     assert math.isnan(logps[1, 1]) and logps[1, 0].item() == torch.tensor(-0.1).item()
