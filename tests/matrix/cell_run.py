@@ -155,9 +155,10 @@ def _train(cell: dict, output_dir: Path, vllm: dict | None = None, **overrides) 
     rounds, build_round = [], trainer.rounds.build
 
     def recording(*args, **kwargs):
-        round_ = build_round(*args, **kwargs)
+        built = build_round(*args, **kwargs)  # the round, or (round, its log) since the round source (issue 39)
+        round_ = built[0] if isinstance(built, tuple) else built
         rounds.append(round_.advantages.detach().cpu().reshape(-1).tolist())
-        return round_
+        return built
 
     trainer.rounds.build = recording
     # packed forwards of the training itself: the packing self-check's own forwards (once per model) not counted
