@@ -8,6 +8,8 @@ Decisions:
    `trust_remote_code` (GRPOConfig's, unless `model_init_kwargs` sets it) reaches every `from_pretrained`: the
    policy, its tokenizer, reward models and theirs. A checkpoint that needs its own code and is not trusted is
    refused by `check_remote_code` before anything loads, instead of transformers' interactive prompt.
+   A Hub id that cannot be read (not in the cache while offline, gated, not on the Hub) is reported by
+   `hub_failure` in one line naming the model and the fix, instead of transformers' generic OSError.
 3. Optional dependencies (peft, deepspeed) are imported inside the functions that need them.
 4. `cast_lm_head_to_fp32` swaps an untied LM head for a `logprobs.Float32Head` holding a float32 copy of its
    weight. A tied head would drag the input embedding to float32 with it, so it is refused, as TRL documents.
@@ -46,8 +48,8 @@ from transformers.utils import cached_file
 from grpo_trainer.modeling.logprobs import Float32Head
 from grpo_trainer.modeling.unwrap import causal_lm, is_peft_model, is_zero3_partitioned
 
-__all__ = ["cast_lm_head_to_fp32", "check_adapter", "check_remote_code", "disable_dropout", "init_kwargs",
-           "is_vision_language", "liger_kernel_config", "load_policy",
+__all__ = ["cast_lm_head_to_fp32", "check_adapter", "check_remote_code", "disable_dropout", "hub_failure",
+           "init_kwargs", "is_vision_language", "liger_kernel_config", "load_policy",
            "load_processing_class", "load_reward_model", "load_tokenizer", "make_reference_model", "reference_context",
            "router_aux_loss_coef", "wrap_peft"]
 
@@ -78,7 +80,37 @@ def check_remote_code(model_id: str, trust_remote_code: bool, revision: str | No
     if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
         raise ValueError(f"{model_id!r} contains custom code (its config's auto_map names {sorted(config['auto_map'])} "
                          f"for model_type {config.get('model_type')!r}, which transformers does not implement). Read "
-                         "that code, then set trust_remote_code=True in GRPOConfig to run it.")
+                         "that code, then set trust_remote_code=True in GRPOConfig (`--trust_remote_code True` "
+                         "with grpo-train) to run it.")
+
+
+def hub_failure(model_id: str, error: BaseException) -> str | None:
+    """One line naming `model_id` and the fix when `error` (transformers' OSError, chained to huggingface_hub's
+    error) says the Hub could not serve it; None for any other failure, which the caller re-raises as it was."""
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    causes = []
+    while error is not None and len(causes) < 8:  # transformers raises `OSError(...) from hub_error`
+        causes.append(error)
+        error = error.__cause__ or error.__context__
+    if any(isinstance(e, GatedRepoError) for e in causes):  # a subclass of RepositoryNotFoundError: test it first
+        return (f"model {model_id!r} is gated on the Hub: accept its terms at https://huggingface.co/{model_id}, "
+                "then log in with that account (`hf auth login`, or set HF_TOKEN).")
+    if any(isinstance(e, RepositoryNotFoundError) for e in causes):
+        return (f"model {model_id!r} is neither a local directory nor a model on the Hub: check the id (a local "
+                "path must exist; a Hub id looks like 'org/name'); if it is private, log in (`hf auth login`, or "
+                "set HF_TOKEN).")
+    if any(isinstance(e, LocalEntryNotFoundError) for e in causes):
+        offline = "HF_HUB_OFFLINE is set" if _hub_offline() else "the Hub cannot be reached"
+        return (f"model {model_id!r} is not in the local Hugging Face cache and {offline}: download it first where "
+                f"the Hub is reachable (`hf download {model_id}`), or pass a local directory holding it.")
+    return None
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def load_tokenizer(model_id: str, trust_remote_code: bool, revision: str | None = None, **kwargs: Any) -> Any:

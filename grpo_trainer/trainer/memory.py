@@ -182,8 +182,15 @@ def _model_config(model: str | nn.Module, args: GRPOConfig) -> Any:
     from transformers import AutoConfig
 
     kwargs = models.init_kwargs(args.model_init_kwargs, args.trust_remote_code)
-    return AutoConfig.from_pretrained(model, revision=kwargs.get("revision"),
-                                      trust_remote_code=kwargs["trust_remote_code"])
+    try:
+        models.check_remote_code(model, kwargs["trust_remote_code"], kwargs.get("revision"))
+        return AutoConfig.from_pretrained(model, revision=kwargs.get("revision"),
+                                          trust_remote_code=kwargs["trust_remote_code"])
+    except OSError as exc:  # not cached while offline, gated, not on the Hub: one line naming the model and the fix
+        message = models.hub_failure(model, exc)
+        if message is None:
+            raise
+        raise OSError(message) from exc
 
 
 def _device(args: GRPOConfig) -> str | None:

@@ -9,6 +9,7 @@ import pytest
 
 from grpo_trainer.cli import entry
 from grpo_trainer.cli.toy import make_tiny_model
+from tests.helpers import write_remote_code_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,3 +113,64 @@ def test_plan_reports_the_longest_completion_that_fits(config_dir, capsys):
     assert code == 0 and "verdict: fits" in out.out
     code, out = plan([*common, "--max_completion_length", str(longest + 1)], capsys)
     assert code == 1 and "DOES NOT FIT" in out.out
+
+
+# ------------------------------------------------------------------- a Hub id the plan cannot read (issue 38)
+
+
+def test_a_hub_id_not_in_the_cache_offline_names_the_model_and_the_download(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out = plan(["--model_name_or_path", "no-such-org/no-such-model", "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1 and out.err.startswith("grpo-train plan: error: model 'no-such-org/no-such-model'")
+    assert "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" in out.err
+    assert "`hf download no-such-org/no-such-model`" in out.err
+
+
+def hub_answers(monkeypatch, error_class, status: int) -> None:
+    """The Hub's answer `error_class` (huggingface_hub's own) raised where transformers downloads (no network here);
+    everything above it is the real code path."""
+    import httpx2
+    from transformers.utils import hub
+
+    def answer(repo_id, filename, **kwargs):
+        url = f"https://huggingface.co/{repo_id}/resolve/main/{filename}"
+        response = httpx2.Response(status, request=httpx2.Request("GET", url))
+        raise error_class(f"{status} Client Error for url {url}.", response=response)
+
+    monkeypatch.setattr(hub, "hf_hub_download", answer)
+
+
+def test_a_gated_model_names_the_model_and_the_login(capsys, monkeypatch):
+    from huggingface_hub.errors import GatedRepoError
+
+    hub_answers(monkeypatch, GatedRepoError, 403)
+    code, out = plan(["--model_name_or_path", "gated-org/gated-model", "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1
+    assert "model 'gated-org/gated-model' is gated on the Hub" in out.err
+    assert "https://huggingface.co/gated-org/gated-model" in out.err and "`hf auth login`" in out.err
+
+
+def test_an_id_the_hub_does_not_have_names_the_model_and_what_to_check(capsys, monkeypatch):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    hub_answers(monkeypatch, RepositoryNotFoundError, 404)
+    code, out = plan(["--model_name_or_path", "some-org/typo-model", "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1
+    assert "model 'some-org/typo-model' is neither a local directory nor a model on the Hub: check the id" in out.err
+
+
+def test_remote_code_without_trust_names_the_model_and_the_flag(tmp_path, tokenizer, capsys):
+    folder = write_remote_code_model(tmp_path / "remote", tokenizer)
+    capsys.readouterr()  # the writer's progress bars
+    code, out = plan(["--model_name_or_path", folder, "--max_prompt_length", "16"], capsys)
+    assert code == 2
+    assert out.err.count("\n") == 1 and f"{folder!r} contains custom code" in out.err
+    assert "`--trust_remote_code True`" in out.err
+    # with the flag, the same directory plans (its config is read through its own code)
+    code, out = plan(["--model_name_or_path", folder, "--max_prompt_length", "16", "--trust_remote_code", "True"],
+                     capsys)
+    assert code in (0, 1), out.err
+    assert f"Memory plan for {folder}" in out.out

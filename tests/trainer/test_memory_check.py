@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
+from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
-from grpo_trainer.planning import DEVICE_MEMORY_ENV, plan_memory
+from grpo_trainer.planning import DEVICE_MEMORY_ENV, SPLIT_EXACT, plan_memory
 from grpo_trainer.trainer import memory
 
 
@@ -109,18 +110,45 @@ def test_auto_find_batch_size_trains_what_its_settings_train_by_hand(tmp_path, t
     assert all(torch.equal(auto[name], by_hand[name]) for name in auto)
 
 
-def test_the_chosen_split_trains_the_objective_of_the_original_settings(tmp_path, tokenizer, model_dir):
+def _trained_with_lengths(model_dir, tokenizer, args) -> dict:
+    """`_trained` with completions of 2 to 12 tokens (`cli.toy_lengths`: the random model never samples EOS itself):
+    with equal lengths every aggregation gives the split the same gradient, `bnpo` too, and nothing would be shown."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    install_lengths(model, LogNormalLengths(maximum=12, median=5, sigma=0.8, minimum=2))
+    trainer = GRPOTrainer(model, copy_digits_reward, args=args, train_dataset=copy_digits_dataset(num_prompts=16),
+                          processing_class=tokenizer)
+    trainer.train()
+    lengths = [entry["completions/min_length"] < entry["completions/max_length"] for entry in trainer.state.log_history
+               if "completions/min_length" in entry]
+    assert lengths and all(lengths), "the completions must differ in length"
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "luspo", "bnpo"])
+def test_the_chosen_split_trains_the_objective_of_the_original_settings(tmp_path, tokenizer, model_dir, loss_type):
     """One SGD step (the update is lr x the gradient, which AdamW's normalisation would not show): the same round
-    (generated whole either way), its gradient summed over 2 micro-batches of 4 instead of 1 of 8; equal up to float
-    rounding, and the step really moved the weights."""
-    sgd = dict(optim="sgd", learning_rate=1.0, max_grad_norm=0.0)
+    (generated whole either way), its gradient summed over 2 micro-batches of 4 instead of 1 of 8, completions of
+    different lengths. Equal up to float rounding for every aggregation the planner may split (`planning.SPLIT_EXACT`:
+    `dapo` divides by the window's tokens; `grpo`, `dr_grpo`, `luspo` by per-sequence or constant normalisers and the
+    accumulation steps), and the step really moved the weights; `bnpo` (a token mean per micro-batch) differs, which
+    is why the planner never splits it."""
+    sgd = dict(optim="sgd", learning_rate=1.0, max_grad_norm=0.0, loss_type=loss_type)
     before = {n: p.detach().clone() for n, p in GRPOTrainer(
         str(model_dir), copy_digits_reward, args=make_args(tmp_path / "init"),
         train_dataset=copy_digits_dataset(num_prompts=16), processing_class=tokenizer).model.named_parameters()}
-    whole, _ = _trained(model_dir, tokenizer, make_args(tmp_path / "whole", **sgd))
-    split, _ = _trained(model_dir, tokenizer, make_args(tmp_path / "split", per_device_train_batch_size=4,
-                                                        gradient_accumulation_steps=2, steps_per_generation=2, **sgd))
+    whole = _trained_with_lengths(model_dir, tokenizer, make_args(tmp_path / "whole", **sgd))
+    split = _trained_with_lengths(model_dir, tokenizer, make_args(tmp_path / "split", per_device_train_batch_size=4,
+                                                                  gradient_accumulation_steps=2, steps_per_generation=2,
+                                                                  **sgd))
     moved = max((whole[n] - before[n]).abs().max().item() for n in whole)
     assert moved > 1e-3
-    for name in whole:
-        torch.testing.assert_close(split[name] - before[name], whole[name] - before[name], rtol=1e-4, atol=1e-7)
+    largest = max(((split[n] - before[n]) - (whole[n] - before[n])).abs().max().item() for n in whole)
+    if SPLIT_EXACT[LOSS_TYPES[loss_type][1]]:
+        for name in whole:
+            torch.testing.assert_close(split[name] - before[name], whole[name] - before[name], rtol=1e-4, atol=1e-7)
+    else:
+        assert largest > 1e-4 * moved, f"bnpo's split update equals the whole one ({largest})"

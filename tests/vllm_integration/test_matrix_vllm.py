@@ -1,0 +1,89 @@
+"""The vLLM rows of the combination matrix (tests/matrix: factors, generator and checks), run in the real-vLLM stage
+(scripts/test_vllm.sh; conftest.py marks every test here `vllm` and skips it only where vLLM cannot be imported).
+
+Each row trains 2 steps with vLLM colocated or against a server and shows what a CPU row shows
+(`tests.matrix.test_matrix.check_trained`): finite losses, moved weights, equal weights on every process, resume
+equal to the straight run, the packed run equal to its padded twin, async staleness within its bound, resampling
+that kept informative groups. The refused rows (a server with several training processes and async_rollouts)
+must stop before the model loads, naming both settings. Text rows use the tiny model the session's server serves;
+image rows the tiny Idefics3 (TRL's placeholder format) and a server of their own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.matrix import cell_run, factors
+from tests.matrix.checks import check_refused, check_trained, launch
+from tests.vllm_integration.vllm_helpers import REPO, SERVER_START_TIMEOUT_S, free_port, stop, wait_until_healthy
+
+pytestmark = pytest.mark.matrix
+
+ROWS = [row for row in factors.rows() if factors.uses_vllm(row)]
+REFUSED = [row for row in factors.refusal_cells() if factors.uses_vllm(row)]
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    """`grpo-train vllm-serve` serving the tiny Idefics3 the image rows start from (float32)."""
+    from tests.vllm_integration.vllm_helpers import vllm_tiny_vlm
+
+    folder = tmp_path_factory.mktemp("matrix_vlm")
+    model, processor = vllm_tiny_vlm(cell_run.VLLM_VLM_FAMILY)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    port, log = free_port(), folder / "server.log"
+    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(folder), "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512", "--kv_cache_gib",
+               "0.25", "--seed", "0"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                           "OMP_NUM_THREADS": "1"},
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, process, log, SERVER_START_TIMEOUT_S)
+        yield url
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """`launched(row)` -> its cell's record. The rows of one process layout run in one process or one launch, one
+    after the other, as on CPU (tests/matrix/test_matrix.py); the servers start once, when a server row needs them."""
+    cache: dict[str, list[dict] | str] = {}
+
+    def urls() -> dict:
+        kinds = {r["prompts"] for r in ROWS + REFUSED if r["backend"] == "vllm_server"}
+        return {kind: request.getfixturevalue("vllm_server" if kind == "text" else "image_server") for kind in kinds}
+
+    def result(row: dict) -> dict:
+        layout = row["processes"]
+        cells = [r for r in ROWS if r["processes"] == layout] + \
+            [{**r, "refused": True} for r in REFUSED if r["processes"] == layout]
+        if layout not in cache:
+            out = tmp_path_factory.mktemp(f"matrix_vllm_{layout}")
+            vllm = urls() if any(c["backend"] == "vllm_server" for c in cells) else {}
+            start = time.perf_counter()
+            cache[layout] = cell_run.run_all(cells, out, vllm) if layout == "1" else launch(layout, cells, out, vllm)
+            print(f"\n[matrix vLLM] {layout}: {len(cells)} cells in {time.perf_counter() - start:.1f}s")
+        if isinstance(cache[layout], str):
+            pytest.fail(cache[layout])
+        return cache[layout][cells.index(row)]
+
+    return result
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=factors.name(r)) for r in ROWS])
+def test_vllm_cell_trains(row, launched):
+    check_trained(row, launched(row))
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=factors.name(r)) for r in REFUSED])
+def test_vllm_refused_combination_is_named_before_the_model_loads(row, launched):
+    check_refused(row, launched({**row, "refused": True}))
