@@ -10,10 +10,10 @@ from grpo_trainer.rollout.fast import backend as fast_backend
 from grpo_trainer.rollout.fast import static
 from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.generate import generate_rollout
-from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import end_at_first_eos
 from tests.helpers import assert_same_rollout, greedy_config, model_of_kind
+from tests.static_helpers import decode, early_eos_config, varied_prompts
 
 
 def test_bucket_is_the_smallest_power_of_two_holding_the_live_rows_capped_at_the_batch():
@@ -44,32 +44,12 @@ def test_bad_modes_are_refused_by_name(monkeypatch):
     assert FastBackend().uses_generate_on("cuda")  # decision 5 stays the default
 
 
-def _varied_prompts(tokenizer, groups: int = 4, repeats: int = 4):
-    texts = [t for t in ["copy 123:", "copy 98765:", "c", "abc d"][:groups] for _ in range(repeats)]
-    return tokenize_prompts(tokenizer, texts, None)
-
-
-def _early_eos_config(tokenizer, model, prompts, repeats: int = 4, **overrides):
-    """Greedy settings whose EOS tokens end every group but one within a few steps while that one runs to the
-    limit (mixed lengths: 12 of 16 rows end, so the step shrinks to a bucket of 4 rows mid-round)."""
-    with torch.no_grad():
-        free = generate_rollout(model, prompts, greedy_config(tokenizer, max_new_tokens=24)).completion_ids
-    groups = free[::repeats]  # one row per group: greedy rows of a group are identical
-    for runner in range(groups.shape[0]):
-        forbidden = set(groups[runner].tolist())
-        eos = [next((tok for tok in groups[g, 1:8].tolist() if tok not in forbidden), None)
-               for g in range(groups.shape[0]) if g != runner]
-        if None not in eos:
-            return greedy_config(tokenizer, max_new_tokens=24, eos_token_id=sorted(set(eos)), **overrides)
-    raise AssertionError("the test needs tokens that end all groups but one")
-
-
 @pytest.mark.parametrize("mode", ["compact", "graphs"])
 @pytest.mark.parametrize("kind", ["qwen2.5-0.5b", "llama", "qwen3"])
 def test_greedy_tokens_equal_generate_with_rows_compacted(tokenizer, kind, mode):
     model = model_of_kind(kind, tokenizer)
-    prompts = _varied_prompts(tokenizer)
-    config = _early_eos_config(tokenizer, model, prompts)
+    prompts = varied_prompts(tokenizer)
+    config = early_eos_config(tokenizer, model, prompts)
     with torch.no_grad():
         reference = generate_rollout(model, prompts, config)
     lengths = reference.completion_mask.sum(1)
@@ -78,36 +58,19 @@ def test_greedy_tokens_equal_generate_with_rows_compacted(tokenizer, kind, mode)
     assert_same_rollout(fast, reference)
 
 
-def _decode(model, tokenizer, prompts, config, mode, seed=0, outputs=None, steps=None):
-    torch.manual_seed(seed)
-    calls = []
-    original = static.StaticSteps._compact
-
-    def spy(self, n, t):
-        calls.append((t, n, [cache.data_ptr() for cache in (*self.decoder.keys, *self.decoder.values)]))
-        return original(self, n, t)
-
-    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(static.StaticSteps, "_compact", spy)
-        decoded = fast_backend._decode(model, config, prompts, outputs=outputs, mode=mode)
-    if steps is not None:
-        steps.extend(calls)
-    return decoded
-
-
 @pytest.mark.parametrize("mode", ["compact", "graphs"])
 def test_sampled_tokens_and_logps_equal_the_eager_decoder_for_the_same_seed(tokenizer, mode):
     """Sampling: the loop draws two uniforms for every row at every step whatever the decoder stepped, so a live
     row's draw at step t is the eager decoder's; its logits are the same computation on fewer rows (compact: equal;
     graphs: attention over all columns under a mask, within float rounding)."""
     model = model_of_kind("qwen2.5-0.5b", tokenizer)
-    prompts = _varied_prompts(tokenizer)
+    prompts = varied_prompts(tokenizer)
     # 16 of the 104 tokens end a row: at temperature 1.3 rows end after a few steps each, at different steps
     config = greedy_config(tokenizer, max_new_tokens=24, eos_token_id=list(range(20, 36)), do_sample=True,
                            temperature=1.3)
-    eager = _decode(model, tokenizer, prompts, config, "eager", seed=5)
+    eager = decode(model, prompts, config, "eager", seed=5)
     compactions = []
-    other = _decode(model, tokenizer, prompts, config, mode, seed=5, steps=compactions)
+    other = decode(model, prompts, config, mode, seed=5, steps=compactions)
     _, mask, _ = end_at_first_eos(eager.completion_ids.clone(), config)
     assert compactions, "no row finished early: the test compares nothing compacted"
     assert torch.equal(other.completion_ids, eager.completion_ids)
@@ -117,7 +80,7 @@ def test_sampled_tokens_and_logps_equal_the_eager_decoder_for_the_same_seed(toke
     # sums over the masked columns (4.8e-7 measured). The tokens, drawn from those log-probs, are equal.
     torch.testing.assert_close(other.logps[live], eager.logps[live], rtol=0, atol=1e-5)
     torch.testing.assert_close(other.entropy[live], eager.entropy[live], rtol=0, atol=1e-5)
-    other_seed = _decode(model, tokenizer, prompts, config, mode, seed=6)
+    other_seed = decode(model, prompts, config, mode, seed=6)
     assert not torch.equal(other_seed.completion_ids, eager.completion_ids)  # the seed matters: a real draw
 
 
@@ -125,15 +88,15 @@ def test_compaction_shrinks_to_buckets_in_place_and_keeps_layer_outputs(tokenize
     """Compaction happens as rows end, lands on buckets, and moves rows inside the caches allocated once (their
     storage never changes); every layer's output still lands at its original row (the replay's input)."""
     model = model_of_kind("qwen2.5-0.5b", tokenizer)
-    prompts = _varied_prompts(tokenizer)
-    config = _early_eos_config(tokenizer, model, prompts)
+    prompts = varied_prompts(tokenizer)
+    config = early_eos_config(tokenizer, model, prompts)
     B, S = prompts.ids.shape
     T = max_new_tokens(config, S)
     layers, E = model.config.num_hidden_layers, model.config.hidden_size
     buffers = {mode: torch.zeros(B, layers, S + T, E) for mode in ("eager", "compact")}
-    eager = _decode(model, tokenizer, prompts, config, "eager", outputs=buffers["eager"])
+    eager = decode(model, prompts, config, "eager", outputs=buffers["eager"])
     steps = []
-    compact = _decode(model, tokenizer, prompts, config, "compact", outputs=buffers["compact"], steps=steps)
+    compact = decode(model, prompts, config, "compact", outputs=buffers["compact"], steps=steps)
     assert torch.equal(compact.completion_ids, eager.completion_ids)
     sizes = [n for _, n, _ in steps]
     assert sizes and all(n in static.buckets(B) for n in sizes) and sizes == sorted(sizes, reverse=True)
