@@ -81,6 +81,10 @@ class StaticSteps:
         if graphs:  # attention over all L columns: the generated ones are unmasked as they are written
             key_mask = key_mask.clone()
             key_mask[..., S:] = float("-inf")
+            # The cache is allocated uninitialised, and a masked column still enters the products (a NaN there
+            # would make its row's softmax NaN, -inf weights or not): zeros until each column is written.
+            for cache in (*decoder.keys, *decoder.values):
+                cache[:, :, S:].zero_()
         self.key_mask = key_mask  # [B, 1, 1, L] additive, in cache-row order
         self.slots = torch.arange(B, device=cos.device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=cos.device)  # by original row

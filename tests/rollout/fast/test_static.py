@@ -112,3 +112,24 @@ def test_compaction_shrinks_to_buckets_in_place_and_keeps_layer_outputs(tokenize
     lhs = buffers["compact"][:, :, :S + T_].transpose(1, 2)[written[:, :S + T_]]
     rhs = buffers["eager"][:, :, :S + T_].transpose(1, 2)[written[:, :S + T_]]
     torch.testing.assert_close(lhs, rhs, rtol=0, atol=1e-5)  # as above: row-count blocking, last bits
+
+
+def test_graphs_mode_reads_no_unwritten_cache_column(tokenizer, monkeypatch):
+    """The static step attends over every cache column, later ones masked; the cache is allocated uninitialised.
+    Filled with NaN here (what uninitialised device memory may hold), the tokens must still equal generate's."""
+    from grpo_trainer.rollout.fast import decoder as decoder_module
+
+    init = decoder_module.Decoder.__init__
+
+    def poisoned(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for cache in (*self.keys, *self.values):
+            cache.fill_(float("nan"))
+
+    model = model_of_kind("qwen2.5-0.5b", tokenizer)
+    prompts = varied_prompts(tokenizer)
+    config = early_eos_config(tokenizer, model, prompts)
+    with torch.no_grad():
+        reference = generate_rollout(model, prompts, config)
+    monkeypatch.setattr(decoder_module.Decoder, "__init__", poisoned)
+    assert_same_rollout(FastBackend(cpu="graphs").generate(model, prompts, config), reference)
