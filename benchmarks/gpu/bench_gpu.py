@@ -9,8 +9,8 @@ real-size tokenizer. Runs, each in its own subprocess (so peak memory is per run
     ours/padded      the same with padding_free=False
     ours/generate    generation_backend="generate" (transformers' model.generate)
     ours/vllm        use_vllm=True, vllm_mode="colocate" (only where vLLM is installed)
-    ours/compact     the fast backend with GRPO_FAST_CUDA_DECODE=compact (the decoder, finished rows compacted out)
-    ours/graphs      the fast backend with GRPO_FAST_CUDA_DECODE=graphs (that, the step as CUDA graphs per bucket)
+    ours/compact     GRPO_TRAINER_FAST_CUDA_DECODE=compact (the decoder, finished rows compacted out)
+    ours/graphs      GRPO_TRAINER_FAST_CUDA_DECODE=graphs (that, the step as CUDA graphs per bucket)
     trl/generate     TRL's transformers generation
     trl/paged        TRL with use_transformers_paged=True (transformers' continuous batching, paged cache)
     trl/static       TRL with generation_kwargs={"cache_implementation": "static"}
@@ -59,7 +59,7 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
 
     trainer_name, backend = run.split("/")
     if trainer_name == "ours" and backend in ("compact", "graphs"):
-        os.environ["GRPO_FAST_CUDA_DECODE"] = backend  # read when the trainer builds its backend
+        os.environ["GRPO_TRAINER_FAST_CUDA_DECODE"] = backend  # read when the trainer builds its backend
     if trainer_name == "ours":
         from grpo_trainer import GRPOConfig, GRPOTrainer
     else:
@@ -126,7 +126,7 @@ def _backend_settings(trainer_name: str, backend: str) -> dict:
         return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
     if backend in ("packed", "padded"):
         return {"generation_backend": "fast", "padding_free": backend == "packed"}
-    if backend in ("compact", "graphs"):  # the child sets GRPO_FAST_CUDA_DECODE (`rollout.fast.backend` decision 6)
+    if backend in ("compact", "graphs"):  # the child sets GRPO_TRAINER_FAST_CUDA_DECODE (fast.backend decision 6)
         return {"generation_backend": "fast"}
     if backend == "paged":
         return {"use_transformers_paged": True}

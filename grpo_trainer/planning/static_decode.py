@@ -1,5 +1,5 @@
 """What the static decode steps (`rollout.fast.static`) hold beyond the fast decoder's own items, for the plan of a
-run that uses them (`FastBackend(cuda="compact" | "graphs")`, `GRPO_FAST_CUDA_DECODE`).
+run that uses them (`FastBackend(cuda="compact" | "graphs")`, `GRPO_TRAINER_FAST_CUDA_DECODE`).
 
 The KV cache is the decoder's, sized once from the round (`[B, K, S + T, D]` per layer, keys and values) and
 already the plan's "KV cache" item for the fast rollout; compaction moves rows inside it. On top of it:

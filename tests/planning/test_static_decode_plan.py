@@ -36,7 +36,7 @@ def test_the_plan_with_static_steps_adds_them_at_the_rollout_only():
 
 def test_a_cuda_run_planned_with_the_static_steps_counts_them(tmp_path, tokenizer, monkeypatch):
     """`trainer.memory.plan_run` on CUDA: by default the fast backend samples with `generate` there (decision 5)
-    and no static item appears; with GRPO_FAST_CUDA_DECODE=graphs the rollout is the decoder's, with the buffers
+    and no static item appears; with GRPO_TRAINER_FAST_CUDA_DECODE=graphs the rollout is the decoder's, with the buffers
     and the graph pool; with =compact, the buffers only."""
     from grpo_trainer.cli.toy import copy_digits_dataset, make_tiny_model
     from grpo_trainer.config import GRPOConfig
@@ -51,9 +51,9 @@ def test_a_cuda_run_planned_with_the_static_steps_counts_them(tmp_path, tokenize
 
     def names(env):
         if env is None:
-            monkeypatch.delenv("GRPO_FAST_CUDA_DECODE", raising=False)
+            monkeypatch.delenv("GRPO_TRAINER_FAST_CUDA_DECODE", raising=False)
         else:
-            monkeypatch.setenv("GRPO_FAST_CUDA_DECODE", env)
+            monkeypatch.setenv("GRPO_TRAINER_FAST_CUDA_DECODE", env)
         run = memory.plan_run(str(path), args, dataset, tokenizer, device="cuda", with_device=False)
         return {i.name for i in run.plan.items}
 

@@ -23,7 +23,7 @@ Decisions:
    anyway (tests/gpu does, to keep it correct there).
 6. `fast.static` steps the decoder with finished rows compacted out of its KV cache ("compact"), and at static
    shapes per batch-size bucket replayed as CUDA graphs ("graphs"). Both are opt-in, `FastBackend(cuda=...)` or
-   the environment variable `GRPO_FAST_CUDA_DECODE=compact|graphs` (read when the backend is built): no GPU has
+   the environment variable `GRPO_TRAINER_FAST_CUDA_DECODE=compact|graphs` (read when the backend is built): no GPU has
    measured them yet, so decision 5 stands until one does (benchmarks/gpu/decode_bench.py). On CPU the default
    stays the eager decoder (`FastBackend(cpu=...)` selects the others, for tests and measurement).
 
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 # The decoder's way on CUDA where `FastBackend(cuda=...)` is not given (decision 6): "generate" (decision 5),
 # "decoder" (the eager decoder), "compact" or "graphs" (`fast.static`).
-CUDA_DECODE_ENV = "GRPO_FAST_CUDA_DECODE"
+CUDA_DECODE_ENV = "GRPO_TRAINER_FAST_CUDA_DECODE"
 CUDA_CHOICES = ("generate", "decoder", "compact", "graphs")
 
 

@@ -34,7 +34,7 @@ def test_bad_modes_are_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="cpu='fast'"):
         FastBackend(cpu="fast")
     monkeypatch.setenv(fast_backend.CUDA_DECODE_ENV, "graph")
-    with pytest.raises(ValueError, match="GRPO_FAST_CUDA_DECODE='graph'"):
+    with pytest.raises(ValueError, match="GRPO_TRAINER_FAST_CUDA_DECODE='graph'"):
         FastBackend()
     monkeypatch.setenv(fast_backend.CUDA_DECODE_ENV, "graphs")
     backend = FastBackend()  # the switch is read when the backend is built; CPU keeps its own default
