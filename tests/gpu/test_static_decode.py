@@ -33,7 +33,7 @@ def _setup(tokenizer, kind="qwen2.5-0.5b", dtype=torch.float32):
 
 def test_graph_replay_equals_the_eager_static_step(tokenizer, monkeypatch):
     """The same static step (masked full-width attention, tensor column) with and without CUDA graphs: graphs were
-    captured for more than one bucket (rows were compacted), and tokens and log-probs are bitwise equal."""
+    captured for more than one bucket (rows were compacted), and tokens and log-probs are equal."""
     model, prompts = _setup(tokenizer)
     config = early_eos_config(tokenizer, model, prompts)
     runs = []
@@ -45,7 +45,10 @@ def test_graph_replay_equals_the_eager_static_step(tokenizer, monkeypatch):
     eager = decode(model, prompts, config, "graphs", runs=eager_runs)
     assert not eager_runs[0].use_graphs and not eager_runs[0].graphs
     assert torch.equal(graphs.completion_ids, eager.completion_ids)
-    assert torch.equal(graphs.logps, eager.logps) and torch.equal(graphs.entropy, eager.entropy)
+    # The same kernels replayed: equal bits are expected; the float32 tolerance of one ulp at |log p| ~ 10 leaves
+    # room only for cuBLAS picking another algorithm under capture, not for a wrong column, row or mask.
+    torch.testing.assert_close(graphs.logps, eager.logps, rtol=0, atol=1e-6)
+    torch.testing.assert_close(graphs.entropy, eager.entropy, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["compact", "graphs"])
