@@ -18,6 +18,9 @@ memory bandwidth (measured here with a large device-to-device copy) that is the 
 step the highest rate: `bound_tokens_per_s` = B x bandwidth / weight bytes. Each variant's `of_bound` is its rate
 over that (the KV reads and the prefill make the true bound lower still).
 
+The decoder's fused weights are copies made per rollout, so `ours/graphs` captures its graphs in every rollout,
+the timed one included: the capture is part of its seconds, as it is of a training round's.
+
 Per variant: seconds (CUDA-synchronised, after one short warm-up), generated tokens (real ones, up to each row's
 EOS), tokens/s, peak memory above the model's (`torch.cuda.max_memory_allocated`). One JSON object is written to
 `--json-out` (default benchmarks/results/decode_bench_<device>.json) and printed last. Sized for < 5 minutes on an
