@@ -9,7 +9,11 @@ real-size tokenizer. Runs, each in its own subprocess (so peak memory is per run
     ours/padded      the same with padding_free=False
     ours/generate    generation_backend="generate" (transformers' model.generate)
     ours/vllm        use_vllm=True, vllm_mode="colocate" (only where vLLM is installed)
+    ours/compact     GRPO_TRAINER_FAST_CUDA_DECODE=compact (the decoder, finished rows compacted out)
+    ours/graphs      GRPO_TRAINER_FAST_CUDA_DECODE=graphs (that, the step as CUDA graphs per bucket)
     trl/generate     TRL's transformers generation
+    trl/paged        TRL with use_transformers_paged=True (transformers' continuous batching, paged cache)
+    trl/static       TRL with generation_kwargs={"cache_implementation": "static"}
     trl/vllm         TRL with use_vllm=True, vllm_mode="colocate" (only where vLLM is installed)
 
 Per run: seconds per step (wall, CUDA-synchronised, median after warm-up), seconds of generation per step and
@@ -41,7 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-RUNS = ("ours/fast", "ours/packed", "ours/padded", "ours/generate", "ours/vllm", "trl/generate", "trl/vllm")
+RUNS = ("ours/fast", "ours/packed", "ours/padded", "ours/generate", "ours/vllm", "ours/compact", "ours/graphs",
+        "trl/generate", "trl/paged", "trl/static", "trl/vllm")
 
 
 def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmup: int, batch: int,
@@ -53,6 +58,8 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
 
     trainer_name, backend = run.split("/")
+    if trainer_name == "ours" and backend in ("compact", "graphs"):
+        os.environ["GRPO_TRAINER_FAST_CUDA_DECODE"] = backend  # read when the trainer builds its backend
     if trainer_name == "ours":
         from grpo_trainer import GRPOConfig, GRPOTrainer
     else:
@@ -119,6 +126,12 @@ def _backend_settings(trainer_name: str, backend: str) -> dict:
         return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
     if backend in ("packed", "padded"):
         return {"generation_backend": "fast", "padding_free": backend == "packed"}
+    if backend in ("compact", "graphs"):  # the child sets GRPO_TRAINER_FAST_CUDA_DECODE (fast.backend decision 6)
+        return {"generation_backend": "fast"}
+    if backend == "paged":
+        return {"use_transformers_paged": True}
+    if backend == "static":
+        return {"generation_kwargs": {"cache_implementation": "static"}}
     return {"generation_backend": backend} if trainer_name == "ours" else {}
 
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # One lent GPU session's checks in priority order, each bounded so that the later ones still get time, results
 # under $OUT (default benchmarks/results/gpu_session). Meant for the device tool's one short call:
-#   bash benchmarks/gpu/session.sh             # BUDGET=360 seconds in all, by default
+#   bash benchmarks/gpu/session.sh             # BUDGET=540 seconds in all, by default (later steps skip past it)
 # It installs the wheels this project was tested with into /tmp/site when `.whl/` holds them (the GPU image has no
-# internet), then: tests/gpu; bench_gpu.py ours vs TRL at the Qwen2.5-0.5B shape with varied completion lengths;
+# internet), then: tests/gpu (test_static_decode.py: CUDA graphs); decode_bench.py (generation tokens/s of
+# generate, TRL's static cache and paged generation, our decoder eager/compact/graphs, the bandwidth bound);
+# bench_gpu.py ours (graphs, default) vs TRL (generate, static cache, paged) at the Qwen2.5-0.5B shape with varied
+# completion lengths;
 # memory_grid.py (the planner against torch.cuda's peaks); packing_gpu.py (packed vs padded forward + backward).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 OUT="${OUT:-benchmarks/results/gpu_session}"
 mkdir -p "$OUT"
 start=$(date +%s)
-left() { echo $(( ${BUDGET:-360} - ($(date +%s) - start) )); }
+left() { echo $(( ${BUDGET:-540} - ($(date +%s) - start) )); }
 step() {  # step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS (and what is left), log to $OUT/NAME.log
     local name="$1" limit="$2"; shift 2
     local remaining; remaining=$(left)
@@ -29,9 +32,12 @@ export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRAN
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.csv" 2>&1
 python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" \
     >> "$OUT/device.csv" 2>&1
-step gpu_tests 90 python -m pytest -q -p no:cacheprovider tests/gpu
-step bench_gpu 150 python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --lengths 256 \
-    --runs ours/fast,trl/generate --steps 3 --warmup 1 --timeout 70 --length-spread 64,0.8 \
+step gpu_tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
+step decode_bench 150 python benchmarks/gpu/decode_bench.py --shape qwen2.5-0.5b --rows 16 --length 256 \
+    --length-spread 64,0.8 --timeout 40 --json-out "$OUT/decode_bench.json"
+step bench_gpu 220 python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --lengths 256 \
+    --runs ours/graphs,ours/fast,trl/generate,trl/static,trl/paged --steps 2 --warmup 1 --timeout 60 \
+    --length-spread 64,0.8 \
     --json-out "$OUT/bench_gpu.json"
 step memory_grid 110 python benchmarks/gpu/memory_grid.py --configs T256_full,T256_lora --phase-runs "" \
     --timeout 50 --json-out "$OUT/memory_grid.json"

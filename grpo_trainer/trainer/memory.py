@@ -32,7 +32,9 @@ from grpo_trainer import planning
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import check_config
 from grpo_trainer.data.images import row_prompts
+from grpo_trainer.planning.static_decode import with_static_decode
 from grpo_trainer.rollout.fast.backend import FastBackend
+from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, host_memory, models
 
@@ -218,7 +220,11 @@ def plan_run(model: str | nn.Module, args: GRPOConfig, train_dataset: Any = None
                              weight_dtype=_weight_dtype(model, config, args),
                              quantization=_quantization(model, args, quantization_config),
                              device=device, device_total_bytes=total)
-    return RunPlan(planning.plan_memory(settings, shape), settings, shape, budget)
+    plan = planning.plan_memory(settings, shape)
+    mode = FastBackend().decode_mode(device) if settings.rollout == "fast" else "eager"
+    if mode != "eager" and shape.model_type in ARCHITECTURES:  # the static steps' buffers and graph pool
+        plan = with_static_decode(plan, graphs=mode == "graphs")
+    return RunPlan(plan, settings, shape, budget)
 
 
 def _default_lora_shape(model: str | nn.Module, args: GRPOConfig) -> planning.ModelShape | None:

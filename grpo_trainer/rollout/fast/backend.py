@@ -21,6 +21,11 @@ Decisions:
    tests/gpu passed there. What the decoder would add on a GPU, its sampling log-probs (the loss forward then skips
    the LM-head projection), was 0.14 s of a 6.8 s step. `FastBackend(cuda="decoder")` runs the decoder on CUDA
    anyway (tests/gpu does, to keep it correct there).
+6. `fast.static` steps the decoder with finished rows compacted out of its KV cache ("compact"), and at static
+   shapes per batch-size bucket replayed as CUDA graphs ("graphs"). Both are opt-in, `FastBackend(cuda=...)` or
+   the environment variable `GRPO_TRAINER_FAST_CUDA_DECODE=compact|graphs` (read when the backend is built): no GPU has
+   measured them yet, so decision 5 stands until one does (benchmarks/gpu/decode_bench.py). On CPU the default
+   stays the eager decoder (`FastBackend(cpu=...)` selects the others, for tests and measurement).
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `E` hidden
 size, `V` vocabulary.
@@ -29,6 +34,7 @@ size, `V` vocabulary.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import Tensor, nn
@@ -38,16 +44,21 @@ from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout import capture as capture_
 from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
-from grpo_trainer.rollout.fast import forward, loop, selfcheck
+from grpo_trainer.rollout.fast import forward, loop, selfcheck, static
 from grpo_trainer.rollout.fast.decoder import Decoder
 from grpo_trainer.rollout.fast.guard import decoder_blocker, resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, special_tokens
 
-__all__ = ["FastBackend"]
+__all__ = ["CUDA_CHOICES", "CUDA_DECODE_ENV", "FastBackend"]
 
 logger = logging.getLogger(__name__)
+
+# The decoder's way on CUDA where `FastBackend(cuda=...)` is not given (decision 6): "generate" (decision 5),
+# "decoder" (the eager decoder), "compact" or "graphs" (`fast.static`).
+CUDA_DECODE_ENV = "GRPO_TRAINER_FAST_CUDA_DECODE"
+CUDA_CHOICES = ("generate", "decoder", "compact", "graphs")
 
 
 @register_backend("fast")
@@ -58,10 +69,23 @@ class FastBackend(RolloutBackend):
 
     capabilities = Capabilities(sampling_logps=True, layer_outputs=True, sampling_probs=True)
 
-    def __init__(self, cuda: str = "generate") -> None:
-        if cuda not in ("generate", "decoder"):
-            raise ValueError(f"FastBackend(cuda={cuda!r}): choose 'generate' or 'decoder'.")
-        self.cuda = cuda  # decision 5
+    def __init__(self, cuda: str | None = None, cpu: str = "eager") -> None:
+        source = f"FastBackend(cuda={cuda!r})"
+        if cuda is None:  # decision 6: the static path is opt-in until a GPU measures it
+            cuda = os.environ.get(CUDA_DECODE_ENV, "generate")
+            source = f"{CUDA_DECODE_ENV}={cuda!r}"
+        if cuda not in CUDA_CHOICES:
+            raise ValueError(f"{source}: choose 'generate' or 'decoder', or the decoder's static steps 'compact' "
+                             "or 'graphs' (fast.static; opt-in, not yet measured on a GPU).")
+        if cpu not in static.MODES:
+            raise ValueError(f"FastBackend(cpu={cpu!r}): choose one of {', '.join(map(repr, static.MODES))}.")
+        self.cuda, self.cpu = cuda, cpu  # decisions 5 and 6
+
+    def decode_mode(self, device_type: str) -> str:
+        """How the decoder steps on this device type (`static.MODES`), where it runs at all."""
+        if device_type != "cuda":
+            return self.cpu
+        return "eager" if self.cuda == "decoder" else self.cuda
 
     def uses_generate_on(self, device_type: str) -> bool:
         """Whether every rollout on this device type goes through `model.generate` (decision 5): the memory
@@ -82,7 +106,7 @@ class FastBackend(RolloutBackend):
         reason = decoder_blocker(lm, S + max_new_tokens(settings, S)) or selfcheck.decoder_mismatch(
             lm, prompts, _decode)
         if reason is None:
-            return _fast_rollout(lm, prompts, settings, capture)
+            return _fast_rollout(lm, prompts, settings, capture, self.decode_mode(prompts.ids.device.type))
         unserved = forward.forward_blocker(lm)
         if unserved is None:
             logger.info("generation_backend='fast' runs the model's own forward: the decoder does not reproduce "
@@ -92,7 +116,8 @@ class FastBackend(RolloutBackend):
         return generate_rollout(model, prompts, config)
 
 
-def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig, capture: Capture) -> Rollout:
+def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig, capture: Capture,
+                  mode: str = "eager") -> Rollout:
     B, S = prompts.ids.shape
     decoder_stack = lm.get_decoder()
     embed = decoder_stack.embed_tokens.weight
@@ -108,7 +133,7 @@ def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
     try:
         torch.set_num_threads(min(threads, decode_threads))
         with torch.inference_mode():
-            decoded = _decode(lm, config, prompts, outputs, probs, masks, capture.kept_support)
+            decoded = _decode(lm, config, prompts, outputs, probs, masks, capture.kept_support, mode)
     finally:
         torch.set_num_threads(threads)
     return loop.to_rollout(prompts, config, decoded, probs, masks, outputs)
@@ -122,10 +147,13 @@ def _decode_threads(lm: nn.Module, rows: int) -> int:
 
 
 def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outputs: Tensor | None = None,
-            probs: Tensor | None = None, masks: Tensor | None = None, renormalise: bool = False) -> loop.Decoded:
+            probs: Tensor | None = None, masks: Tensor | None = None, renormalise: bool = False,
+            mode: str = "eager") -> loop.Decoded:
     """`loop.run` over the decoder: completion tokens, log-probs and entropies `[B, T']` (and what the loop keeps
     of a truncated sampler). Fills the given buffers: every layer's output `outputs[:, :, :S + T']`, the tempered
-    softmax `probs[:, :T']`, the packed kept supports `masks[:, :T']`."""
+    softmax `probs[:, :T']`, the packed kept supports `masks[:, :T']`. `mode`: how decode steps run
+    (`static.MODES`: every row every step, or finished rows compacted out, or that at static shapes with CUDA
+    graphs)."""
     prompt_ids, prompt_mask = prompts.ids, prompts.mask
     B, S = prompt_ids.shape
     max_new = max_new_tokens(config, S)
@@ -154,6 +182,10 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outpu
 
     def next_scores(tokens: Tensor, t: int) -> Tensor:
         return decoder.logits(decoder.step(tokens, S + t, cos[:, t], sin[:, t], key_mask[..., :S + t + 1]))
+
+    if mode != "eager":
+        eos_ids = torch.tensor(special_tokens(config)[0], device=device, dtype=torch.long)
+        next_scores = static.StaticSteps(decoder, S, cos, sin, key_mask, eos_ids, mode == "graphs").next_scores
 
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), special_tokens(config)[1])], 1)
     return loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs, masks, renormalise)

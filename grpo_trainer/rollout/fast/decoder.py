@@ -234,9 +234,14 @@ class Decoder:
                 self.outputs[:N, index, start:end] = hidden
         return hidden[:, -1]
 
-    def step(self, tokens: Tensor, column: int, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        """One token for every cache row, `[B]`, at cache column `column`, in 2-D tensors. Returns hidden states
-        `[B, E]`. cos/sin `[B, 1, D]`; mask `[B, 1, 1, column + 1]`.
+    def step(self, tokens: Tensor, column: int | Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+             rows: Tensor | None = None) -> Tensor:
+        """One token for each of the first `B` cache rows, `[B]` (every row unless `fast.static` compacted them),
+        at cache column `column`, in 2-D tensors. Returns hidden states `[B, E]`. cos/sin `[B, 1, D]`; mask
+        `[B, 1, 1, column + 1]`. `column` as a one-element long tensor (`fast.static`'s static shapes, for CUDA
+        graphs): the keys/values are written there by `index_copy_` and attention reads every cache column, mask
+        `[B, 1, 1, L]` (later columns masked). `rows` `[B]`: the original row each cache row holds, where the
+        layer outputs go (`outputs` is indexed by original row); None: cache row i is row i.
 
         At a small model's sizes each operation costs its dispatch more than its arithmetic, so the step is
         written for few dispatches: norms of five (`_row_rms_norm`), projections as one `addmm` on a transposed
@@ -245,21 +250,29 @@ class Decoder:
         B = tokens.shape[0]
         H, K, D = self.H, self.K, self.D
         hidden = self.embed[tokens]  # [B, E]
-        outputs = None if self.outputs is None else self.outputs.select(2, column)  # [B, layers, E]
-        for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
+        static = isinstance(column, Tensor)
+        outputs = None if self.outputs is None else self.outputs.select(2, column if not static else column.item())
+        caches = zip(self.keys, self.values) if B == self.keys[0].shape[0] and not static else \
+            ((k.narrow(0, 0, B), v.narrow(0, 0, B)) for k, v in zip(self.keys, self.values))
+        for index, (layer, (keys, values)) in enumerate(zip(self.layers, caches)):
             qkv = layer["qkv"](layer["row_norm1"](hidden)).view(B, H + 2 * K, D)
             qk = qkv[:, :H + K]
             if layer["qk_norm"] is not None:
                 q_norm, k_norm = layer["qk_norm"]
                 qk = torch.cat([q_norm(qk[:, :H]), k_norm(qk[:, H:])], dim=1)
             qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # rotary embedding
-            keys.select(2, column).copy_(qk[:, H:])
-            values.select(2, column).copy_(qkv[:, H + K:])
+            if static:
+                keys.index_copy_(2, column, qk[:, H:].unsqueeze(2))
+                values.index_copy_(2, column, qkv[:, H + K:].unsqueeze(2))
+                read_keys, read_values = keys, values
+            else:
+                keys.select(2, column).copy_(qk[:, H:])
+                values.select(2, column).copy_(qkv[:, H + K:])
+                read_keys, read_values = keys.narrow(2, 0, column + 1), values.narrow(2, 0, column + 1)
             # One query token: the query heads sharing a key/value head become query rows of that head, which is
             # grouped-query attention without copying keys and values.
-            attn = F.scaled_dot_product_attention(qk[:, :H].view(B, K, H // K, D), keys.narrow(2, 0, column + 1),
-                                                  values.narrow(2, 0, column + 1), attn_mask=mask,
-                                                  scale=layer["scaling"])
+            attn = F.scaled_dot_product_attention(qk[:, :H].view(B, K, H // K, D), read_keys, read_values,
+                                                  attn_mask=mask, scale=layer["scaling"])
             hidden = layer["o_add"](hidden, attn.view(B, H * D))
             x = layer["row_norm2"](hidden)
             if layer["gate_up"] is None:
@@ -270,5 +283,8 @@ class Decoder:
                 hidden = layer["down_add"](hidden, layer["act"](gate_up.narrow(1, 0, inner))
                                            .mul_(gate_up.narrow(1, inner, inner)))
             if outputs is not None:
-                outputs.select(1, index).copy_(hidden)
+                if rows is None:
+                    outputs.select(1, index).copy_(hidden)
+                else:
+                    outputs.select(1, index).index_copy_(0, rows, hidden)
         return hidden
