@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_trainer.modeling import routing
 from grpo_trainer.modeling.logprobs import chunk_rows
 from grpo_trainer.planning.optimizers import optimizer_memory
 from grpo_trainer.planning.settings import ModelShape, PlanSettings
@@ -472,10 +473,20 @@ def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
               f"ZeRO-3 / FSDP: [{s.micro_batch}, T+1, V] in the compute dtype")
 
 
-def _round(b: _Builder, s: PlanSettings) -> None:
+def _round(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     rows, N, T = s.round_rows, s.sequence_length, s.completion_length
     size = rows * N * 8 * 2 + rows * T * 4 * 6  # ids and masks; log-probs, entropies, advantages
     b.add("round tensors", dict.fromkeys(range(_O), size), f"{rows} rows")
+    if s.routing_replay and m.routed_layers:
+        b.add("routes (routing replay)", dict.fromkeys(range(_O), routes_bytes(s, m)),
+              f"{rows} rows x {N} tokens x {m.routed_layers} MoE layers x top-{m.routed_top_k}")
+
+
+def routes_bytes(s: PlanSettings, m: ModelShape) -> int:
+    """A round's routes `[B, S + T, L_moe, k]` in the smallest integer dtype holding codes 0..E
+    (`modeling.routing.code_dtype`)."""
+    code = torch.tensor([], dtype=routing.code_dtype(m.experts)).element_size()
+    return s.round_rows * s.sequence_length * m.routed_layers * m.routed_top_k * code
 
 
 def _sharded_working_set(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
@@ -505,7 +516,7 @@ def _build(s: PlanSettings, m: ModelShape, case: _Case, replay: tuple[int, int])
     b = _Builder()
     _persistent(b, s, m)
     _rollout(b, s, m)
-    _round(b, s)
+    _round(b, s, m)
     _scoring(b, s, m)
     _scoring_chunks(b, s, m)
     _backward(b, s, m, case, replay)

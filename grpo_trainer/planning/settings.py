@@ -46,6 +46,11 @@ class ModelShape:
     mlp_inputs_kept: int = 2  # of gate/up (1 for a fused gate|up projection)
     down_input_kept: bool = True  # down_proj
     norms_trained: bool = True
+    # A Mixture-of-Experts model's routers (`modeling.routing`): MoE layers, experts each token is sent to, experts
+    # per layer; 0 for a dense model
+    routed_layers: int = 0
+    routed_top_k: int = 0
+    experts: int = 0
 
     @property
     def trainable(self) -> int:
@@ -101,6 +106,7 @@ class PlanSettings:
     device_total_bytes: int = 0  # the GPU's memory (an engine's pool is a fraction of it); 0 when unknown
     heap_held: bool = True  # CPU: glibc's heap held to the live tensors (`runtime.host_memory`)
     mlp_tile_tokens: int = 0  # the sequence-tiled MLP's tile (`modeling.tiling`); 0: off
+    routing_replay: bool = False  # a MoE model's rounds carry their routes (`routing_replay`, in-process rollouts)
 
     @property
     def sequence_length(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from grpo_trainer.modeling import routing
 from grpo_trainer.planning.settings import ModelShape
 
 __all__ = ["model_shape"]
@@ -44,6 +45,7 @@ def shape_of(model: nn.Module, text_config: Any, adapter_config: Any = None) -> 
     adapted = trained is not model or _is_peft(model)
     trainable = [p for p in trained.parameters() if p.requires_grad] if adapted else list(base_parameters.values())
     heads = text_config.num_attention_heads
+    routers = _routers(model)
     return ModelShape(
         model_type=getattr(text_config, "model_type", "unknown"),
         vocab=text_config.vocab_size,
@@ -61,7 +63,18 @@ def shape_of(model: nn.Module, text_config: Any, adapter_config: Any = None) -> 
         adapter_parameters=sum(p.numel() for p in trainable) if adapted else 0,
         factored_state=sum(sum(p.shape) if p.dim() == 2 else p.numel() for p in trainable),
         **_kept_inputs(_decoder_layers(trained)[0] if layers else None),
+        routed_layers=len(routers), routed_top_k=max((r.top_k for r in routers), default=0),
+        experts=max((r.experts for r in routers), default=0),
     )
+
+
+def _routers(model: nn.Module) -> list:
+    """The model's MoE routers, found by structure as routing replay finds them (none for a model laid out
+    otherwise)."""
+    try:
+        return routing.find_routers(model)
+    except AttributeError:  # no decoder layers where routing looks for them
+        return []
 
 
 # A Llama-family layer's linear modules by role (fused projections count once: one input, one copy)

@@ -45,6 +45,7 @@ logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")
 
 PROMPT_SAMPLE = 256  # prompts tokenised to find the longest (decision 2)
 ASSUMED_PROMPT_TOKENS = 128  # where no prompt can be read and max_prompt_length is None
+_ENGINES = ("vllm_colocate", "vllm_server", "continuous")  # rollouts whose routing is not recorded
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -131,6 +132,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
         logprob_chunk_size=args.logprob_chunk_size, mlp_tile_tokens=args.mlp_tile_tokens,
+        routing_replay=args.routing_replay != "off" and _rollout(args, device) not in _ENGINES,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
         entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=_rollout(args, device),
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,

@@ -225,3 +225,33 @@ def test_activation_formula_matches_what_autograd_saves(case, make, autocast):
     settings = dataclasses.replace(SETTINGS, mixed_precision="bfloat16" if autocast else None)
     predicted = activation_bytes_per_token(settings, model_shape(config, adapter))
     assert predicted == pytest.approx(measured, rel=0.06), case
+
+
+def test_routes_of_routing_replay_by_hand():
+    """A Mixture-of-Experts round carries its routes `[B, S + T, L_moe, k]` (`routing_replay`): with SETTINGS' 4 rows
+    x (6 + 10) tokens, 2 MoE layers, top-2 of 8 experts (codes 0..8 in one byte): 4 x 16 x 2 x 2 x 1 = 256 B for the
+    whole step; 300 experts need int16 codes: 512 B. None for a dense model, or with replay off."""
+    moe = dataclasses.replace(SHAPE, routed_layers=2, routed_top_k=2, experts=8)
+    on = dataclasses.replace(SETTINGS, routing_replay=True)
+    assert SETTINGS.round_rows * SETTINGS.sequence_length == 4 * 16
+    plan = plan_memory(on, moe)
+    routes, held = item(plan, "routes (routing replay)"), item(plan, "round tensors")
+    assert routes["rollout"] == 4 * 16 * 2 * 2 * 1 == 256
+    assert {k for k, v in routes.items() if v} == {k for k, v in held.items() if v}  # alive while the round is
+    wide = dataclasses.replace(moe, experts=300)
+    assert item(plan_memory(on, wide), "routes (routing replay)")["rollout"] == 4 * 16 * 2 * 2 * 2
+    for settings, shape in ((SETTINGS, moe), (on, SHAPE)):
+        assert all(i.name != "routes (routing replay)" for i in plan_memory(settings, shape).items)
+
+
+def test_the_shape_of_a_moe_config_counts_its_routers():
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                            shared_expert_intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1])
+    shape = model_shape(config)
+    assert (shape.routed_layers, shape.routed_top_k, shape.experts) == (2, 2, 8)  # layer 1 is dense
+    dense = model_shape(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1))
+    assert (dense.routed_layers, dense.routed_top_k, dense.experts) == (0, 0, 0)
