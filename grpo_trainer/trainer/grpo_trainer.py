@@ -303,8 +303,10 @@ class GRPOTrainer(Trainer):
         loss = self.objective(model, inputs, "train" if model.training else "eval", self.accelerator.sync_gradients)
         return (loss, None) if return_outputs else loss
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
-        """The Trainer's step, then `NonFiniteGuard`: a non-finite loss or gradient drops this step's gradients."""
+    def training_step(self, model: nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> Tensor:
+        """The Trainer's step, then `NonFiniteGuard`: a non-finite loss or gradient drops this step's gradients.
+        `inputs`: the dataloader's batch (this round's rows), which the Trainer's step turns into the micro-batch's
+        `Round` through `_prepare_inputs` (TRL's seam, `test_prepare_input_called_with_correct_data`)."""
         with self.step_time.micro_step(self.current_gradient_accumulation_steps):
             loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
         return loss if self.guard.check(loss, model, self.state.global_step) else loss.new_zeros(())
