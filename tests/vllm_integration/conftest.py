@@ -11,21 +11,15 @@ start at 32), its weights perturbed so that greedy completions differ between pr
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.vllm_integration.vllm_helpers import (
     HAS_VLLM,
-    REPO,
-    SERVER_START_TIMEOUT_S,
-    free_port,
     requires_vllm,
-    stop,
+    served,
     vllm_tiny_model,
-    wait_until_healthy,
 )
 
 
@@ -54,18 +48,6 @@ def vllm_server(served_model, tmp_path_factory):
     its log-probs can be compared with the trainer's at tight tolerance."""
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed")
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
-    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(served_model),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512",
-               "--kv_cache_gib", "0.25", "--gpu_memory_utilization", "0.2", "--seed", "0"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, process, log, SERVER_START_TIMEOUT_S)
+    with served(served_model, log, "--gpu_memory_utilization", "0.2") as url:
         yield url
-    finally:
-        stop(process)

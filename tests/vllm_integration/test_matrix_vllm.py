@@ -10,16 +10,13 @@ image rows the tiny Idefics3 (TRL's placeholder format) and a server of their ow
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.matrix import cell_run, factors
 from tests.matrix.checks import check_refused, check_trained, launch
-from tests.vllm_integration.vllm_helpers import REPO, SERVER_START_TIMEOUT_S, free_port, stop, wait_until_healthy
+from tests.vllm_integration.vllm_helpers import served
 
 pytestmark = pytest.mark.matrix
 
@@ -36,20 +33,8 @@ def image_server(tmp_path_factory):
     model, processor = vllm_tiny_vlm(cell_run.VLLM_VLM_FAMILY)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
-    port, log = free_port(), folder / "server.log"
-    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(folder), "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512", "--kv_cache_gib",
-               "0.25", "--seed", "0"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
-                                                           "OMP_NUM_THREADS": "1"},
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, process, log, SERVER_START_TIMEOUT_S)
+    with served(folder, folder / "server.log") as url:
         yield url
-    finally:
-        stop(process)
 
 
 @pytest.fixture(scope="module")

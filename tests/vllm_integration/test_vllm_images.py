@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,13 +24,9 @@ from grpo_trainer.rollout.vllm import checks
 from tests.trainer.test_vlm import image_dataset, varied_reward
 from tests.vllm_integration.test_vllm_colocate import LOGP_ATOL
 from tests.vllm_integration.vllm_helpers import (
-    REPO,
-    SERVER_START_TIMEOUT_S,
-    free_port,
-    stop,
+    served,
     trainer_args,
     vllm_tiny_vlm,
-    wait_until_healthy,
 )
 
 FAMILY = "idefics3"
@@ -93,21 +86,8 @@ def vlm_server(tmp_path_factory):
     model, processor = vllm_tiny_vlm(FAMILY)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
-    port = free_port()
-    log = folder / "server.log"
-    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(folder), "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512", "--kv_cache_gib",
-               "0.25", "--seed", "0"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
-                                                           "OMP_NUM_THREADS": "1"},
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, process, log, SERVER_START_TIMEOUT_S)
+    with served(folder, folder / "server.log") as url:
         yield url, folder
-    finally:
-        stop(process)
 
 
 def test_a_vllm_server_samples_image_rounds(tmp_path, vlm_server):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -104,3 +107,22 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+@contextlib.contextmanager
+def served(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
+    """`grpo-train vllm-serve` serving `model_dir` in float32 (so its log-probs compare with the trainer's at tight
+    tolerance) on a free loopback port, its output in `log`; yields its URL, and stops it and every process it
+    started on leaving."""
+    port = free_port()
+    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(model_dir), "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512", "--kv_cache_gib",
+               "0.25", "--seed", "0", *extra]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                           "OMP_NUM_THREADS": "1"},
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, process, log, SERVER_START_TIMEOUT_S)
+        yield url
+    finally:
+        stop(process)
