@@ -73,17 +73,19 @@ def test_off_policy_rounds_take_the_rollout_logps_as_old_logps(tmp_path, tokeniz
     torch.testing.assert_close(inputs.old_logps[active], recomputed[active], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("loss_type", "num_iterations"), [("dapo", 1), ("grpo", 1), ("bnpo", 2), ("dr_grpo", 2)])
+@pytest.mark.parametrize(("loss_type", "num_iterations"), [("dapo", 1), ("grpo", 1), ("bnpo", 2), ("dr_grpo", 2),
+                                                         ("luspo", 1), ("luspo", 2)])
 def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(tmp_path, tokenizer, toy_dataset,
                                                                                monkeypatch, loss_type,
                                                                                num_iterations):
     """zero_variance_groups='skip', beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its
     gradient, so only the other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens,
-    dr_grpo's B * T, dapo's window). With num_iterations = 2 the round carries old log-probs, used as the skipped
+    dr_grpo's B * T, dapo's window, luspo's mean over the B sequences' token sums). With num_iterations = 2 the round carries old log-probs, used as the skipped
     rows' values."""
     # padding_free=False: the rows of each forward are counted (packed forwards have other shapes).
+    level = "sequence" if loss_type == "luspo" else "token"  # LUSPO's own setting: sequence-level sums
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, loss_type=loss_type, num_iterations=num_iterations,
-                       zero_variance_groups="skip", padding_free=False)
+                       zero_variance_groups="skip", padding_free=False, importance_sampling_level=level)
     model = trainer.model
     inputs = dataclasses.replace(_micro_batch(trainer, toy_dataset),
                                  advantages=torch.tensor([0.5, 0.0, 0.0, -1.0, 0.25, 0.0, 1.5, -0.75]))
