@@ -80,8 +80,8 @@ def test_zero_advantage_rows_skip_the_forward_with_the_same_loss_and_gradients(t
                                                                                num_iterations):
     """zero_variance_groups='skip', beta = 0: a completion with advantage exactly 0 adds nothing to the loss or its
     gradient, so only the other rows run forward; they still count in every normaliser (grpo's 1/B, bnpo's tokens,
-    dr_grpo's B * T, dapo's window, luspo's mean over the B sequences' token sums). With num_iterations = 2 the round carries old log-probs, used as the skipped
-    rows' values."""
+    dr_grpo's B * T, dapo's window, luspo's mean over the B sequences' token sums). With num_iterations = 2 the
+    round carries old log-probs, used as the skipped rows' values."""
     # padding_free=False: the rows of each forward are counted (packed forwards have other shapes).
     level = "sequence" if loss_type == "luspo" else "token"  # LUSPO's own setting: sequence-level sums
     trainer = _trainer(tmp_path, tokenizer, toy_dataset, seed=3, loss_type=loss_type, num_iterations=num_iterations,
