@@ -36,7 +36,11 @@ def count_tiers() -> dict[str, int]:
     return counts
 
 
-def run(out_dir: Path, model_dir: Path) -> None:
+# `--truncated`: top-k / top-p sampling (exact log-probs over the kept supports) with the mismatch report on
+TRUNCATED = dict(top_k=12, top_p=0.95, sampling_mismatch_report=True)
+
+
+def run(out_dir: Path, model_dir: Path, truncated: bool = False) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
@@ -51,13 +55,14 @@ def run(out_dir: Path, model_dir: Path) -> None:
         per_device_train_batch_size=harness.ROUND_ROWS // (launched_world_size() * harness.ACCUMULATION),
         gradient_accumulation_steps=harness.ACCUMULATION, num_generations=harness.G,
         max_completion_length=harness.MAX_COMPLETION, max_steps=harness.STEPS, learning_rate=1e-3, beta=0.04,
-        reward_weights=[1.0, 0.0])
+        reward_weights=[1.0, 0.0], **(TRUNCATED if truncated else {}))
     initial = parameter_digest(full_parameters(trainer.model))
     counts = count_tiers()
     trainer.train()
     state = PartialState()
     mine = {"rank": state.process_index, "backend": trainer.args.generation_backend, "rounds": recorder.rounds,
-            "served": counts, "initial_digest": initial, "digest": parameter_digest(full_parameters(trainer.model))}
+            "served": counts, "initial_digest": initial, "digest": parameter_digest(full_parameters(trainer.model)),
+            "mismatch_files": sorted(p.name for p in (out_dir / "run" / "sampling_mismatch").glob("*.json"))}
     every = gather_object([mine])
     if state.is_main_process:
         result = {"num_processes": trainer.accelerator.num_processes,
@@ -70,8 +75,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--truncated", action="store_true")
     cli = parser.parse_args()
-    run(cli.out, cli.model_dir)
+    run(cli.out, cli.model_dir, cli.truncated)
     leave_cleanly()
 
 
