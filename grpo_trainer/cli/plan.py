@@ -72,10 +72,23 @@ def _dataset(script_args: command.ScriptArguments):
 
 
 def main(argv: list[str]) -> int:
-    """Print the plan; the exit status says whether it fits."""
+    """Print the plan; the exit status says whether it fits. `--device_memory` is the planner's device budget
+    (`GRPO_TRAINER_DEVICE_MEMORY`) for this call only: a caller in the same process keeps its own."""
     options, rest = _plan_options(argv)
-    if options.device_memory:
-        os.environ["GRPO_TRAINER_DEVICE_MEMORY"] = options.device_memory
+    if not options.device_memory:
+        return _main(options, rest)
+    previous = os.environ.get("GRPO_TRAINER_DEVICE_MEMORY")
+    os.environ["GRPO_TRAINER_DEVICE_MEMORY"] = options.device_memory
+    try:
+        return _main(options, rest)
+    finally:
+        if previous is None:
+            del os.environ["GRPO_TRAINER_DEVICE_MEMORY"]
+        else:
+            os.environ["GRPO_TRAINER_DEVICE_MEMORY"] = previous
+
+
+def _main(options: argparse.Namespace, rest: list[str]) -> int:
     cpu_only = options.device == "cuda" and not _cuda_available()
     try:
         # bf16=True fails TrainingArguments' check on a machine without a GPU unless use_cpu is set

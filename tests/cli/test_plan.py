@@ -174,3 +174,19 @@ def test_remote_code_without_trust_names_the_model_and_the_flag(tmp_path, tokeni
                      capsys)
     assert code in (0, 1), out.err
     assert f"Memory plan for {folder}" in out.out
+
+
+def test_device_memory_is_the_budget_of_that_call_only(config_dir, capsys, monkeypatch):
+    # `grpo-train plan --device_memory` called in a process (a test, a notebook) must not leave its budget behind:
+    # a later trainer's memory check in the same process would plan against it (a leaked 1 GiB once stopped an
+    # unrelated run in the suite)
+    import os
+
+    monkeypatch.delenv("GRPO_TRAINER_DEVICE_MEMORY", raising=False)
+    code, out = plan(["--model_name_or_path", str(config_dir), "--max_prompt_length", "16", "--device_memory",
+                      "1GiB"], capsys)
+    assert code in (0, 1) and "of 1.00 GiB" in out.out
+    assert "GRPO_TRAINER_DEVICE_MEMORY" not in os.environ
+    monkeypatch.setenv("GRPO_TRAINER_DEVICE_MEMORY", "7GiB")
+    plan(["--model_name_or_path", str(config_dir), "--max_prompt_length", "16", "--device_memory", "1GiB"], capsys)
+    assert os.environ["GRPO_TRAINER_DEVICE_MEMORY"] == "7GiB"
