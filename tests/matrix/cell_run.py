@@ -4,7 +4,7 @@ script `accelerate launch` starts on each of 2 processes (`--cells cells.json --
 
 A cell trains 2 optimizer steps (SGD, so that weights compare exactly) on a tiny model: the toy copy task's
 decoder for text prompts, Qwen2.5-VL's tiny model for image prompts in TRL's placeholder format. What it records,
-for `test_matrix.py` (and the vLLM stage's tests/vllm_integration/test_matrix_vllm.py) to check:
+for `test_matrix.py` (and the vLLM stage's tests/vllm_integration/matrix_vllm_rows.py, not collected yet) to check:
   - `losses`: every logged training loss (must be finite);
   - `moved`: whether the trainable parameters changed;
   - `digests`: each process's digest of its full parameters (must be equal);
