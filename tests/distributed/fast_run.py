@@ -9,7 +9,6 @@ the log history.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import harness  # beside this script: the run's shape, the recording reward and the environment it sets
@@ -42,7 +41,6 @@ TRUNCATED = dict(top_k=12, top_p=0.95, sampling_mismatch_report=True)
 
 def run(out_dir: Path, model_dir: Path, truncated: bool = False) -> None:
     from accelerate import PartialState
-    from accelerate.utils import gather_object
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
     from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
@@ -63,12 +61,7 @@ def run(out_dir: Path, model_dir: Path, truncated: bool = False) -> None:
     mine = {"rank": state.process_index, "backend": trainer.args.generation_backend, "rounds": recorder.rounds,
             "served": counts, "initial_digest": initial, "digest": parameter_digest(full_parameters(trainer.model)),
             "mismatch_files": sorted(p.name for p in (out_dir / "run" / "sampling_mismatch").glob("*.json"))}
-    every = gather_object([mine])
-    if state.is_main_process:
-        result = {"num_processes": trainer.accelerator.num_processes,
-                  "distributed_type": trainer.accelerator.distributed_type.value,
-                  "log_history": trainer.state.log_history, "ranks": sorted(every, key=lambda r: r["rank"])}
-        (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    harness.write_result(trainer, mine, out_dir)
 
 
 def main() -> None:

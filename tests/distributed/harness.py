@@ -98,6 +98,20 @@ class RowSeededSampling:
         self.generation.generate_rollout = self.original
 
 
+def write_result(trainer, mine: dict, out_dir: Path) -> None:
+    """Gather every process's record `mine` (with its "rank") and write them, with the run's log history, to
+    `out_dir/result.json` from the main process (a collective: every process calls it)."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    every = gather_object([mine])
+    if PartialState().is_main_process:
+        result = {"num_processes": trainer.accelerator.num_processes,
+                  "distributed_type": trainer.accelerator.distributed_type.value,
+                  "log_history": trainer.state.log_history, "ranks": sorted(every, key=lambda r: r["rank"])}
+        (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+
+
 def save_tiny_models(directory: Path) -> None:
     """Policy and reward model (+ tokenizer) on disk, so every process loads the same weights by path."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from pathlib import Path
 
 import harness  # beside this script: the run's shape, the recording reward and the environment it sets
@@ -19,7 +18,6 @@ from teardown import leave_cleanly
 def run(out_dir: Path) -> None:
     import torch
     from accelerate import PartialState
-    from accelerate.utils import gather_object
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tokenizer
@@ -59,12 +57,7 @@ def run(out_dir: Path) -> None:
     mine = {"rank": state.process_index, "replay_on": trainer.rounds.settings.routing_replay, "calls": calls,
             "initial_digest": initial, "digest": parameter_digest(full_parameters(trainer.model)),
             "initial_routers": initial_routers, "routers": routers()}
-    every = gather_object([mine])
-    if state.is_main_process:
-        result = {"num_processes": trainer.accelerator.num_processes,
-                  "distributed_type": trainer.accelerator.distributed_type.value,
-                  "log_history": trainer.state.log_history, "ranks": sorted(every, key=lambda r: r["rank"])}
-        (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    harness.write_result(trainer, mine, out_dir)
 
 
 def main() -> None:
