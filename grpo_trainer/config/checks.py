@@ -138,15 +138,15 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"parallelism_config sp_size={_parallel_size(args, 'sp_size')} (DeepSpeed Ulysses sequence parallelism) is "
          "not wired into GRPO: the engine runs (tests/distributed/test_ulysses_sp.py), but GRPO builds its "
          "policy, old and reference batches inside the trainer after generation, where accelerate's Ulysses "
-         "data-loader adapter never shards them, and Ulysses drops the attention mask, so GRPO's padded "
-         "prompt+completion rows would attend to padding. Set sp_size=1; for long completions use "
+         "data-loader adapter never shards them, and Ulysses drops the attention mask, so the real tokens of GRPO's "
+         "left-padded prompt+completion rows would attend to the padding. Set sp_size=1; for long completions use "
          f"{_LONG_COMPLETION_LEVERS}."),
         (_parallel_size(args, "cp_size") > 1,
          f"parallelism_config cp_size={_parallel_size(args, 'cp_size')} (torch context parallelism) is not wired "
          "into GRPO: GRPO builds its policy, old and reference batches inside the trainer after generation, and "
-         "accelerate's context parallelism (FSDP2 only) replaces the attention mask by a plain causal one, so GRPO's "
-         "padded prompt+completion rows would attend to padding. Set cp_size=1; for long completions use "
-         f"{_LONG_COMPLETION_LEVERS}."),
+         "accelerate's context parallelism (FSDP2 only) replaces the attention mask by a plain causal one, so the "
+         "real tokens of GRPO's left-padded prompt+completion rows would attend to the padding. Set cp_size=1; for "
+         f"long completions use {_LONG_COMPLETION_LEVERS}."),
         (_evaluates(args) and (args.per_device_eval_batch_size * args.world_size)
          % (args.num_generations_eval or G) != 0,
          f"the global eval batch (per_device_eval_batch_size {args.per_device_eval_batch_size} x "

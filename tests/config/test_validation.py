@@ -217,5 +217,5 @@ def test_sequence_and_context_parallelism_are_refused_before_loading(args, token
     for error in (built, trained):
         message = str(error.value)
         assert f"parallelism_config {field}=2 ({engine}) is not wired into GRPO" in message
-        assert "padded prompt+completion rows would attend to padding" in message
+        assert "left-padded prompt+completion rows would attend to the padding" in message
         assert f"Set {field}=1" in message and "mlp_tile_tokens" in message and "grpo-train plan" in message

@@ -41,3 +41,9 @@ def test_ulysses_attention_on_two_cpu_processes_equals_the_unsharded_model(tmp_p
     # alone are exact (causal attention never looks ahead).
     assert ranks[1]["alone_logp_diff"] > 1e-2
     assert ranks[0]["alone_logp_diff"] <= 1e-5
+    # Padding, the reason GRPO refuses sp_size > 1: row 0 with 3 left pads (GRPO left-pads prompts). Ulysses drops
+    # the attention mask, so its real tokens attend to the pads and their log-probs move (seen: 0.38 nats); the
+    # same row left-aligned (pads trailing, never attended to under causal attention) is exact.
+    for r in ranks:
+        assert r["padded_logp_diff"]["left_padded"] > 1e-2
+        assert r["padded_logp_diff"]["left_aligned"] <= 1e-5

@@ -37,9 +37,10 @@ def _model():
     return Qwen2ForCausalLM(config).float()
 
 
-def _token_logps(model, ids, positions, labels):
+def _token_logps(model, ids, positions, labels, mask=None):
     """[b, s] log-probs of `labels` (-100: none, scored 0) from a forward of `ids` at `positions`."""
-    logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()  # [b, s, V]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                   use_cache=False).logits.float()  # [b, s, V]
     logps = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return logps * (labels != -100)
 
@@ -61,7 +62,23 @@ def main() -> None:
     positions = torch.arange(S).expand(B, S)
     labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # [B, S]: next token, none after the last
 
+    # Padding, as GRPO lays rows out: row 0 has 3 left pads before its 9 real tokens (GRPO left-pads prompts).
+    # The same tokens left-aligned put the 3 pads at the end, where causal attention never lets a real token see
+    # them; so a mask-free forward (what Ulysses does) is exact for the real tokens only in that layout.
+    padded = {"ids": ids.clone(), "mask": torch.ones(B, S, dtype=torch.long)}
+    padded["ids"][0, :3], padded["mask"][0, :3] = 0, 0
+    padded["positions"] = (padded["mask"].cumsum(-1) - 1).clamp(min=0)
+    aligned = {"ids": torch.cat([padded["ids"][:1, 3:], padded["ids"][:1, :3]], 1), "mask": padded["mask"].flip(1)}
+    aligned = {"ids": torch.cat([aligned["ids"], ids[1:]]), "mask": aligned["mask"], "positions": positions}
+    for layout in (padded, aligned):  # next token where both it and the position scored are real
+        real = layout["mask"].bool()
+        layout["labels"] = torch.cat([layout["ids"][:, 1:], torch.zeros(B, 1, dtype=torch.long)], 1).masked_fill(
+            ~(real & torch.cat([real[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], 1)), -100)
+
     model = _model()
+    with torch.no_grad():  # the masked, unsharded reference of the real tokens, in row order
+        padded_reference = _token_logps(model, padded["ids"], padded["positions"], padded["labels"],
+                                        padded["mask"])[padded["mask"].bool()]
     reference_logps = _token_logps(model, ids, positions, labels)
     (reference_logps * weights).sum().backward()
     reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -82,13 +99,20 @@ def main() -> None:
     pieces = [torch.empty_like(logps) for _ in range(world)]
     torch_dist.all_gather(pieces, logps.detach().contiguous(), group=group)
     sharded_logps = torch.cat(pieces, dim=1)  # [B, S]
+    layout_diffs = {}
+    for name, layout in (("left_padded", padded), ("left_aligned", aligned)):
+        with torch.no_grad():
+            half = _token_logps(model, *(layout[k][:, local] for k in ("ids", "positions", "labels", "mask")))
+        torch_dist.all_gather(pieces, half.contiguous(), group=group)
+        real_logps = torch.cat(pieces, dim=1)[layout["mask"].bool()]  # real tokens in row order, like the reference
+        layout_diffs[name] = (real_logps - padded_reference).abs().max().item()
 
     grad_diff = max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters())
     grad_scale = max(g.abs().max().item() for g in reference_grads.values())
     result = {"num_processes": world, "sp_world_size": mpu.get_sequence_parallel_world_size(),
               "local_positions": S // world, "logp_max_diff": (sharded_logps - reference_logps).abs().max().item(),
               "logp_scale": reference_logps.abs().max().item(), "grad_max_diff": grad_diff, "grad_scale": grad_scale,
-              "alone_logp_diff": alone_diff,
+              "alone_logp_diff": alone_diff, "padded_logp_diff": layout_diffs,
               "grads_nonzero": all(bool(p.grad.abs().sum() > 0) for p in model.parameters())}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     leave_cleanly()
