@@ -134,9 +134,19 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"off_policy_mask_threshold must be > 0 or None (got {args.off_policy_mask_threshold}); 0.5 is typical."),
         (args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1,
          f"pad_to_multiple_of must be >= 1 or None (got {args.pad_to_multiple_of})."),
-        (_sequence_parallel(args),
-         "GRPO does not support context or sequence parallelism (parallelism_config cp_size/sp_size > 1): rollouts "
-         "build their inputs inside the trainer. Set cp_size=1 and sp_size=1."),
+        (_parallel_size(args, "sp_size") > 1,
+         f"parallelism_config sp_size={_parallel_size(args, 'sp_size')} (DeepSpeed Ulysses sequence parallelism) is "
+         "not wired into GRPO: the engine runs (tests/distributed/test_ulysses_sp.py), but GRPO builds its "
+         "policy, old and reference batches inside the trainer after generation, where accelerate's Ulysses "
+         "data-loader adapter never shards them, and Ulysses drops the attention mask, so the real tokens of GRPO's "
+         "left-padded prompt+completion rows would attend to the padding. Set sp_size=1; for long completions use "
+         f"{_LONG_COMPLETION_LEVERS}."),
+        (_parallel_size(args, "cp_size") > 1,
+         f"parallelism_config cp_size={_parallel_size(args, 'cp_size')} (torch context parallelism) is not wired "
+         "into GRPO: GRPO builds its policy, old and reference batches inside the trainer after generation, and "
+         "accelerate's context parallelism (FSDP2 only) replaces the attention mask by a plain causal one, so the "
+         "real tokens of GRPO's left-padded prompt+completion rows would attend to the padding. Set cp_size=1; for "
+         f"long completions use {_LONG_COMPLETION_LEVERS}."),
         (_evaluates(args) and (args.per_device_eval_batch_size * args.world_size)
          % (args.num_generations_eval or G) != 0,
          f"the global eval batch (per_device_eval_batch_size {args.per_device_eval_batch_size} x "
@@ -156,9 +166,14 @@ def _skip_changes_gradient(args: Any) -> str | None:
     return None
 
 
-def _sequence_parallel(args: Any) -> bool:
-    config = getattr(args, "parallelism_config", None)
-    return config is not None and bool(getattr(config, "cp_enabled", False) or getattr(config, "sp_enabled", False))
+# What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?").
+_LONG_COMPLETION_LEVERS = ("gradient_checkpointing=True, a smaller logprob_chunk_size, mlp_tile_tokens (the "
+                           "sequence-tiled MLP), and `grpo-train plan` for the longest max_completion_length that fits")
+
+
+def _parallel_size(args: Any, field: str) -> int:
+    """parallelism_config's cp_size / sp_size (1 without a parallelism_config, or while accelerate leaves it unset)."""
+    return getattr(getattr(args, "parallelism_config", None), field, None) or 1
 
 
 def _evaluates(args: Any) -> bool:

@@ -199,3 +199,23 @@ def test_advisories(overrides, expected):
 
     messages = advisories(GRPOConfig(**{**BASE, **overrides}))
     assert messages == [] if expected is None else (len(messages) == 1 and expected in messages[0])
+
+
+@pytest.mark.parametrize("field, engine", [("sp_size", "DeepSpeed Ulysses sequence parallelism"),
+                                           ("cp_size", "torch context parallelism")])
+def test_sequence_and_context_parallelism_are_refused_before_loading(args, tokenizer, field, engine):
+    """Not wired into GRPO (docs/DISTRIBUTED.md, "Sequence and context parallelism"): refused by the config, and by
+    the trainer for a config changed after it was built, before the model (an id never downloaded) is loaded; the
+    message names the field, the reason, and what fits a longer completion instead."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError) as built:
+        GRPOConfig(**{**BASE, "parallelism_config": ParallelismConfig(**{field: 2})})
+    args.parallelism_config = ParallelismConfig(**{field: 2})
+    with pytest.raises(ValueError) as trained:
+        make(args, tokenizer)
+    for error in (built, trained):
+        message = str(error.value)
+        assert f"parallelism_config {field}=2 ({engine}) is not wired into GRPO" in message
+        assert "left-padded prompt+completion rows would attend to the padding" in message
+        assert f"Set {field}=1" in message and "mlp_tile_tokens" in message and "grpo-train plan" in message

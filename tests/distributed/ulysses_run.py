@@ -1,0 +1,122 @@
+"""Run by `accelerate launch` (2 processes over gloo) from test_ulysses_sp.py: does DeepSpeed's Ulysses sequence
+parallelism (ALST's `UlyssesSPAttentionHF`, registered as transformers' "sdpa" attention the way ALST does) run on
+CPU, and is it exact? Each process writes `--out/rank<i>.json`.
+
+Both processes first run the unsharded tiny Qwen2 on the whole batch (the reference: per-token log-probs and the
+gradient of a weighted token sum). Then Ulysses is registered, each process feeds the same batch's positions
+[rank*S/2, (rank+1)*S/2) with their global position_ids, scores its half of the tokens (the labels are shifted
+BEFORE sharding, so the last position of the first half is scored against the first token of the second half, as
+ALST's UlyssesSPDataLoaderAdapter does), and the per-token log-probs are gathered across the group; the gradient of
+the group's token sum is each process's local sum backpropagated, then summed over the group.
+
+Not wired into the trainer: this only shows the engine runs here (see docs/LONG.md, "Sequence parallelism").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from accelerate import Accelerator
+from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
+
+B, S, VOCAB = 2, 12, 97  # B sequences of S positions; S/2 per process
+
+
+def _model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # 4 query heads and 2 KV heads: both divisible by the 2-process group (Ulysses splits heads across it).
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa", torch_dtype=torch.float32)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).float()
+
+
+def _token_logps(model, ids, positions, labels, mask=None):
+    """[b, s] log-probs of `labels` (-100: none, scored 0) from a forward of `ids` at `positions`."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                   use_cache=False).logits.float()  # [b, s, V]
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logps * (labels != -100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    out = parser.parse_args().out
+    accelerator = Accelerator()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group accelerate started
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, S), generator=generator)  # [B, S], the same on both processes
+    weights = torch.rand(B, S, generator=generator)  # per-token loss weights (a stand-in for advantages)
+    positions = torch.arange(S).expand(B, S)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # [B, S]: next token, none after the last
+
+    # Padding, as GRPO lays rows out: row 0 has 3 left pads before its 9 real tokens (GRPO left-pads prompts).
+    # The same tokens left-aligned put the 3 pads at the end, where causal attention never lets a real token see
+    # them; so a mask-free forward (what Ulysses does) is exact for the real tokens only in that layout.
+    padded = {"ids": ids.clone(), "mask": torch.ones(B, S, dtype=torch.long)}
+    padded["ids"][0, :3], padded["mask"][0, :3] = 0, 0
+    padded["positions"] = (padded["mask"].cumsum(-1) - 1).clamp(min=0)
+    aligned = {"ids": torch.cat([padded["ids"][:1, 3:], padded["ids"][:1, :3]], 1), "mask": padded["mask"].flip(1)}
+    aligned = {"ids": torch.cat([aligned["ids"], ids[1:]]), "mask": aligned["mask"], "positions": positions}
+    for layout in (padded, aligned):  # next token where both it and the position scored are real
+        real = layout["mask"].bool()
+        layout["labels"] = torch.cat([layout["ids"][:, 1:], torch.zeros(B, 1, dtype=torch.long)], 1).masked_fill(
+            ~(real & torch.cat([real[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], 1)), -100)
+
+    model = _model()
+    with torch.no_grad():  # the masked, unsharded reference of the real tokens, in row order
+        padded_reference = _token_logps(model, padded["ids"], padded["positions"], padded["labels"],
+                                        padded["mask"])[padded["mask"].bool()]
+    reference_logps = _token_logps(model, ids, positions, labels)
+    (reference_logps * weights).sum().backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    local = slice(rank * S // world, (rank + 1) * S // world)
+    with torch.no_grad():  # the control: this process's half alone, without the exchange, lacks the other half
+        alone = _token_logps(model, ids[:, local], positions[:, local], labels[:, local])
+    alone_diff = (alone - reference_logps[:, local]).abs().max().item()
+
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=world,
+        micro_batch_size=B, seq_length_is_variable=True)
+    group = mpu.get_sequence_parallel_group()
+    logps = _token_logps(model, ids[:, local], positions[:, local], labels[:, local])  # [B, S/2]
+    (logps * weights[:, local]).sum().backward()
+    for parameter in model.parameters():  # the group's loss is the sum of its processes' token sums
+        torch_dist.all_reduce(parameter.grad, group=group)
+    pieces = [torch.empty_like(logps) for _ in range(world)]
+    torch_dist.all_gather(pieces, logps.detach().contiguous(), group=group)
+    sharded_logps = torch.cat(pieces, dim=1)  # [B, S]
+    layout_diffs = {}
+    for name, layout in (("left_padded", padded), ("left_aligned", aligned)):
+        with torch.no_grad():
+            half = _token_logps(model, *(layout[k][:, local] for k in ("ids", "positions", "labels", "mask")))
+        torch_dist.all_gather(pieces, half.contiguous(), group=group)
+        real_logps = torch.cat(pieces, dim=1)[layout["mask"].bool()]  # real tokens in row order, like the reference
+        layout_diffs[name] = (real_logps - padded_reference).abs().max().item()
+
+    grad_diff = max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters())
+    grad_scale = max(g.abs().max().item() for g in reference_grads.values())
+    result = {"num_processes": world, "sp_world_size": mpu.get_sequence_parallel_world_size(),
+              "local_positions": S // world, "logp_max_diff": (sharded_logps - reference_logps).abs().max().item(),
+              "logp_scale": reference_logps.abs().max().item(), "grad_max_diff": grad_diff, "grad_scale": grad_scale,
+              "alone_logp_diff": alone_diff, "padded_logp_diff": layout_diffs,
+              "grads_nonzero": all(bool(p.grad.abs().sum() > 0) for p in model.parameters())}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    leave_cleanly()
+
+
+if __name__ == "__main__":
+    main()
