@@ -68,3 +68,14 @@ def test_on_is_refused_under_vllm_by_name(tmp_path):
     with pytest.raises(ValueError, match="routing_replay='on' needs the rollout's routing.*not by vLLM"):
         trainer_args(tmp_path, routing_replay="on")
 
+
+
+def test_auto_is_off_for_a_vllm_server_with_the_same_reason(tmp_path, tokenizer, caplog):
+    """The server mode records no routes either (`grpo-train vllm-serve` runs the same build): the warning names the
+    installed build's reason. No server is needed to decide it."""
+    from grpo_trainer.config.settings import routing_replay
+
+    with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
+        assert not routing_replay(trainer_args(tmp_path, vllm_mode="server"), vllm_tiny_moe(tokenizer))
+    assert routed_experts_unavailable() in caplog.text
+    assert "rollouts run in vllm" in caplog.text
