@@ -22,6 +22,7 @@ from grpo_trainer.rewards.sources import RewardSettings
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
 from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
+from grpo_trainer.rollout.vllm.checks import routed_experts_unavailable
 
 __all__ = ["backend_choice", "engine_correction", "entropy_control", "loss_settings", "prompt_settings",
            "reward_settings", "routing_replay", "sampling_settings", "surrogate_params", "truncation",
@@ -121,7 +122,9 @@ def routing_replay(args: GRPOConfig, model: Any) -> bool:
         raise ValueError(f"routing_replay='on' but {reason}; use 'auto' (on only for those models) or 'off'.")
     in_process = backend_choice(args).name not in (VLLM, CONTINUOUS_BATCHING)
     if reason is None and not in_process:
+        name = backend_choice(args).name
+        why = routed_experts_unavailable() if name == VLLM else "its routing is not laid out per row"
         logging.getLogger("grpo_trainer.trainer.grpo_trainer").warning(
             "routing_replay='auto' is off for this Mixture-of-Experts model: its rollouts run in %s, whose routing "
-            "is not recorded (docs/MOE.md); the trainer routes every token itself.", backend_choice(args).name)
+            "is not recorded (%s; docs/MOE.md); the trainer routes every token itself.", name, why)
     return reason is None and in_process

