@@ -146,6 +146,13 @@ def failure_message(gap: float, tolerance: float, tokens: int, push: int, step: 
             lines.append(f"Parameter groups whose vLLM values differ from the policy's ({len(diagnosis.differing)} "
                          f"of {diagnosis.compared} compared): {_listed(diagnosis.differing)}."
                          + (" Every weight differs: the push did not reach the engine." if everything else ""))
+        elif diagnosis.uncompared and not (diagnosis.unmapped or diagnosis.unreached):
+            # MoE experts are the usual case: vLLM repacks them, and its CPU build's in-place reload leaves them
+            # wrong (docs/MOE.md, "vLLM"); the comparable weights then all agree.
+            lines.append(f"Every one of the {diagnosis.compared} weights compared equals the policy's, so the "
+                         "difference is in the weights that could not be compared (listed below; for a "
+                         "Mixture-of-Experts model its experts: vLLM's CPU build does not reload them correctly) "
+                         "or in what the engine is given.")
         elif not (diagnosis.unmapped or diagnosis.unreached):
             lines.append(f"Every one of the {diagnosis.compared} weights compared equals the policy's, so the "
                          "difference is in what the engine is given: for a vision-language model, vLLM's image "

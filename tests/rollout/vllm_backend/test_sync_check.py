@@ -124,6 +124,17 @@ def test_the_error_when_every_weight_agrees_points_at_the_inputs():
     message = sync_check.failure_message(0.5, 1e-3, 8, 1, 0, "float32", sync_check.Diagnosis(available=True,
                                                                                               compared=27))
     assert "Every one of the 27 weights compared equals the policy's" in message
+    assert "vision-language model" in message and "could not be compared" not in message
+
+
+def test_the_error_when_every_compared_weight_agrees_but_experts_were_not_compared_points_at_them():
+    # A Mixture-of-Experts model through vLLM's CPU build: its experts are repacked (not compared) and reloaded
+    # wrong; blaming image processing would send the user the wrong way.
+    diagnosis = sync_check.Diagnosis(available=True, compared=12, uncompared=["model.layers.0.mlp.experts"])
+    message = sync_check.failure_message(0.26, 1e-3, 8, 1, 0, "float32", diagnosis)
+    assert "the weights that could not be compared" in message and "Mixture-of-Experts" in message
+    assert "vision-language" not in message
+    assert "Not compared (a layout vLLM splits differently): model.layers.0.mlp.experts." in message
 
 
 def test_the_error_when_the_engine_cannot_be_read():
