@@ -88,7 +88,6 @@ class VLLMSettings:
     structured_outputs_regex: str | None
     importance_sampling_correction: bool
     sync_check_interval: int  # 0: the weight-sync self-check off
-    asynchronous: bool  # `async_rollouts` > 0: sampling runs in a producer thread
     server_base_url: str | None
     server_host: str
     server_port: int
