@@ -76,7 +76,7 @@ CHECK_TOKENS = 128  # tokens per sequence the self-check keeps at most, beyond t
 class ForwardSettings:
     """What the trainer's log-prob forwards need from its config."""
 
-    padding_free: bool = False
+    padding_free: bool  # no default: `GRPOConfig.padding_free`'s (on) is the one
     temperature: float = 1.0
     chunk_size: int = 1024  # LM-head rows per chunk, at most (`logprobs.chunk_rows`)
     pad_to_multiple_of: int | None = None

@@ -24,7 +24,7 @@ __all__ = ["PromptSettings", "SamplingSettings", "eos_token_ids", "make_generati
 class SamplingSettings:
     """The config's sampling fields (decision 1)."""
 
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

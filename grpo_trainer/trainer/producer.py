@@ -63,9 +63,9 @@ __all__ = ["AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "R
 
 @dataclass(frozen=True)
 class AsyncSettings:
-    rounds_ahead: int = 1  # `async_rollouts`
-    seed: int = 0  # this process's: the run's seed + its process index
-    timeout: float | None = None  # seconds a round may take (`async_rollout_timeout`); None: no limit
+    rounds_ahead: int  # `async_rollouts`
+    seed: int  # this process's: the run's seed + its process index
+    timeout: float | None  # seconds a round may take (`async_rollout_timeout`); None: no limit
 
 
 class ProducerError(RuntimeError):
