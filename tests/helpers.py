@@ -313,3 +313,17 @@ def force_onednn(monkeypatch) -> None:
         pytest.skip("this torch build has no oneDNN linear")
     monkeypatch.setattr(kernels, "_choice", kernels.KernelChoice(True, True, "forced by the test"))
     monkeypatch.setattr(kernels, "MIN_MACS", 0)
+
+
+def fast_path_blocker(model, config, prompt_length: int) -> str | None:
+    """Why the hand-written decoder must not run this model/config (None when it reproduces it): the settings'
+    guard, then the architecture's, as `FastBackend.generate` asks them."""
+    from grpo_trainer.modeling.unwrap import causal_lm
+    from grpo_trainer.rollout.fast.guard import decoder_blocker, resolved, settings_blocker
+    from grpo_trainer.rollout.settings import max_new_tokens
+
+    reason = settings_blocker(model, config, prompt_length)
+    if reason is not None:
+        return reason
+    lm = causal_lm(model)
+    return decoder_blocker(lm, prompt_length + max_new_tokens(resolved(lm, config), prompt_length))

@@ -92,7 +92,7 @@ def vllm_settings(args: GRPOConfig) -> VLLMSettings:
         mode=args.vllm_mode, generation_kwargs=args.generation_kwargs,
         structured_outputs_regex=args.vllm_structured_outputs_regex,
         importance_sampling_correction=args.vllm_importance_sampling_correction,
-        sync_check_interval=args.vllm_sync_check_interval, asynchronous=args.async_rollouts > 0,
+        sync_check_interval=args.vllm_sync_check_interval,
         server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
         server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout, group_port=args.vllm_group_port,
         enable_sleep_mode=args.vllm_enable_sleep_mode, tensor_parallel_size=args.vllm_tensor_parallel_size,

@@ -17,13 +17,14 @@ prompts.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, Sampler
+from transformers import TrainingArguments
 
 __all__ = ["PromptDraws", "RepeatSampler", "RoundSource", "repeat_iterable", "streaming_eval"]
 
@@ -79,20 +80,16 @@ class _RepeatedStream(IterableDataset):
             chunk = []
 
 
-@contextlib.contextmanager
-def streaming_eval(args: Any, accelerator: Any) -> Iterator[None]:
-    """Around building an eval dataloader over a stream: batches not dispatched from the main process (each process
-    reads its own share) and no worker processes, so that each prompt's repeats stay together; `args`'
-    `dataloader_num_workers` restored after."""
+def streaming_eval(args: TrainingArguments) -> TrainingArguments:
+    """The arguments an eval dataloader over a stream is built with: a copy of `args` without worker processes, so
+    that each prompt's repeats stay together (`args` itself is left as it is). Batches must not be dispatched from
+    the main process (each process reads its own share): `dispatch_batches=True` is refused by name."""
     if args.accelerator_config.dispatch_batches:
         raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
                          "`accelerator_config`; set it to False, or pass a map-style eval dataset.")
-    accelerator.dataloader_config.dispatch_batches = False
-    workers, args.dataloader_num_workers = args.dataloader_num_workers, 0
-    try:
-        yield
-    finally:
-        args.dataloader_num_workers = workers
+    streaming = copy.copy(args)
+    streaming.dataloader_num_workers = 0
+    return streaming
 
 
 def repeat_iterable(rows: Iterable[dict], mini_repeat_count: int, batch_size: int = 1,

@@ -66,7 +66,7 @@ from grpo_trainer.modeling.unwrap import causal_lm
 logger = logging.getLogger(__name__)
 
 __all__ = ["CHECK_ROWS", "CHECK_TOKENS", "REFUSALS", "TOLERANCES", "Call", "ForwardSettings", "check_slice",
-           "packed_logprobs", "refusal", "score", "self_check"]
+           "is_varlen", "packed_logprobs", "refusal", "score", "self_check"]
 
 CHECK_ROWS = 4  # rows of the first micro-batch the self-check packs (decision 2): two packed rows of two sequences
 CHECK_TOKENS = 128  # tokens per sequence the self-check keeps at most, beyond the model's attention window
@@ -76,7 +76,7 @@ CHECK_TOKENS = 128  # tokens per sequence the self-check keeps at most, beyond t
 class ForwardSettings:
     """What the trainer's log-prob forwards need from its config."""
 
-    padding_free: bool = False
+    padding_free: bool  # no default: `GRPOConfig.padding_free`'s (on) is the one
     temperature: float = 1.0
     chunk_size: int = 1024  # LM-head rows per chunk, at most (`logprobs.chunk_rows`)
     pad_to_multiple_of: int | None = None
@@ -105,9 +105,14 @@ def _attention(lm: nn.Module) -> str:
     return str(getattr(config, "_attn_implementation", None) or "eager")
 
 
+def is_varlen(attention: str) -> bool:
+    """flash-attention (2, 3, or a hub kernel of it): varlen kwargs, attention per sequence (no dense mask over a
+    packed row; the memory plan asks the same question)."""
+    return "flash" in attention
+
+
 def _varlen(lm: nn.Module) -> bool:
-    """flash-attention (2, 3, or a hub kernel of it): varlen kwargs, attention per sequence."""
-    return "flash" in _attention(lm)
+    return is_varlen(_attention(lm))
 
 
 def _numel(parameter: nn.Parameter) -> int:

@@ -31,7 +31,22 @@ Decisions:
    with the CUDA allocator's history on an H200 (benchmarks/RESULTS.md): the LM head's cast at the end of each
    forward of the model, and with full fine-tuning autocast's cache of every trained weight's cast until the
    forward returns. The rollout is sized as the backend runs it on the device (on CUDA the fast backend samples
-   with `model.generate`: `trainer.memory`).
+   with `model.generate`: `trainer.memory`), from the backend's `MemoryProfile` (`rollout.backend.memory_profile`,
+   the runtime's own choice): the planner names no backend.
+5. Rounds sampled ahead (`async_rollouts` = k, `trainer.producer`): k finished rounds wait through every instant
+   (an upper bound: while the next one is sampled, k - 1 wait), and an in-process sampler's KV cache and working set
+   overlap the loss instants (its job reads the live weights, so only the optimizer step waits for it; no copy of
+   the weights is kept). Such rounds are never on-policy: no replay tensors, a scoring instant.
+6. Dynamic sampling (`zero_variance_groups='resample'`, `trainer.resample`): every extra round (at most a full one,
+   at most `max_resample_rounds`) is held with its replay tensors until the kept round is assembled, while the last
+   one is sampled.
+7. The packed layout (`padding_free`): flash-attention's varlen kernel takes no mask. Under SDPA or eager attention
+   transformers builds a dense boolean `[R, 1, W, W]` mask over each packed row (`masking_utils.sdpa_mask` with
+   `find_packed_sequence_indices`), and torch's SDPA converts a boolean mask to an additive bias in the query's dtype
+   on every call, which the attention keeps for its backward (every layer's without checkpointing). How wide the
+   rows are depends on the completions' lengths: the plan takes the widest layout the packer can choose
+   (`packed_mask_elements`). The packed activations are no more than the padded ones (fewer tokens), so the padded
+   sizes stand for them.
 """
 
 from __future__ import annotations
@@ -46,11 +61,10 @@ from grpo_trainer.planning.optimizers import optimizer_memory
 from grpo_trainer.planning.settings import ModelShape, PlanSettings
 from grpo_trainer.rollout import capture
 from grpo_trainer.rollout.fast.decoder import FUSE_MAX_PARAMETERS
-from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 
 __all__ = ["CPU_ALLOCATOR_OVERHEAD", "CPU_RUNTIME_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_RESERVED_RATIO", "INSTANTS",
-           "Item", "MemoryPlan", "activation_bytes_per_token", "plan_memory", "tiled_mlp_saving_per_token",
-           "tiled_mlp_transient"]
+           "Item", "MemoryPlan", "activation_bytes_per_token", "packed_mask_elements", "plan_memory", "round_bytes",
+           "tiled_mlp_saving_per_token", "tiled_mlp_transient"]
 
 INSTANTS = ("rollout", "scoring", "loss forward", "backward start", "backward end", "optimizer step")
 _R, _S, _F, _BS, _BE, _O = range(len(INSTANTS))
@@ -251,11 +265,11 @@ def _replay_bytes(settings: PlanSettings, shape: ModelShape) -> tuple[int, int]:
     """Bytes of the round's replay tensors (layer outputs, softmax) as `rollout.capture` sizes them: its own `plan`
     and `replay_buffers`, run on the meta device. Only the fast backend keeps them: its decoder both kinds, its
     model-forward tier (non-Llama architectures) the softmax only."""
-    if settings.rollout not in ("fast", "forward"):
+    if not settings.rollout.sampling_probs:
         return 0, 0
     wanted = capture.plan(training=True, on_policy=settings.on_policy,
                           plain_single_process=settings.plain_single_process, checkpointing=settings.checkpointing)
-    if settings.rollout == "forward" or shape.model_type not in ARCHITECTURES:
+    if not settings.rollout.layer_outputs or shape.model_type not in settings.rollout.decoder_architectures:
         wanted = capture.Capture(layer_outputs=False, probs=wanted.probs, max_bytes=wanted.max_bytes)
     outputs, probs = capture.replay_buffers(
         wanted, rows=settings.round_rows, prompt_length=settings.prompt_length,
@@ -361,7 +375,7 @@ def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int
     in its backward, and in a gradient-free scoring forward."""
     chunk = _chunk_bytes(s, m)
     plain = not s.shards_weights  # a ZeRO-3 / FSDP head goes through the checkpointed per-chunk path
-    known = s.on_policy and s.temperature_matches and s.rollout in ("fast", "forward")
+    known = s.on_policy and s.temperature_matches and s.rollout.sampling_logps
     forward = 0 if plain and known else (2 if plain else 3) * chunk
     if not plain:
         backward = 5 * chunk
@@ -424,30 +438,34 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
 def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     rows, S = s.round_rows, s.prompt_length
     gpu = s.device == "cuda"
-    if s.rollout == "vllm_server":
+    # Decision 5: a round sampled ahead by the policy in this process is sampled while the step trains (its job
+    # reads the live weights, so only the optimizer step waits for it): its rollout items overlap every other instant.
+    during = (_R, _S, _F, _BS, _BE) if s.rounds.sampling_overlaps_step else (_R,)
+    if s.rollout.cache == "remote":
         return
-    if s.rollout == "vllm_colocate":
+    if s.rollout.cache == "engine":
         _vllm(b, s, m)
         return
-    if s.rollout == "continuous":
+    if s.rollout.cache == "paged":
         pool = s.continuous_memory_fraction * s.device_total_bytes
         b.add("continuous-batching cache", {_R: pool or _kv_bytes(s, m, rows, s.compute_bytes)},
               "transformers' paged cache (max_memory_percent)")
         return
-    fast = s.rollout == "fast" and m.model_type in ARCHITECTURES
+    fast = m.model_type in s.rollout.decoder_architectures
     kv_element = s.weight_bytes if fast else s.compute_bytes
     kv = _kv_bytes(s, m, rows, kv_element)
     if not fast:  # transformers' cache grows by concatenation: one layer's old and new cache side by side
         kv += kv // m.layers
-    b.add("KV cache", {_R: kv}, f"{rows} rows x {s.sequence_length} tokens x {m.layers} layers x {kv_element} B")
+    b.add("KV cache", dict.fromkeys(during, kv),
+          f"{rows} rows x {s.sequence_length} tokens x {m.layers} layers x {kv_element} B")
     distinct = rows // s.num_generations if fast else rows
     step = _no_grad_layer_bytes(s, m, distinct, S) + 4 * rows * m.vocab * 4
-    b.add("generation working set", {_R: step + (0 if fast else _autocast_copies(s, m))},
+    b.add("generation working set", dict.fromkeys(during, step + (0 if fast else _autocast_copies(s, m))),
           "prefill of one layer, per-token logits and softmax"
           + ("" if fast or not s.mixed_precision else "; autocast's weight copies in each forward"))
     if fast and m.parameters <= FUSE_MAX_PARAMETERS:
         copies = m.linear_parameters * s.weight_bytes + (0 if gpu else m.head_parameters * s.weight_bytes)
-        b.add("fused decoder weights", {_R: copies}, "q|k|v and gate|up copies (small models)")
+        b.add("fused decoder weights", dict.fromkeys(during, copies), "q|k|v and gate|up copies (small models)")
     if s.zero_stage == 3 and s.gather_for_generation and s.processes > 1:
         b.add("ZeRO-3 gathered weights", {_R: _weights_bytes(s, m)}, "ds3_gather_for_generation")
 
@@ -473,13 +491,51 @@ def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
               f"ZeRO-3 / FSDP: [{s.micro_batch}, T+1, V] in the compute dtype")
 
 
-def _round(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
+def round_bytes(s: PlanSettings, m: ModelShape) -> int:
+    """One round's tensors: ids and masks `[B, S + T]` (int64), log-probs, entropies, advantages... `[B, T]`
+    (6 float32 columns), and its routes under routing replay."""
     rows, N, T = s.round_rows, s.sequence_length, s.completion_length
-    size = rows * N * 8 * 2 + rows * T * 4 * 6  # ids and masks; log-probs, entropies, advantages
-    b.add("round tensors", dict.fromkeys(range(_O), size), f"{rows} rows")
-    if s.routing_replay and m.routed_layers:
-        b.add("routes (routing replay)", dict.fromkeys(range(_O), routes_bytes(s, m)),
+    routes = routes_bytes(s, m) if s.routing_replay and m.routed_layers else 0
+    return rows * N * 8 * 2 + rows * T * 4 * 6 + routes
+
+
+def _round(b: _Builder, s: PlanSettings, m: ModelShape, replay: tuple[int, int]) -> None:
+    rows, N = s.round_rows, s.sequence_length
+    routes = routes_bytes(s, m) if s.routing_replay and m.routed_layers else 0
+    b.add("round tensors", dict.fromkeys(range(_O), round_bytes(s, m) - routes), f"{rows} rows")
+    if routes:
+        b.add("routes (routing replay)", dict.fromkeys(range(_O), routes),
               f"{rows} rows x {N} tokens x {m.routed_layers} MoE layers x top-{m.routed_top_k}")
+    if s.rounds.ahead:  # decision 5: finished rounds wait in the producer's queue through every instant
+        b.add("rounds held ahead", dict.fromkeys(range(len(INSTANTS)), s.rounds.ahead * round_bytes(s, m)),
+              f"async_rollouts={s.rounds.ahead}: rounds sampled ahead wait for their step (the sampler reads the "
+              "live weights: no snapshot)")
+    if s.resample_rounds:  # decision 6
+        held = s.resample_rounds * (round_bytes(s, m) + sum(replay))
+        b.add("resampled rounds", {_R: held},
+              f"zero_variance_groups='resample': up to {s.resample_rounds} extra rounds held until the round is "
+              "assembled")
+
+
+def packed_mask_elements(s: PlanSettings, m: ModelShape) -> int:
+    """The most elements `R x W^2` of a packed micro-batch's dense attention masks (decision 7). `modeling.packing.plan`
+    keeps the cheapest layout, and one row per sequence (budget: the longest) is among those it weighs, so
+    `R (token W + pair W^2) <= B (token N + pair N^2)`, hence `R W^2 <= B N (N + token / pair)`, with
+    `token / pair = 2 L P_layer / (4 L H D)` (`modeling.forwards.packing_cost`)."""
+    B, N = s.micro_batch, s.sequence_length
+    return B * N * (N + m.layer_parameters // (2 * m.heads * m.head_dim))
+
+
+def _packed_attention(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
+    """Decision 7: a packed forward under SDPA or eager attention masks each packed row densely."""
+    if not s.packed or s.varlen_attention:
+        return
+    elements = packed_mask_elements(s, m)
+    mask, bias = elements, elements * s.compute_bytes  # bool [R, 1, W, W]; each attention call's additive copy
+    kept = 1 if s.checkpointing else m.layers  # the copies the attention keeps for its backward
+    b.add("packed attention mask", {_S: mask + bias, _F: mask + kept * bias, _BS: mask + kept * bias,
+                                    _BE: mask + bias},
+          f"padding_free: <= {elements:,} mask elements (bool) and SDPA's {s.compute_bytes}-byte bias per layer call")
 
 
 def routes_bytes(s: PlanSettings, m: ModelShape) -> int:
@@ -504,7 +560,7 @@ def _optimizer_step(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
 
 
 def _instants(s: PlanSettings) -> tuple[bool, ...]:
-    scoring = s.beta != 0.0 or not s.on_policy or s.rollout == "vllm_colocate"
+    scoring = s.beta != 0.0 or not s.on_policy or s.rollout.cache == "engine"
     return tuple(k != _S or scoring for k in range(len(INSTANTS)))
 
 
@@ -516,7 +572,8 @@ def _build(s: PlanSettings, m: ModelShape, case: _Case, replay: tuple[int, int])
     b = _Builder()
     _persistent(b, s, m)
     _rollout(b, s, m)
-    _round(b, s, m)
+    _round(b, s, m, replay)
+    _packed_attention(b, s, m)
     _scoring(b, s, m)
     _scoring_chunks(b, s, m)
     _backward(b, s, m, case, replay)
@@ -539,7 +596,7 @@ def plan_memory(settings: PlanSettings, shape: ModelShape) -> MemoryPlan:
     if settings.mixed_precision and replay[0]:
         notes.append("the rollout keeps layer outputs for replay, which autocast then does not use (replay runs "
                      "without autocast only)")
-    if settings.rollout == "vllm_colocate" and settings.device == "cuda":
+    if settings.rollout.cache == "engine" and settings.device == "cuda":
         notes.extend(_vllm_notes(settings, shape))
     if settings.device == "cpu" and not settings.heap_held:
         notes.append("glibc's heap is left to its own mmap threshold (GRPO_TRAINER_GLIBC_HEAP=keep or "

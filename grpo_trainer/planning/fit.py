@@ -88,8 +88,8 @@ def _candidates(settings: PlanSettings, split_exact: bool) -> list[PlanSettings]
 
 
 def _lower_fractions(settings: PlanSettings) -> list[float]:
-    """Smaller vLLM fractions, in steps of 0.05 down to 0.1 (colocated vLLM on a GPU only)."""
-    if settings.rollout != "vllm_colocate" or settings.device != "cuda":
+    """Smaller engine fractions, in steps of 0.05 down to 0.1 (an engine in the process, on a GPU only)."""
+    if settings.rollout.cache != "engine" or settings.device != "cuda":
         return []
     steps = int(round(settings.vllm_memory_fraction * 20))
     return [step / 20 for step in range(steps - 1, 1, -1)]

@@ -39,7 +39,10 @@ def format_plan(plan: MemoryPlan, device: DeviceMemory | None = None, title: str
                  f"accumulation step(s), {s.round_rows} rows per round (G={s.num_generations}); prompt "
                  f"{s.prompt_length} + completion {s.completion_length} tokens; weights {s.weight_dtype}"
                  + (f", autocast {s.mixed_precision}" if s.mixed_precision else "")
-                 + f", checkpointing {'on' if s.checkpointing else 'off'}, rollout {s.rollout}")
+                 + f", checkpointing {'on' if s.checkpointing else 'off'}; rollout: {s.rollout.describe()}"
+                 + (f"; {s.rounds.ahead} round(s) sampled ahead" if s.rounds.ahead else "")
+                 + (f"; packed ({'varlen attention' if s.varlen_attention else 'dense masks'})" if s.packed else "")
+                 + (f"; up to {s.resample_rounds} resampled round(s)" if s.resample_rounds else ""))
     header = "".join(f"{h + ('*' if k == peak else ''):>{_COLUMN_WIDTH}}" for k, h in enumerate(_HEADERS))
     lines.append(f"{'GiB':<{_NAME_WIDTH}}{header}  note")
     for item in plan.items:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DTYPE_BYTES", "DeviceMemory", "ModelShape", "PlanSettings"]
+from grpo_trainer.rollout.backend import MemoryProfile, memory_profile
+from grpo_trainer.rollout.settings import BackendChoice
+
+__all__ = ["DTYPE_BYTES", "DeviceMemory", "ModelShape", "PlanSettings", "RoundsHeld"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -64,6 +67,14 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class RoundsHeld:
+    """What the trainer's round source holds beside the round that trains (`trainer.source.RoundSource.held`)."""
+
+    ahead: int = 0  # finished rounds waiting for their step, sampled with older weights (never on-policy)
+    sampling_overlaps_step: bool = False  # the next round is sampled while the step trains (an in-process sampler)
+
+
+@dataclass(frozen=True)
 class PlanSettings:
     """How one process trains: the GRPOConfig fields (and launch facts) that change its memory.
 
@@ -89,7 +100,8 @@ class PlanSettings:
     logprob_chunk_size: int = 1024
     temperature_matches: bool = True  # sampling temperature == loss temperature (rollout values are the loss's)
     entropy_gradient: bool = False  # the loss differentiates the entropy (an entropy bonus)
-    rollout: str = "fast"  # "fast", "generate", "continuous", "vllm_colocate" or "vllm_server"
+    # what the rollout backend holds here (`rollout.backend.memory_profile`, the runtime's own choice of backend)
+    rollout: MemoryProfile = memory_profile(BackendChoice(), "cpu")
     vllm_memory_fraction: float = 0.3  # vllm_gpu_memory_utilization
     vllm_max_model_length: int | None = None
     vllm_sleep: bool = False  # vllm_enable_sleep_mode
@@ -107,6 +119,10 @@ class PlanSettings:
     heap_held: bool = True  # CPU: glibc's heap held to the live tensors (`runtime.host_memory`)
     mlp_tile_tokens: int = 0  # the sequence-tiled MLP's tile (`modeling.tiling`); 0: off
     routing_replay: bool = False  # a MoE model's rounds carry their routes (`routing_replay`, in-process rollouts)
+    rounds: RoundsHeld = RoundsHeld()  # the round source's (`async_rollouts`)
+    packed: bool = False  # `padding_free`: the loss and scoring forwards packed (`modeling.packing`)
+    varlen_attention: bool = False  # flash-attention: attention per sequence, no [W, W] mask (`modeling.forwards`)
+    resample_rounds: int = 0  # `zero_variance_groups='resample'`: `max_resample_rounds` extra rounds at most
 
     @property
     def sequence_length(self) -> int:
@@ -120,8 +136,10 @@ class PlanSettings:
 
     @property
     def on_policy(self) -> bool:
-        """Every micro-step of a round runs before the next optimizer step (`trainer.schedule.Schedule.on_policy`)."""
-        return self.accumulation_steps % (self.steps_per_generation * self.num_iterations) == 0
+        """Every micro-step of a round runs before the next optimizer step (`trainer.schedule.Schedule.on_policy`);
+        a round sampled ahead never is."""
+        window = self.steps_per_generation * self.num_iterations
+        return self.rounds.ahead == 0 and self.accumulation_steps % window == 0
 
     @property
     def plain_single_process(self) -> bool:

@@ -20,6 +20,8 @@ Decisions:
    (`sync_weights`, which skips a version it already has), and calls `generate` without gathering the model. Its
    log-probs are the engine's (`engine_logps`), not the trainer's. `check_model` refuses a model the engine cannot
    run before anything is loaded.
+7. What a backend's rollout holds in the training process is its `MemoryProfile` (`memory_profile`, chosen from the
+   same `BackendChoice` and registry as `select`): the memory planner reads its fields, never a backend's name.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -38,8 +40,8 @@ from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.settings import BackendChoice
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
-__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "VLLM", "Capabilities", "RolloutBackend", "register_backend", "select",
-           "serving"]
+__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "VLLM", "Capabilities", "MemoryProfile", "RolloutBackend",
+           "memory_profile", "register_backend", "select", "serving"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,39 @@ class Capabilities:
     own_weights: bool = False  # an inference engine with its own copy of the weights (decision 6)
 
 
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Where a backend's rollout keeps its memory on a device type, as the memory planner sizes it (decision 7).
+
+    `cache`: "model" (the policy samples in this process with a KV cache), "paged" (a paged cache pool in this
+    process: transformers' continuous batching), "engine" (an inference engine in this process, with its own
+    weights and pool: vLLM colocated) or "remote" (nothing in this process: a server)."""
+
+    cache: Literal["model", "paged", "engine", "remote"] = "model"
+    # model types sampled by the backend's own decoder: its KV cache preallocated in the weights' dtype, one prefill
+    # per group; any other model grows transformers' cache by concatenation (`model.generate`)
+    decoder_architectures: frozenset[str] = frozenset()
+    layer_outputs: bool = False  # `Capabilities.layer_outputs` (with the decoder only)
+    sampling_probs: bool = False  # `Capabilities.sampling_probs`
+    sampling_logps: bool = False  # `Capabilities.sampling_logps`: the loss forward reuses the rollout's values
+    decode_mode: str = "eager"  # the decoder's static steps (`rollout.fast.static.MODES`)
+
+    def describe(self) -> str:
+        """A few words for the plan's header."""
+        if self.cache != "model":
+            return {"paged": "a paged cache pool", "engine": "an engine in the process", "remote": "a remote engine"
+                    }[self.cache]
+        if not self.decoder_architectures:
+            return "in the process (a growing cache)"
+        return f"in the process (own decoder for {', '.join(sorted(self.decoder_architectures))}, a growing cache " \
+            "otherwise)"
+
+    @property
+    def in_process(self) -> bool:
+        """The policy itself samples here (routing can be recorded, an asynchronous job overlaps the step)."""
+        return self.cache == "model"
+
+
 class RolloutBackend(ABC):
     """Samples one completion per prompt row (rows already repeated G times)."""
 
@@ -76,6 +111,14 @@ class RolloutBackend(ABC):
         """The backend `choice` configures (a backend with settings of its own reads them here)."""
         return cls()
 
+    @classmethod
+    def memory_profile(cls, choice: BackendChoice, device_type: str) -> MemoryProfile:
+        """What this backend's rollout holds on `device_type` (decision 7): by default the policy sampling in the
+        process with `model.generate`'s cache, or an engine of its own (`own_weights`)."""
+        c = cls.capabilities
+        return MemoryProfile(cache="engine" if c.own_weights else "model", layer_outputs=c.layer_outputs,
+                             sampling_probs=c.sampling_probs, sampling_logps=c.sampling_logps)
+
     def check_model(self, model: str | nn.Module, trust_remote_code: bool = False) -> None:
         """Refuse a model (an id or path, before it is loaded; or a module) this backend cannot run."""
         return None
@@ -91,6 +134,11 @@ class RolloutBackend(ABC):
         if self.capabilities.own_weights:
             return None
         return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+    def sample_off_main_thread(self) -> None:
+        """Called once before rounds are sampled in a producer thread (`trainer.producer`) while the training step
+        runs: a backend turns off what must run beside the step."""
+        return None
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         """Make the engine's weights those of `model` (the unwrapped policy) at `version` (the optimizer step);
@@ -126,12 +174,22 @@ CONTINUOUS_BATCHING = "transformers_continuous_batching"  # `rollout.continuous`
 VLLM = "vllm"  # `rollout.vllm.backend`
 
 
+def _chosen(choice: BackendChoice) -> type[RolloutBackend]:
+    if choice.name not in BACKENDS:
+        raise ValueError(f"unknown generation_backend {choice.name!r}; choose one of {sorted(BACKENDS)}.")
+    return BACKENDS[choice.name]
+
+
 def select(choice: BackendChoice) -> RolloutBackend:
     """The backend `choice` names (`config.settings.backend_choice`: `use_vllm`, then
     `use_transformers_continuous_batching`, override `generation_backend`)."""
-    if choice.name not in BACKENDS:
-        raise ValueError(f"unknown generation_backend {choice.name!r}; choose one of {sorted(BACKENDS)}.")
-    return BACKENDS[choice.name].from_settings(choice)
+    return _chosen(choice).from_settings(choice)
+
+
+def memory_profile(choice: BackendChoice, device_type: str) -> MemoryProfile:
+    """The memory of the backend `choice` names, on `device_type` (decision 7): the plan's view of what `select`
+    runs."""
+    return _chosen(choice).memory_profile(choice, device_type)
 
 
 _REFERENCE = "generate"  # `rollout.generate`: takes every model's image inputs

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from grpo_trainer.modeling.unwrap import causal_lm
-from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
+from grpo_trainer.rollout.backend import Capabilities, MemoryProfile, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.settings import BackendChoice
 from grpo_trainer.rollout.types import PromptBatch, Rollout, end_at_first_eos, special_tokens
@@ -58,6 +58,10 @@ class ContinuousBatchingBackend(RolloutBackend):
 
         self.settings = continuous_batching_settings(settings)
         ContinuousBatchingConfig(**self.settings)  # unknown keys fail here, before any model is loaded
+
+    @classmethod
+    def memory_profile(cls, choice: BackendChoice, device_type: str) -> MemoryProfile:
+        return MemoryProfile(cache="paged")
 
     @classmethod
     def from_settings(cls, choice: BackendChoice) -> ContinuousBatchingBackend:

@@ -24,7 +24,7 @@ __all__ = ["PromptSettings", "SamplingSettings", "eos_token_ids", "make_generati
 class SamplingSettings:
     """The config's sampling fields (decision 1)."""
 
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -88,7 +88,6 @@ class VLLMSettings:
     structured_outputs_regex: str | None
     importance_sampling_correction: bool
     sync_check_interval: int  # 0: the weight-sync self-check off
-    asynchronous: bool  # `async_rollouts` > 0: sampling runs in a producer thread
     server_base_url: str | None
     server_host: str
     server_port: int

@@ -269,8 +269,12 @@ class GRPOTrainer(Trainer):
             return super().get_eval_dataloader(dataset)
         # A stream (also one first seen here, via `evaluate(eval_dataset=...)`): each process reads its own share,
         # with one worker, so that each prompt's repeats stay together (`data.checks.prepare_for_streaming`).
-        with streaming_eval(self.args, self.accelerator):
+        args, self.args = self.args, streaming_eval(self.args)  # the Trainer builds dataloaders from `self.args`
+        self.accelerator.dataloader_config.dispatch_batches = False  # each process reads its own share
+        try:
             return super().get_eval_dataloader(repeat_iterable(dataset, self.rounds.num_generations("eval"), 1, 1))
+        finally:
+            self.args = args
 
     def _get_eval_sampler(self, eval_dataset: Any) -> RepeatSampler:
         return RepeatSampler(eval_dataset, mini_repeat_count=self.rounds.num_generations("eval"), shuffle=False,

@@ -33,7 +33,7 @@ _ENTROPY_PAD = -1e9  # pads entropies (always >= 0) to a common length for the c
 class LossPartSettings:
     objective: losses.LossSettings
     accumulation_steps: int = 1  # `gradient_accumulation_steps`
-    max_completion_length: int = 256  # `dr_grpo`'s constant
+    max_completion_length: int = 512  # `dr_grpo`'s constant
     top_entropy_quantile: float = 1.0
     router_aux_loss_coef: float = 0.0
     # `zero_variance_groups='skip'`: zero-advantage rows skip the policy forward (the config refuses the settings

@@ -31,12 +31,14 @@ from torch import nn
 from grpo_trainer import planning
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import check_config
+from grpo_trainer.config.settings import backend_choice
 from grpo_trainer.data.images import row_prompts
+from grpo_trainer.modeling.forwards import is_varlen
 from grpo_trainer.planning.static_decode import with_static_decode
-from grpo_trainer.rollout.fast.backend import FastBackend
-from grpo_trainer.rollout.fast.guard import ARCHITECTURES
+from grpo_trainer.rollout.backend import memory_profile
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, host_memory, models
+from grpo_trainer.trainer.parts import source_type
 
 __all__ = ["ASSUMED_PROMPT_TOKENS", "PROMPT_SAMPLE", "MemoryPlanError", "RunPlan", "apply_fit", "check_memory",
            "plan_run", "plan_settings", "prompt_length"]
@@ -45,7 +47,6 @@ logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")
 
 PROMPT_SAMPLE = 256  # prompts tokenised to find the longest (decision 2)
 ASSUMED_PROMPT_TOKENS = 128  # where no prompt can be read and max_prompt_length is None
-_ENGINES = ("vllm_colocate", "vllm_server", "continuous")  # rollouts whose routing is not recorded
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -98,16 +99,6 @@ def _distribution(args: GRPOConfig) -> dict:
     }
 
 
-def _rollout(args: GRPOConfig, device: str) -> str:
-    if args.use_vllm:
-        return "vllm_colocate" if args.vllm_mode == "colocate" else "vllm_server"
-    if args.use_transformers_continuous_batching:
-        return "continuous"
-    if args.generation_backend == "fast" and FastBackend().uses_generate_on(device):
-        return "generate"  # the fast backend's own choice on a GPU: what runs there is model.generate
-    return args.generation_backend if args.generation_backend in ("fast", "generate", "forward") else "generate"
-
-
 def _sgd_momentum(args: GRPOConfig) -> float:
     """`optim_args`' momentum (transformers passes "momentum=0.9,..." to SGD); 0 when unset."""
     for pair in (args.optim_args or "").replace(" ", "").split(","):
@@ -118,8 +109,10 @@ def _sgd_momentum(args: GRPOConfig) -> float:
 
 def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "float32",
                   quantization: str | None = None, device: str = "cpu",
-                  device_total_bytes: int = 0) -> planning.PlanSettings:
-    """The planner's settings for `args` on `device` (decision 1)."""
+                  device_total_bytes: int = 0, attention: str = "sdpa") -> planning.PlanSettings:
+    """The planner's settings for `args` on `device` (decision 1); `attention`: the model's attention
+    implementation (what a packed forward's mask is)."""
+    rollout = memory_profile(backend_choice(args), device)  # the runtime's own choice (`rollout.select`)
     mixed = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
     generation_kwargs = args.generation_kwargs or {}
     return planning.PlanSettings(
@@ -132,12 +125,15 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
         logprob_chunk_size=args.logprob_chunk_size, mlp_tile_tokens=args.mlp_tile_tokens,
-        routing_replay=args.routing_replay != "off" and _rollout(args, device) not in _ENGINES,
+        routing_replay=args.routing_replay != "off" and rollout.in_process,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
-        entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=_rollout(args, device),
+        entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=rollout,
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
         device_total_bytes=device_total_bytes, heap_held=device != "cpu" or host_memory.would_hold(),
+        rounds=source_type(args).held(args), packed=args.padding_free,
+        varlen_attention=is_varlen(attention),
+        resample_rounds=args.max_resample_rounds if args.zero_variance_groups == "resample" else 0,
         **_distribution(args))
 
 
@@ -178,6 +174,14 @@ def _quantization(model: str | nn.Module, args: GRPOConfig, quantization_config:
         return None
     get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
     return "4bit" if get("load_in_4bit", False) else "8bit" if get("load_in_8bit", False) else None
+
+
+def _attention(model: str | nn.Module, config: Any, args: GRPOConfig) -> str:
+    """The attention implementation the model runs with: a loaded model's, else the one asked for at load time
+    (transformers' default, SDPA, where none is)."""
+    text = config.get_text_config()
+    chosen = getattr(text, "_attn_implementation", None) if isinstance(model, nn.Module) else None
+    return str(chosen or (args.model_init_kwargs or {}).get("attn_implementation") or "sdpa")
 
 
 def _model_config(model: str | nn.Module, args: GRPOConfig) -> Any:
@@ -221,10 +225,10 @@ def plan_run(model: str | nn.Module, args: GRPOConfig, train_dataset: Any = None
     settings = plan_settings(args, prompt_length=prompt_length(args, train_dataset, processing_class),
                              weight_dtype=_weight_dtype(model, config, args),
                              quantization=_quantization(model, args, quantization_config),
-                             device=device, device_total_bytes=total)
+                             device=device, device_total_bytes=total, attention=_attention(model, config, args))
     plan = planning.plan_memory(settings, shape)
-    mode = FastBackend().decode_mode(device) if settings.rollout == "fast" else "eager"
-    if mode != "eager" and shape.model_type in ARCHITECTURES:  # the static steps' buffers and graph pool
+    mode = settings.rollout.decode_mode
+    if mode != "eager" and shape.model_type in settings.rollout.decoder_architectures:  # the static steps' buffers
         plan = with_static_decode(plan, graphs=mode == "graphs")
     return RunPlan(plan, settings, shape, budget)
 

@@ -26,7 +26,7 @@ from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
 from grpo_trainer.trainer.off_policy import OffPolicy, OffPolicySettings
-from grpo_trainer.trainer.producer import AsyncRounds, AsyncSettings
+from grpo_trainer.trainer.producer import AsyncRounds
 from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
@@ -138,9 +138,10 @@ def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, round
     def push() -> None:
         backend.sync_weights(accelerator.unwrap_model(model), global_step())
 
-    settings = AsyncSettings(args.async_rollouts, args.seed + accelerator.process_index, args.async_rollout_timeout)
-    return AsyncRounds(settings, rounds, off_policy, policy_scorer, buffer, generate, rows, view,
-                       push if backend.capabilities.own_weights else None, metrics, signal_stop)
+    backend.sample_off_main_thread()
+    return AsyncRounds(AsyncRounds.settings(args, accelerator.process_index), rounds, off_policy, policy_scorer,
+                       buffer, generate, rows, view, push if backend.capabilities.own_weights else None, metrics,
+                       signal_stop)
 
 
 def prepare_auxiliary(module: nn.Module, accelerator: Accelerator, deepspeed: bool, fsdp: bool,

@@ -45,6 +45,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerState
 
 from grpo_trainer.data.sampler import RoundSource as PromptRows
+from grpo_trainer.planning.settings import RoundsHeld
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING
 from grpo_trainer.runtime import compat
@@ -62,9 +63,9 @@ __all__ = ["AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "R
 
 @dataclass(frozen=True)
 class AsyncSettings:
-    rounds_ahead: int = 1  # `async_rollouts`
-    seed: int = 0  # this process's: the run's seed + its process index
-    timeout: float | None = None  # seconds a round may take (`async_rollout_timeout`); None: no limit
+    rounds_ahead: int  # `async_rollouts`
+    seed: int  # this process's: the run's seed + its process index
+    timeout: float | None  # seconds a round may take (`async_rollout_timeout`); None: no limit
 
 
 class ProducerError(RuntimeError):
@@ -263,6 +264,17 @@ class AsyncRounds(RoundSource):
     @classmethod
     def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
         return args.async_rollouts, args.async_correction
+
+    @classmethod
+    def held(cls, args: Any) -> RoundsHeld:
+        """Decision 2: `async_rollouts` rounds wait for their step, and an in-process sampler reads the live weights
+        (no copy) while the step trains."""
+        return RoundsHeld(ahead=args.async_rollouts, sampling_overlaps_step=True)
+
+    @staticmethod
+    def settings(args: Any, process_index: int) -> AsyncSettings:
+        """This process's settings (its seed: the run's + its index, as `set_seed(device_specific=True)` seeds)."""
+        return AsyncSettings(args.async_rollouts, args.seed + process_index, args.async_rollout_timeout)
 
     @classmethod
     def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:

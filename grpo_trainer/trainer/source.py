@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback, TrainerState
 
+from grpo_trainer.planning.settings import RoundsHeld
 from grpo_trainer.trainer.off_policy import OffPolicy
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder
@@ -50,6 +51,11 @@ class RoundSource(ABC):
     def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
         """How many rounds this source samples before the weights that train them exist, and how they are corrected
         for it (`trainer.off_policy`'s `ahead`; None: they are not)."""
+
+    @classmethod
+    @abstractmethod
+    def held(cls, args: Any) -> RoundsHeld:
+        """What this source holds beside the round that trains, for the memory plan (`planning.estimate`)."""
 
     @classmethod
     @abstractmethod
@@ -100,6 +106,10 @@ class SyncRounds(RoundSource):
     @classmethod
     def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
         return 0, None
+
+    @classmethod
+    def held(cls, args: Any) -> RoundsHeld:
+        return RoundsHeld()
 
     @classmethod
     def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:

@@ -1,5 +1,6 @@
 """RepeatSampler: which prompt index comes when, and that every process draws the same order."""
 
+import pytest
 import torch
 
 from grpo_trainer.data.sampler import RepeatSampler
@@ -80,3 +81,19 @@ def test_the_first_epoch_is_trls_order_and_later_epochs_reseed_with_seed_plus_ep
     reseeded = torch.randperm(20, generator=torch.Generator().manual_seed(7 + 1)).tolist()
     assert ours_epoch1 == [index for index in reseeded for _ in range(2)]
     assert ours_epoch1 != trl_epoch1 and sorted(ours_epoch1) == sorted(trl_epoch1)
+
+
+def test_streaming_eval_is_a_copy_and_leaves_the_arguments_alone(tmp_path):
+    """The eval dataloader over a stream is built with no worker processes (each prompt's repeats together); the
+    trainer's own arguments keep theirs, and `dispatch_batches=True` is refused by name."""
+    from transformers import TrainingArguments
+
+    from grpo_trainer.data.sampler import streaming_eval
+
+    args = TrainingArguments(output_dir=str(tmp_path), dataloader_num_workers=2, report_to="none", use_cpu=True)
+    streaming = streaming_eval(args)
+    assert streaming.dataloader_num_workers == 0 and args.dataloader_num_workers == 2
+    dispatching = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                    accelerator_config={"dispatch_batches": True})
+    with pytest.raises(ValueError, match="dispatch_batches=False"):
+        streaming_eval(dispatching)

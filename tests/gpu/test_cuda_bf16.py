@@ -19,11 +19,11 @@ if not torch.cuda.is_available():
 from grpo_trainer.algorithms.losses import LossNorm, policy_loss  # noqa: E402
 from grpo_trainer.cli.toy import make_tiny_model  # noqa: E402
 from grpo_trainer.modeling.logprobs import completion_logprobs  # noqa: E402
-from grpo_trainer.rollout.fast import guard  # noqa: E402
 from grpo_trainer.rollout.generate import generate_rollout  # noqa: E402
 from tests.helpers import (  # noqa: E402
     MAX_NEW,
     assert_same_rollout,
+    fast_path_blocker,
     fast_rollout,
     greedy_config,
     grouped_prompts,
@@ -49,7 +49,7 @@ def test_fast_decoder_greedy_tokens_equal_generate_in_bf16(tokenizer, kind):
     `generate` picks, at every position (no row ends early, so all MAX_NEW positions are compared)."""
     model = _on_cuda(model_of_kind(kind, tokenizer))
     prompts, config = _prompts_on_cuda(tokenizer), greedy_config(tokenizer)
-    assert guard.fast_path_blocker(model, config, prompts.ids.shape[1]) is None
+    assert fast_path_blocker(model, config, prompts.ids.shape[1]) is None
     with torch.no_grad():
         reference = generate_rollout(model, prompts, config)
         fast = fast_rollout(model, prompts, config)

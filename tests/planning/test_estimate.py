@@ -11,7 +11,7 @@ from grpo_trainer.modeling.logprobs import LOGITS_CHUNK_BYTES
 from grpo_trainer.planning import INSTANTS, activation_bytes_per_token, model_shape, plan_memory
 from grpo_trainer.planning.estimate import CPU_RUNTIME_BYTES
 from grpo_trainer.rollout.capture import REPLAY_MAX_BYTES
-from tests.planning.shapes import SETTINGS, SHAPE
+from tests.planning.shapes import SETTINGS, SHAPE, rollout
 
 
 def item(plan, name):
@@ -84,7 +84,8 @@ def test_autocast_weight_copies_by_hand():
     assert item(plan_memory(no_ckpt, SHAPE), "autocast weight copies")["loss forward"] == 64_000 * 2
     assert not any(i.name == "autocast weight copies" for i in plan_memory(SETTINGS, SHAPE).items)
     fast = item(plan_memory(mixed, SHAPE), "generation working set")["rollout"]
-    generate = item(plan_memory(dataclasses.replace(mixed, rollout="generate"), SHAPE), "generation working set")
+    generate = item(plan_memory(dataclasses.replace(mixed, rollout=rollout("generate")), SHAPE),
+                    "generation working set")
     # generate's working set counts every row (the decoder's prefill only the distinct prompts: 4 rows / G = 2)
     # plus the copies: one layer's prefill of 2 more rows x 6 tokens x 2 B x (3 x 128 + 4 x 64 + 3 x 64)
     assert generate["rollout"] - fast == 2 * 6 * 2 * (3 * 128 + 4 * 64 + 3 * 64) + (2 * 40_000 + 64_000) * 2
@@ -97,8 +98,8 @@ def test_on_cuda_the_fast_backend_is_planned_as_generate(tmp_path):
     from grpo_trainer.trainer import memory
 
     args = GRPOConfig(output_dir=str(tmp_path), generation_backend="fast", report_to="none", use_cpu=True)
-    assert memory.plan_settings(args, prompt_length=8, device="cuda").rollout == "generate"
-    assert memory.plan_settings(args, prompt_length=8, device="cpu").rollout == "fast"
+    assert memory.plan_settings(args, prompt_length=8, device="cuda").rollout == rollout("generate", "cuda")
+    assert memory.plan_settings(args, prompt_length=8, device="cpu").rollout == rollout("fast")
 
 
 def test_activations_with_and_without_checkpointing():

@@ -9,7 +9,7 @@ from transformers import Qwen2Config
 
 from grpo_trainer.planning import DeviceMemory, longer_settings, longest_completion, model_shape, plan_memory
 from grpo_trainer.planning.longest import _kept_rank, _segments
-from tests.planning.shapes import SETTINGS, SHAPE
+from tests.planning.shapes import SETTINGS, SHAPE, rollout
 
 # Qwen2.5-0.5B's widths and vocabulary with 2 layers (benchmarks/shapes.py's proxy), from its config on meta.
 PROXY = model_shape(Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
@@ -30,7 +30,7 @@ SETUPS = {
     "fast": PROXY_SETTINGS,
     "fast, 4 micro-steps a round": dataclasses.replace(PROXY_SETTINGS, steps_per_generation=4, accumulation_steps=4),
     "fast, no checkpointing": dataclasses.replace(PROXY_SETTINGS, checkpointing=False),
-    "generate, beta": dataclasses.replace(PROXY_SETTINGS, rollout="generate", beta=0.04),
+    "generate, beta": dataclasses.replace(PROXY_SETTINGS, rollout=rollout("generate"), beta=0.04),
     "cuda bf16": dataclasses.replace(PROXY_SETTINGS, device="cuda", mixed_precision="bfloat16"),
     "off-policy, entropy bonus": dataclasses.replace(PROXY_SETTINGS, steps_per_generation=2, entropy_gradient=True),
     "ZeRO-3": dataclasses.replace(PROXY_SETTINGS, device="cuda", zero_stage=3, processes=2),
@@ -56,7 +56,7 @@ def test_the_plan_grows_with_T_within_each_replay_segment(setup):
 def test_the_longest_completion_is_the_planners_own_boundary():
     """No replay tensors (generate): one segment. A budget of exactly the plan at T = 500 gives 500; a byte less
     gives 499 (the plan grows by at least a byte a token); under the plan at T = 1, none."""
-    settings = dataclasses.replace(SETTINGS, rollout="generate")
+    settings = dataclasses.replace(SETTINGS, rollout=rollout("generate"))
     assert _segments(settings, SHAPE, 1 << 22) == [(1, 1 << 22)]
     at_500 = _bytes(settings, SHAPE, 500)
     assert _bytes(settings, SHAPE, 499) < at_500 < _bytes(settings, SHAPE, 501)
@@ -88,7 +88,7 @@ def test_settings_that_reach_longer_are_the_planners_lengths_for_them():
     """Checkpointing off, 4 rows a micro-batch: checkpointing, one row a micro-batch (same global batch: 4 x the
     accumulation and the round's micro-steps), a 64-row head chunk, all of them, and LoRA; each listed length is
     `longest_completion` of exactly those settings, every one longer than the run's own; bnpo lists no split."""
-    settings = dataclasses.replace(PROXY_SETTINGS, micro_batch=4, checkpointing=False, rollout="generate")
+    settings = dataclasses.replace(PROXY_SETTINGS, micro_batch=4, checkpointing=False, rollout=rollout("generate"))
     device = _device(8 * 2**30)
     base = longest_completion(settings, PROXY, device).completion_length
     from peft import LoraConfig

@@ -5,9 +5,9 @@ import dataclasses
 
 from grpo_trainer.planning import INSTANTS, plan_memory
 from grpo_trainer.planning.static_decode import graph_pool_bytes, static_decode_items, with_static_decode
-from tests.planning.shapes import SETTINGS, SHAPE
+from tests.planning.shapes import SETTINGS, SHAPE, rollout
 
-CUDA = dataclasses.replace(SETTINGS, device="cuda", rollout="fast")
+CUDA = dataclasses.replace(SETTINGS, device="cuda", rollout=rollout("fast"))
 ROLLOUT = INSTANTS.index("rollout")
 
 

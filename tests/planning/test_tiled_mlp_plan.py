@@ -9,7 +9,7 @@ the input only: 2,048 B less per token, 4 x 16 = 64 tokens: 131,072 B less per l
 import dataclasses
 
 from grpo_trainer.planning import estimate, plan_memory
-from tests.planning.shapes import SETTINGS, SHAPE
+from tests.planning.shapes import SETTINGS, SHAPE, rollout
 
 TILED = dataclasses.replace(SETTINGS, mlp_tile_tokens=8)
 
@@ -44,7 +44,7 @@ def test_without_checkpointing_every_layer_keeps_less():
 def test_the_scoring_forward_holds_one_tile_of_gate_up_and_product():
     """beta 0.04 (a reference forward): gate, up and their product for 8 tokens instead of 64: (64 - 8) x 3 x 128 x
     4 = 86,016 B less; the rollout's prefill (not a log-prob forward) is untiled."""
-    beta, tiled_beta = (dataclasses.replace(s, beta=0.04, rollout="generate") for s in (SETTINGS, TILED))
+    beta, tiled_beta = (dataclasses.replace(s, beta=0.04, rollout=rollout("generate")) for s in (SETTINGS, TILED))
     items = {i.name: i for i in plan_memory(beta, SHAPE).items}
     tiled_items = {i.name: i for i in plan_memory(tiled_beta, SHAPE).items}
     scoring = estimate.INSTANTS.index("scoring")

@@ -49,3 +49,24 @@ def test_a_registered_backend_is_selected_by_name_and_trains(tmp_path, tiny_mode
     assert len(calls) == 1 and calls[0][0][0] == 8 and calls[0][1] == 4
     assert isinstance(calls[0][2], rollout.Capture)
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, device, cache, decoder", [
+    ({}, "cpu", "model", True),  # the fast decoder for its architectures
+    ({}, "cuda", "model", False),  # on CUDA the fast backend samples with model.generate (FastBackend decision 5)
+    ({"generation_backend": "generate"}, "cpu", "model", False),
+    ({"use_transformers_continuous_batching": True}, "cpu", "paged", False),
+    ({"use_vllm": True, "vllm_mode": "colocate"}, "cuda", "engine", False),
+    ({"use_vllm": True, "vllm_mode": "server"}, "cuda", "remote", False),
+])
+def test_memory_profile_follows_the_backend_the_runtime_selects(tmp_path, kwargs, device, cache, decoder):
+    from grpo_trainer import GRPOConfig
+    from grpo_trainer.config.settings import backend_choice
+    from grpo_trainer.rollout.backend import memory_profile
+    from grpo_trainer.rollout.fast.guard import ARCHITECTURES
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
+    profile = memory_profile(backend_choice(args), device)
+    assert profile.cache == cache
+    assert profile.decoder_architectures == (frozenset(ARCHITECTURES) if decoder else frozenset())
+    assert profile.layer_outputs == decoder  # replay of layer outputs: the decoder's alone

@@ -33,6 +33,7 @@ size, `V` vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -42,13 +43,13 @@ from transformers import GenerationConfig
 
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout import capture as capture_
-from grpo_trainer.rollout.backend import Capabilities, RolloutBackend, register_backend
+from grpo_trainer.rollout.backend import BACKENDS, Capabilities, MemoryProfile, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.fast import forward, loop, selfcheck, static
 from grpo_trainer.rollout.fast.decoder import Decoder
-from grpo_trainer.rollout.fast.guard import decoder_blocker, resolved, settings_blocker
+from grpo_trainer.rollout.fast.guard import ARCHITECTURES, decoder_blocker, resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
-from grpo_trainer.rollout.settings import max_new_tokens
+from grpo_trainer.rollout.settings import BackendChoice, max_new_tokens
 from grpo_trainer.rollout.types import PromptBatch, Rollout, special_tokens
 
 __all__ = ["CUDA_CHOICES", "CUDA_DECODE_ENV", "FastBackend"]
@@ -86,6 +87,17 @@ class FastBackend(RolloutBackend):
         if device_type != "cuda":
             return self.cpu
         return "eager" if self.cuda == "decoder" else self.cuda
+
+    @classmethod
+    def memory_profile(cls, choice: BackendChoice, device_type: str) -> MemoryProfile:
+        """`model.generate`'s where every rollout goes through it (decision 5), else the decoder's for its
+        architectures, with its static steps' mode."""
+        backend = cls.from_settings(choice)
+        if backend.uses_generate_on(device_type):
+            return BACKENDS["generate"].memory_profile(choice, device_type)
+        return dataclasses.replace(super().memory_profile(choice, device_type),
+                                   decoder_architectures=frozenset(ARCHITECTURES),
+                                   decode_mode=backend.decode_mode(device_type))
 
     def uses_generate_on(self, device_type: str) -> bool:
         """Whether every rollout on this device type goes through `model.generate` (decision 5): the memory

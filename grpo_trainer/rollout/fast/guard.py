@@ -33,7 +33,7 @@ from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.generate import generate_override
 from grpo_trainer.rollout.settings import max_new_tokens
 
-__all__ = ["ARCHITECTURES", "ROPE_TYPES", "decoder_blocker", "fast_path_blocker", "processors", "resolved",
+__all__ = ["ARCHITECTURES", "ROPE_TYPES", "decoder_blocker", "processors", "resolved",
            "settings_blocker"]
 
 # model_type -> (the class-name prefix of its modeling module, whether attention normalises q and k)
@@ -57,15 +57,6 @@ def processors(lm: nn.Module, config: GenerationConfig, prompt_ids: Tensor, prom
                                     encoder_input_ids=prompt_ids, prefix_allowed_tokens_fn=None,
                                     logits_processor=LogitsProcessorList(), device=prompt_ids.device,
                                     model_kwargs={"attention_mask": prompt_mask})
-
-
-def fast_path_blocker(model: nn.Module, config: GenerationConfig, prompt_length: int) -> str | None:
-    """Why the hand-written decoder must not run this model/config (None when it reproduces it)."""
-    reason = settings_blocker(model, config, prompt_length)
-    if reason is not None:
-        return reason
-    lm = causal_lm(model)
-    return decoder_blocker(lm, prompt_length + max_new_tokens(resolved(lm, config), prompt_length))
 
 
 def settings_blocker(model: nn.Module, config: GenerationConfig, prompt_length: int) -> str | None:

@@ -49,7 +49,7 @@ class TurnSettings:
     """The config's fields a multi-turn round reads."""
 
     prompts: PromptSettings = field(default_factory=PromptSettings)
-    max_completion_length: int = 256  # the whole rollout's token budget, tool results included
+    max_completion_length: int = 512  # the whole rollout's token budget, tool results included
     max_iterations: int | None = None  # `max_tool_calling_iterations`
     # A rollout_func's `logprobs` are an inference engine's, for the importance-sampling correction (TRL's rule with
     # `use_vllm`: its rollout_func samples with the trainer's vLLM).

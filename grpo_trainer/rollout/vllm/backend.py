@@ -29,6 +29,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -36,7 +37,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from grpo_trainer.modeling.unwrap import causal_lm
-from grpo_trainer.rollout.backend import VLLM, Capabilities, RolloutBackend, register_backend
+from grpo_trainer.rollout.backend import VLLM, Capabilities, MemoryProfile, RolloutBackend, register_backend
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.settings import BackendChoice, VLLMSettings
 from grpo_trainer.rollout.types import PromptBatch, Rollout
@@ -71,13 +72,7 @@ class VLLMBackend(RolloutBackend):
         self.client = self.engine = self.weights = self.policy = self.processor = None
         self._engine_ids: tuple[PromptBatch, dict[int, list[int]]] | None = None  # decision 7, per prompt batch
         self.loaded: int | None = None
-        # The check runs a trainer forward and collectives where the engine samples; asynchronous rollouts sample in
-        # a producer thread, while the optimizer moves the weights: there it would compare other weights (docs).
-        asynchronous = settings.asynchronous
-        if asynchronous and settings.sync_check_interval:
-            logger.info("vllm_sync_check_interval has no effect with async_rollouts: the weight-sync check runs "
-                        "where the engine samples, in the producer thread, while the optimizer moves the weights.")
-        self.schedule = sync_check.SyncSchedule(0 if asynchronous else settings.sync_check_interval)
+        self.schedule = sync_check.SyncSchedule(settings.sync_check_interval)
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 
@@ -96,6 +91,13 @@ class VLLMBackend(RolloutBackend):
         else:
             self.cpu = checks.on_cpu()
             checks.check_sleep_mode(settings.enable_sleep_mode, self.cpu)
+
+    @classmethod
+    def memory_profile(cls, choice: BackendChoice, device_type: str) -> MemoryProfile:
+        """An engine in the process when colocated; nothing here with a server."""
+        colocated = choice.vllm is not None and choice.vllm.mode == "colocate"
+        return dataclasses.replace(super().memory_profile(choice, device_type),
+                                   cache="engine" if colocated else "remote")
 
     @classmethod
     def from_settings(cls, choice: BackendChoice) -> VLLMBackend:
@@ -168,6 +170,14 @@ class VLLMBackend(RolloutBackend):
             seed=PartialState().process_index // vllm.tensor_parallel_size, cpu=self.cpu,
             kv_cache_bytes=kv_cache_bytes(lm.config, dtype, max(model_length, max_num_seqs * longest)))
         self.engine = ColocateEngine(model, processing_class, settings)
+
+    def sample_off_main_thread(self) -> None:
+        """The weight-sync check runs a trainer forward and collectives where the engine samples; in a producer
+        thread, while the optimizer moves the weights, it would compare other weights (docs): it is off there."""
+        if self.schedule.interval:
+            logger.info("vllm_sync_check_interval has no effect with async_rollouts: the weight-sync check runs "
+                        "where the engine samples, in the producer thread, while the optimizer moves the weights.")
+        self.schedule = sync_check.SyncSchedule(0)
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         asleep = self.engine is not None and self.engine.weights_asleep

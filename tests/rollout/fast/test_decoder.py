@@ -8,12 +8,12 @@ import torch
 from grpo_trainer.modeling import kernels
 from grpo_trainer.rollout.fast import backend as fast_backend
 from grpo_trainer.rollout.fast import decoder as decoder_module
-from grpo_trainer.rollout.fast import guard
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from tests.helpers import (
     MAX_NEW,
     assert_same_rollout,
+    fast_path_blocker,
     fast_rollout,
     force_onednn,
     greedy_config,
@@ -45,7 +45,7 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     model = model_of_kind(kind, tokenizer)
     prompts = grouped_prompts(tokenizer)
     config = greedy_config(tokenizer)
-    assert guard.fast_path_blocker(model, config, prompts.ids.shape[1]) is None
+    assert fast_path_blocker(model, config, prompts.ids.shape[1]) is None
     with torch.no_grad():
         reference = generate_rollout(model, prompts, config)
     calls, decoded = [], []
@@ -186,7 +186,7 @@ def test_cpu_decode_of_a_small_model_runs_single_threaded_and_restores_the_threa
 def test_what_the_fast_path_does_not_reproduce_falls_back_to_generate(tokenizer, tiny_model, monkeypatch):
     prompts = grouped_prompts(tokenizer)
     beams = greedy_config(tokenizer, num_beams=2)
-    assert "beam_search" in guard.fast_path_blocker(tiny_model, beams, prompts.ids.shape[1])
+    assert "beam_search" in fast_path_blocker(tiny_model, beams, prompts.ids.shape[1])
     calls = []
     reference = generate_rollout
     monkeypatch.setattr(fast_backend, "generate_rollout", lambda *a: calls.append(a[-1]) or reference(*a))
@@ -194,15 +194,15 @@ def test_what_the_fast_path_does_not_reproduce_falls_back_to_generate(tokenizer,
     assert calls == [beams]
     monkeypatch.undo()
     timed = greedy_config(tokenizer, max_time=10.0)
-    assert "max_time" in guard.fast_path_blocker(tiny_model, timed, prompts.ids.shape[1])
+    assert "max_time" in fast_path_blocker(tiny_model, timed, prompts.ids.shape[1])
     gpt2 = model_of_kind("gpt2", tokenizer).eval()  # GPT-2 has dropout 0.1
-    assert "gpt2" in guard.fast_path_blocker(gpt2, greedy_config(tokenizer), prompts.ids.shape[1])
+    assert "gpt2" in fast_path_blocker(gpt2, greedy_config(tokenizer), prompts.ids.shape[1])
     with torch.no_grad():
         assert_same_rollout(fast_rollout(gpt2, prompts, greedy_config(tokenizer)),
                              generate_rollout(gpt2, prompts, greedy_config(tokenizer)))
     tiny_model.config.attention_dropout = 0.1
-    assert "dropout" in guard.fast_path_blocker(tiny_model.train(), greedy_config(tokenizer), prompts.ids.shape[1])
-    assert guard.fast_path_blocker(tiny_model.eval(), greedy_config(tokenizer), prompts.ids.shape[1]) is None
+    assert "dropout" in fast_path_blocker(tiny_model.train(), greedy_config(tokenizer), prompts.ids.shape[1])
+    assert fast_path_blocker(tiny_model.eval(), greedy_config(tokenizer), prompts.ids.shape[1]) is None
 
 
 def test_one_token_prompts_shared_by_their_groups_equal_generate(tokenizer):

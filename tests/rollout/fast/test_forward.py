@@ -14,6 +14,7 @@ from grpo_trainer.rollout.generate import generate_rollout
 from tests.helpers import (
     MAX_NEW,
     assert_same_rollout,
+    fast_path_blocker,
     fast_rollout,
     fresh_copy,
     greedy_config,
@@ -38,7 +39,7 @@ def test_greedy_tokens_equal_generate(tokenizer, kind):
     model = model_of_kind(kind, tokenizer, initializer_range=0.1, **ARCHITECTURES[kind])
     prompts = grouped_prompts(tokenizer)
     config = greedy_config(tokenizer, max_new_tokens=MAX_NEW + 8)
-    assert guard.fast_path_blocker(model, config, prompts.ids.shape[1]) is not None  # not the decoder's
+    assert fast_path_blocker(model, config, prompts.ids.shape[1]) is not None  # not the decoder's
     assert forward.forward_blocker(model) is None
     with torch.no_grad():
         reference = generate_rollout(fresh_copy(model), prompts, config)

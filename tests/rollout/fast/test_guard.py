@@ -6,9 +6,16 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama
 
-from grpo_trainer.rollout.fast import guard
 from grpo_trainer.rollout.generate import generate_rollout
-from tests.helpers import assert_same_rollout, fast_rollout, fresh_copy, greedy_config, grouped_prompts, model_of_kind
+from tests.helpers import (
+    assert_same_rollout,
+    fast_path_blocker,
+    fast_rollout,
+    fresh_copy,
+    greedy_config,
+    grouped_prompts,
+    model_of_kind,
+)
 
 # Weights larger than the default init make the tiny model's tokens depend on positions, so a wrong rotary
 # table changes greedy tokens rather than only the last digits of the logits.
@@ -26,7 +33,7 @@ def assert_equals_generate(model, tokenizer, **settings):
 
 
 def blocker(model, tokenizer, **settings):
-    return guard.fast_path_blocker(model, greedy_config(tokenizer, **settings), grouped_prompts(tokenizer).ids.shape[1])
+    return fast_path_blocker(model, greedy_config(tokenizer, **settings), grouped_prompts(tokenizer).ids.shape[1])
 
 
 def test_dynamic_rope_past_the_original_context_is_refused_and_the_rollout_equals_generate(tokenizer):

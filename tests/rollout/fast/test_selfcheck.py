@@ -10,9 +10,16 @@ import torch
 from torch import nn
 
 from grpo_trainer.rollout.fast import backend as fast_backend
-from grpo_trainer.rollout.fast import guard, selfcheck
+from grpo_trainer.rollout.fast import selfcheck
 from grpo_trainer.rollout.generate import generate_rollout
-from tests.helpers import assert_same_rollout, fast_rollout, greedy_config, grouped_prompts, model_of_kind
+from tests.helpers import (
+    assert_same_rollout,
+    fast_path_blocker,
+    fast_rollout,
+    greedy_config,
+    grouped_prompts,
+    model_of_kind,
+)
 
 SENSITIVE = {"initializer_range": 0.1}  # logits large enough that a 0.1% change in one projection shows
 
@@ -57,7 +64,7 @@ def test_a_subtle_change_the_decoder_would_bypass_is_caught_and_logged(tokenizer
     family's modules, the decoder runs the fused weights without the hook, the model runs it."""
     model = model_of_kind("qwen2", tokenizer, **SENSITIVE)
     scale_output(model.model.layers[0].self_attn.q_proj, 1.001)
-    assert guard.fast_path_blocker(model, greedy_config(tokenizer), grouped_prompts(tokenizer).ids.shape[1]) is None
+    assert fast_path_blocker(model, greedy_config(tokenizer), grouped_prompts(tokenizer).ids.shape[1]) is None
     with caplog.at_level(logging.WARNING):
         reason = selfcheck.decoder_mismatch(model, grouped_prompts(tokenizer), fast_backend._decode)
     assert "log-probs differ from the model's forward by up to" in reason

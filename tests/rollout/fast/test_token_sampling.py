@@ -6,10 +6,17 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import LogitsProcessorList
 
-from grpo_trainer.rollout.fast import guard, loop, sampling
+from grpo_trainer.rollout.fast import loop, sampling
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
-from tests.helpers import assert_same_rollout, fast_rollout, greedy_config, grouped_prompts, model_of_kind
+from tests.helpers import (
+    assert_same_rollout,
+    fast_path_blocker,
+    fast_rollout,
+    greedy_config,
+    grouped_prompts,
+    model_of_kind,
+)
 
 
 def test_sampling_draws_the_softmax_distribution():
@@ -71,7 +78,7 @@ def test_every_logits_processor_generate_builds_is_applied(tokenizer):
     model = model_of_kind("llama", tokenizer)
     prompts = grouped_prompts(tokenizer)
     config = greedy_config(tokenizer, no_repeat_ngram_size=2, repetition_penalty=1.5, min_new_tokens=3)
-    assert guard.fast_path_blocker(model, config, prompts.ids.shape[1]) is None
+    assert fast_path_blocker(model, config, prompts.ids.shape[1]) is None
     with torch.no_grad():
         reference = generate_rollout(model, prompts, config)
         plain = generate_rollout(model, prompts, greedy_config(tokenizer))

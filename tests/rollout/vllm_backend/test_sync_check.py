@@ -141,3 +141,18 @@ def test_the_error_when_the_engine_cannot_be_read():
     diagnosis = sync_check.Diagnosis(available=False, reason="the server at http://h:1 has no weight inspection")
     message = sync_check.failure_message(0.5, 1e-3, 8, 1, 0, "float32", diagnosis)
     assert "The engine's weights could not be read back: the server at http://h:1 has no weight inspection" in message
+
+
+def test_sampling_off_the_main_thread_turns_the_check_off(caplog):
+    """The asynchronous round source calls `sample_off_main_thread` (`trainer.parts.round_source`): the check would
+    compare weights the optimizer moved meanwhile, so it is off, with one line saying so."""
+    import logging
+
+    from grpo_trainer.rollout.vllm.backend import VLLMBackend
+
+    backend = object.__new__(VLLMBackend)  # only the schedule is read: no engine, no vLLM needed
+    backend.schedule = sync_check.SyncSchedule(5)
+    with caplog.at_level(logging.INFO):
+        backend.sample_off_main_thread()
+    assert backend.schedule.interval == 0
+    assert "vllm_sync_check_interval has no effect with async_rollouts" in caplog.text
