@@ -8,7 +8,8 @@ that kept informative groups. The refused rows (a server with several training p
 must stop before the model loads, naming both settings. Text rows start from the tiny model the session's server
 serves, image rows from the tiny Idefics3 (TRL's placeholder format); the server rows get servers of their own
 (module fixtures), because training pushes its weights to the server it uses: on the session's server they would
-change what the other real-vLLM tests generate after them."""
+change what the other real-vLLM tests generate after them. A server samples from one unseeded random state, so a
+server row's resumed run and padded twin replay the straight run's rollouts (`cell_run._sampled`)."""
 
 from __future__ import annotations
 
