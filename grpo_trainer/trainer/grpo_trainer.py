@@ -38,6 +38,7 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import SyncRefModelCallback
 
@@ -397,6 +398,17 @@ class GRPOTrainer(Trainer):
         target = model if model is not None else self.model
         if self.is_fsdp_enabled or not checkpoints.load_renamed_weights(target, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Private Trainer hook: an FSDP2 optimizer without per-parameter state (SGD without momentum) cannot go
+        # through torch 2.13's set_optimizer_state_dict ("Expected device to be set"): its checkpoint holds only the
+        # groups' hyperparameters, restored directly (`checkpoints.load_param_groups_only`); the scheduler as the
+        # Trainer loads it. Every other optimizer and layout loads as the Trainer loads it.
+        if checkpoint is not None and self.is_fsdp_enabled and \
+                checkpoints.load_param_groups_only(self.optimizer, checkpoint):
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            return
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

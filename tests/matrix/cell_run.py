@@ -4,7 +4,7 @@ script `accelerate launch` starts on each of 2 processes (`--cells cells.json --
 
 A cell trains 2 optimizer steps (SGD, so that weights compare exactly) on a tiny model: the toy copy task's
 decoder for text prompts, Qwen2.5-VL's tiny model for image prompts in TRL's placeholder format. What it records,
-for `test_matrix.py` (and the vLLM stage's tests/vllm_integration/matrix_vllm_rows.py, not collected yet) to check:
+for `test_matrix.py` (and the vLLM stage's tests/vllm_integration/test_matrix_vllm.py) to check:
   - `losses`: every logged training loss (must be finite);
   - `moved`: whether the trainable parameters changed;
   - `digests`: each process's digest of its full parameters (must be equal);
@@ -145,12 +145,44 @@ def _largest_difference(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def _train(cell: dict, output_dir: Path, vllm: dict | None = None, **overrides) -> tuple:
-    """A trained cell: (trainer, trainable parameters before, after, the rounds' advantages); the trainer's
-    `packed_forwards` counts its packed log-prob forwards."""
+def _sampled(trainer, replay: list | None) -> list:
+    """vLLM server cells: the server samples from one random state for its whole life (its requests carry no seed),
+    so a second run against it (the resumed run, the padded twin) draws other completions than the straight run,
+    and its weights could never equal the straight run's. The straight run records each of its rollouts with the
+    step it was drawn at (`replay` None: returned list filled as it trains); a second run is given the rollouts it
+    draws again (`replay`) and gets them back in order instead of asking the server, each checked to answer the
+    same prompts. What the second run compares (the resume, the packed layout) is then all that differs."""
+    import copy
+
+    backend, recorded = trainer.rollout_backend, []
+    generate = backend.generate
+
+    def recording(model, prompts, *args, **kwargs):
+        out = generate(model, prompts, *args, **kwargs)
+        recorded.append((trainer.state.global_step, copy.deepcopy(out)))
+        return out
+
+    def replaying(model, prompts, *args, **kwargs):
+        if not replay:
+            raise AssertionError("the second run drew more rounds than the straight run recorded")
+        out = replay.pop(0)
+        if not torch.equal(out.prompt_ids, prompts.ids):
+            raise AssertionError("the second run's prompts differ from the straight run's at this round")
+        return copy.deepcopy(out)
+
+    backend.generate = recording if replay is None else replaying
+    return recorded
+
+
+def _train(cell: dict, output_dir: Path, vllm: dict | None = None, replay: list | None = None,
+           **overrides) -> tuple:
+    """A trained cell: (trainer, trainable parameters before, after, the rounds' advantages, the rollouts the
+    server sampled (server cells: `_sampled`)); the trainer's `packed_forwards` counts its packed log-prob
+    forwards."""
     from grpo_trainer.modeling import forwards
 
     trainer = build(cell, output_dir, vllm=vllm, **overrides)
+    sampled = _sampled(trainer, replay) if cell["backend"] == "vllm_server" else []
     before = _trained(trainer)
     rounds, build_round = [], trainer.rounds.build
 
@@ -181,7 +213,7 @@ def _train(cell: dict, output_dir: Path, vllm: dict | None = None, **overrides) 
     finally:
         forwards.packed_logprobs, forwards.self_check = packed_logprobs, self_check
     trainer.packed_forwards = packed_forwards[0]
-    return trainer, before, _trained(trainer), rounds
+    return trainer, before, _trained(trainer), rounds, sampled
 
 
 def run_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
@@ -190,7 +222,7 @@ def run_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
 
     resume = cell["resume"] == "save"
     saving = {"save_strategy": "steps", "save_steps": 1} if resume else {}
-    trainer, before, after, rounds = _train(cell, output_dir / "run", vllm, **saving)
+    trainer, before, after, rounds, sampled = _train(cell, output_dir / "run", vllm, **saving)
     history = trainer.state.log_history
     record = {
         "losses": [entry["loss"] for entry in history if "loss" in entry],
@@ -206,13 +238,15 @@ def run_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
     del trainer
     if resume:
         checkpoint = output_dir / "run" / "checkpoint-1"
-        resumed = _train(cell, output_dir / "run", vllm, save_strategy="no",
+        again = [out for step, out in sampled if step >= 1] if sampled else None  # drawn after checkpoint-1
+        resumed = _train(cell, output_dir / "run", vllm, again, save_strategy="no",
                          resume_from_checkpoint=str(checkpoint))
         record["resume_diff"] = _largest_difference(after, resumed[2])
         record["resumed_steps"] = resumed[0].state.global_step
         del resumed
     if cell["padding_free"] == "on":
-        twin = _train(cell, output_dir / "padded", vllm, padding_free=False)
+        twin = _train(cell, output_dir / "padded", vllm, [out for _, out in sampled] if sampled else None,
+                      padding_free=False)
         record["twin_diff"] = _largest_difference(after, twin[2])
         del twin
     return record

@@ -1,6 +1,6 @@
 """What every cell of the combination matrix must show (`check_trained`, `check_refused`), and the launch of a
 process layout's cells (`launch`): shared by tests/matrix/test_matrix.py and the vLLM stage's
-tests/vllm_integration/matrix_vllm_rows.py, not collected yet."""
+tests/vllm_integration/test_matrix_vllm.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The combination matrix of issue 38 on CPU (the vLLM rows, tests/vllm_integration/matrix_vllm_rows.py, are not
-collected yet): every pair of levels of `factors.FACTORS` not refused together is in
+"""The combination matrix of issue 38 on CPU (the vLLM rows: tests/vllm_integration/test_matrix_vllm.py, in the
+real-vLLM stage): every pair of levels of `factors.FACTORS` not refused together is in
 some row (`covering.covering_rows`, greedy and deterministic); each row trains 2 steps on a tiny model and must show
 finite losses, weights that moved, equal weights on every process, a resumed run equal to the straight run
 (resume cells), a packed run equal to its padded twin (packed cells), async staleness within its bound, and

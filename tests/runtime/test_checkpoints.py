@@ -270,3 +270,31 @@ def test_disk_full_during_a_save(small_disk, tokenizer, toy_dataset):
     resumed = make_trainer(small_disk, tokenizer, toy_dataset, max_steps=3)  # the space came back
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
+
+
+def test_a_stateless_optimizer_checkpoint_is_restored_by_its_groups_hyperparameters(tmp_path):
+    """`load_param_groups_only` (the FSDP2 resume of an optimizer without per-parameter state): the saved SGD's
+    groups carry lr 0.05 and momentum 0, the new optimizer's lr 0.1 becomes 0.05 (its params untouched); a
+    checkpoint with state tensors (Adam's exp_avg) is left to the Trainer (False, nothing changed)."""
+    weight = torch.nn.Parameter(torch.ones(2))
+    torch.save({"state": {}, "param_groups": [{"lr": 0.05, "momentum": 0, "initial_lr": 0.1,
+                                               "params": ["model.weight"]}]}, tmp_path / "optimizer.bin")
+    sgd = torch.optim.SGD([weight], lr=0.1)
+    assert checkpoints.load_param_groups_only(sgd, str(tmp_path))
+    assert sgd.param_groups[0]["lr"] == 0.05 and sgd.param_groups[0]["initial_lr"] == 0.1
+    assert sgd.param_groups[0]["params"] == [weight]
+
+    torch.save({"state": {"model.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)}},
+                "param_groups": [{"lr": 0.05, "params": ["model.weight"]}]}, tmp_path / "optimizer.bin")
+    adam = torch.optim.Adam([weight], lr=0.1)
+    assert not checkpoints.load_param_groups_only(adam, str(tmp_path))
+    assert adam.param_groups[0]["lr"] == 0.1
+    assert not checkpoints.load_param_groups_only(sgd, str(tmp_path / "missing"))  # no optimizer.bin: Trainer's
+
+
+def test_a_stateless_optimizer_checkpoint_with_other_groups_is_refused_by_name(tmp_path):
+    torch.save({"state": {}, "param_groups": [{"lr": 0.05, "params": []}, {"lr": 0.05, "params": []}]},
+               tmp_path / "optimizer.bin")
+    with pytest.raises(ValueError, match="2 parameter groups, this run's has 1"):
+        checkpoints.load_param_groups_only(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+                                           str(tmp_path))

@@ -178,6 +178,7 @@ class ColocateEngine:
             self.weights_asleep = False
         unreached = self.llm.collective_rpc("grpo_reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()  # image embeddings cached under the old weights are stale
         return unreached[0]
 
     def inspect(self, method: str, *args: str) -> object:

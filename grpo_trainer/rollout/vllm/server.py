@@ -233,6 +233,10 @@ class ServerWeights:
                 unreached = answer["results"][0]
         if self.client is not None:
             self.client._post("/reset_prefix_cache")
+            # image embeddings cached under the old weights are stale; vLLM 0.32's reload also empties the worker's
+            # encoder cache but not the scheduler's record of it, so a repeated image then fails the whole engine
+            # ("Encoder cache miss"): reset both (the matrix's DDP server row with image prompts found it)
+            self.client._post("/reset_encoder_cache")
         return unreached
 
 

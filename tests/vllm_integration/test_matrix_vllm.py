@@ -1,17 +1,15 @@
-"""The vLLM rows of the combination matrix (tests/matrix: factors, generator and checks). NOT collected yet (the file
-name has no `test_` prefix): their first run, in the clean-clone run of 2026-11-28, failed, and the real-vLLM stage
-must pass for a submission to land. Seen there: FSDP2 rows resuming with vLLM colocated fail in transformers'
-`load_fsdp_optimizer` ("Expected device to be set", torch's `set_optimizer_state_dict`, in vLLM's environment
-at transformers 5.19), and two rows skip, which the stage counts as failures. Run them by hand with
-`.venv-vllm/bin/python -m pytest tests/vllm_integration/matrix_vllm_rows.py`; rename to `test_matrix_vllm.py` once
-they pass.
+"""The vLLM rows of the combination matrix (tests/matrix: factors, generator and checks), run in the real-vLLM stage
+(scripts/test_vllm.sh, in .venv-vllm).
 
 Each row trains 2 steps with vLLM colocated or against a server and shows what a CPU row shows
-(`tests.matrix.test_matrix.check_trained`): finite losses, moved weights, equal weights on every process, resume
+(`tests.matrix.checks.check_trained`): finite losses, moved weights, equal weights on every process, resume
 equal to the straight run, the packed run equal to its padded twin, async staleness within its bound, resampling
 that kept informative groups. The refused rows (a server with several training processes and async_rollouts)
-must stop before the model loads, naming both settings. Text rows use the tiny model the session's server serves;
-image rows the tiny Idefics3 (TRL's placeholder format) and a server of their own."""
+must stop before the model loads, naming both settings. Text rows start from the tiny model the session's server
+serves, image rows from the tiny Idefics3 (TRL's placeholder format); the server rows get servers of their own
+(module fixtures), because training pushes its weights to the server it uses: on the session's server they would
+change what the other real-vLLM tests generate after them. A server samples from one unseeded random state, so a
+server row's resumed run and padded twin replay the straight run's rollouts (`cell_run._sampled`)."""
 
 from __future__ import annotations
 
@@ -27,6 +25,15 @@ pytestmark = pytest.mark.matrix
 
 ROWS = [row for row in factors.rows() if factors.uses_vllm(row)]
 REFUSED = [row for row in factors.refusal_cells() if factors.uses_vllm(row)]
+
+
+@pytest.fixture(scope="module")
+def text_server(served_model, tmp_path_factory):
+    """`grpo-train vllm-serve` serving a copy of the session's tiny model: the rows push their trained weights to
+    it, so the session's `vllm_server` keeps the weights the other tests expect."""
+    folder = tmp_path_factory.mktemp("matrix_text")
+    with served(served_model, folder / "server.log", "--gpu_memory_utilization", "0.2") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,7 @@ def launched(request, tmp_path_factory):
 
     def urls() -> dict:
         kinds = {r["prompts"] for r in ROWS + REFUSED if r["backend"] == "vllm_server"}
-        return {kind: request.getfixturevalue("vllm_server" if kind == "text" else "image_server") for kind in kinds}
+        return {kind: request.getfixturevalue(f"{kind}_server") for kind in kinds}
 
     def result(row: dict) -> dict:
         layout = row["processes"]
