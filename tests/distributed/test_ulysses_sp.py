@@ -1,6 +1,7 @@
 """DeepSpeed's Ulysses sequence parallelism (ALST) runs on CPU over gloo and is exact (see ulysses_run.py).
 
-This is the engine alone, on a tiny Qwen2: GRPO does not wire it in yet and refuses sp_size > 1
+This is the engine, on a tiny Qwen2, and GRPO's sequence-parallel layout over it
+(grpo_trainer/modeling/sequence_parallel.py); GRPO's trainer does not wire it in yet and refuses sp_size > 1
 (grpo_trainer/config/checks.py; docs/DISTRIBUTED.md, "Sequence and context parallelism", says why).
 """
 
@@ -47,3 +48,12 @@ def test_ulysses_attention_on_two_cpu_processes_equals_the_unsharded_model(tmp_p
     for r in ranks:
         assert r["padded_logp_diff"]["left_padded"] > 1e-2
         assert r["padded_logp_diff"]["left_aligned"] <= 1e-5
+    # GRPO's layout through grpo_trainer.modeling.sequence_parallel: a left-padded 11-column micro-batch (5 prompt,
+    # 6 completion columns) left-aligned and padded to 12, 6 positions per process, gathered back differentiably:
+    # the 12 completion log-probs equal the padded, masked forward's and the group's gradient of a weighted sum of
+    # them (each process's, summed) equals the unsharded one.
+    for r in ranks:
+        layout = r["grpo_layout"]
+        assert (layout["width"], layout["real_tokens"]) == (12, 12)
+        assert layout["logp_diff"] <= 1e-5 and layout["logp_scale"] > 1.0
+        assert layout["grad_diff"] <= 1e-5 and layout["grad_scale"] > 0.1
