@@ -9,7 +9,9 @@ BEFORE sharding, so the last position of the first half is scored against the fi
 ALST's UlyssesSPDataLoaderAdapter does), and the per-token log-probs are gathered across the group; the gradient of
 the group's token sum is each process's local sum backpropagated, then summed over the group.
 
-Not wired into the trainer: this only shows the engine runs here (see docs/LONG.md, "Sequence parallelism").
+Then GRPO's layout (grpo_trainer/modeling/sequence_parallel.py) over the same engine: a left-padded micro-batch
+left-aligned, sliced, scored and gathered back against the padded, masked forward. Not wired into the trainer (see
+docs/DISTRIBUTED.md, "Sequence and context parallelism").
 """
 
 from __future__ import annotations
