@@ -26,13 +26,16 @@ Shapes: `B` rows, `S` prompt and `T` completion columns, `L = S + T`, `W` the pa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width"]
+__all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width",
+           "sharded_completion_logps", "ulysses_attention"]
 
 
 def leading_pads(attention_mask: Tensor) -> Tensor:
@@ -117,3 +120,61 @@ def gather_positions(local: Tensor, group=None) -> Tensor:
     if size == 1:
         return local
     return _GatherPositions.apply(local, group, torch_dist.get_rank(group), size)
+
+
+# (group, rows) -> DeepSpeed's Ulysses attention for micro-batches of that many rows (its shapes are fixed per
+# instance; building one registers its group with the all-to-all operator, so each is built once).
+_ulysses: dict[tuple[int, int], object] = {}
+
+
+@contextlib.contextmanager
+def ulysses_attention(model: nn.Module, group, rows: int, core: str = "sdpa") -> Iterator[None]:
+    """Within: transformers' `core` attention function runs as DeepSpeed Ulysses over `group` (each process its
+    slice of positions, all heads' full sequence after the all-to-all) for micro-batches of `rows` rows, without an
+    attention mask (plain causal: the rows must be left-aligned, `SequenceShard`). Outside: the plain function, so
+    generation and other forwards are untouched. The backward needs no registry (the exchanges are autograd
+    functions), but a recomputed forward (gradient checkpointing) would run outside: the caller refuses that."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = causal_config(model)
+    key = (id(group), rows)
+    if key not in _ulysses:
+        _ulysses[key] = UlyssesSPAttentionHF(
+            attn=ALL_ATTENTION_FUNCTIONS[core], batch_size=rows, attn_head_count=config.num_attention_heads,
+            attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
+            process_group=group, seq_length_is_variable=True)
+    attention = _ulysses[key]
+
+    def sharded(module, query, key, value, attention_mask, *args, **kwargs):
+        return attention(module, query, key, value, None, *args, **kwargs)  # the mask is the local slice's: dropped
+
+    plain = ALL_ATTENTION_FUNCTIONS[core]
+    ALL_ATTENTION_FUNCTIONS[core] = sharded
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS[core] = plain
+
+
+def causal_config(model: nn.Module):
+    """The text config of `model` (a wrapper's inner model's)."""
+    inner = getattr(model, "module", model)
+    return inner.config.get_text_config()
+
+
+def sharded_completion_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
+                             group=None, temperature: float = 1.0, pad_token_id: int = 0) -> Tensor:
+    """`[B, T]` log-probs of the last `completion_length` tokens of `input_ids` `[B, S+T]` (left-padded prompts,
+    right-padded completions), the forward split along positions over `group` with Ulysses attention. Every process
+    of the group must call it with the same rows; each gets the same result, differentiable through its own
+    positions (`gather_positions`). Values at padding positions are not meaningful (a loss masks them)."""
+    rank, size = torch_dist.get_rank(group), torch_dist.get_world_size(group)
+    shard = SequenceShard.of(input_ids, attention_mask, input_ids.shape[1] - completion_length, rank, size,
+                             pad_token_id)
+    with ulysses_attention(model, group, input_ids.shape[0]):
+        logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False).logits
+    logits = logits.float() / temperature  # [B, W / sp, V]
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, shard.labels.unsqueeze(-1)).squeeze(-1)  # [B, W / sp]
+    return shard.completion(gather_positions(logps, group))
