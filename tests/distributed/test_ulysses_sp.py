@@ -1,8 +1,8 @@
 """DeepSpeed's Ulysses sequence parallelism (ALST) runs on CPU over gloo and is exact (see ulysses_run.py).
 
 This is the engine, on a tiny Qwen2, and GRPO's sequence-parallel layout over it
-(grpo_trainer/modeling/sequence_parallel.py); GRPO's trainer does not wire it in yet and refuses sp_size > 1
-(grpo_trainer/config/checks.py; docs/DISTRIBUTED.md, "Sequence and context parallelism", says why).
+(grpo_trainer/modeling/sequence_parallel.py); the trainer's runs with sp_size=2 are in test_multiprocess.py (modes
+ddp_sp, ddp_sp_grpo); docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses)".
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ BEFORE sharding, so the last position of the first half is scored against the fi
 ALST's UlyssesSPDataLoaderAdapter does), and the per-token log-probs are gathered across the group; the gradient of
 the group's token sum is each process's local sum backpropagated, then summed over the group.
 
-Not wired into the trainer: this only shows the engine runs here (see docs/LONG.md, "Sequence parallelism").
+Then GRPO's layout (grpo_trainer/modeling/sequence_parallel.py) over the same engine: a left-padded micro-batch
+left-aligned, sliced, scored and gathered back against the padded, masked forward, and the trainer's scoring call
+(`sharded_scores`) the same way; docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses)".
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from accelerate import Accelerator
 from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
 
 from grpo_trainer.modeling.logprobs import completion_logprobs
-from grpo_trainer.modeling.sequence_parallel import SequenceShard, gather_positions, sharded_completion_logps
+from grpo_trainer.modeling.sequence_parallel import SequenceShard, deactivate, gather_positions, install, sharded_scores
 
 B, S, VOCAB = 2, 12, 97  # B sequences of S positions; S/2 per process
 
@@ -100,13 +102,15 @@ def main() -> None:
         alone = _token_logps(model, ids[:, local], positions[:, local], labels[:, local])
     alone_diff = (alone - reference_logps[:, local]).abs().max().item()
 
-    # The trainer's scoring call (sharded_completion_logps): Ulysses installed only around the forward, over the
+    # The trainer's scoring call (sharded_scores): Ulysses installed only around the forward, over the
     # whole world group, for the 2-row micro-batch and then a 1-row one (row counts vary between micro-batches).
     scorer = {}
+    install(model)
     for rows in (slice(0, 2), slice(1, 2)):
         model.zero_grad(set_to_none=True)
-        scored = sharded_completion_logps(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD)
+        scored = sharded_scores(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD).logps
         (scored * grpo_weights[rows]).sum().backward()
+        deactivate()
         for parameter in model.parameters():
             torch_dist.all_reduce(parameter.grad)
         if rows.start == 0:
