@@ -27,12 +27,14 @@ Shapes: `B` rows, `S` prompt and `T` completion columns, `L = S + T`, `W` the pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as torch_dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width"]
+__all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width",
+           "ShardedScores", "activate", "deactivate", "install", "sharded_forwards", "sharded_scores"]
 
 
 def leading_pads(attention_mask: Tensor) -> Tensor:
@@ -117,3 +119,88 @@ def gather_positions(local: Tensor, group=None) -> Tensor:
     if size == 1:
         return local
     return _GatherPositions.apply(local, group, torch_dist.get_rank(group), size)
+
+
+# The group whose Ulysses attention transformers' attention function runs as, while a sharded forward is active
+# (None: the plain function). It stays set from a sharded policy forward through its backward, so a forward that
+# gradient checkpointing recomputes in the backward shards the same way; `deactivate` ends it before any other
+# forward (generation, the old and reference log-probs).
+_state: dict = {"group": None, "instances": {}, "installed": set(), "forwards": 0}
+
+
+def sharded_forwards() -> int:
+    """How many sharded forwards this process ran (`sharded_scores`), for tests and logs."""
+    return _state["forwards"]
+
+
+def install(model: nn.Module, core: str = "sdpa") -> None:
+    """Route transformers' `core` attention function through a switch: DeepSpeed's Ulysses attention (one instance
+    per group and row count: its shapes are fixed per instance) while `activate`d, else the plain function.
+    Ulysses takes no attention mask (plain causal: rows must be left-aligned, `SequenceShard`)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if core in _state["installed"]:
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=torch_dist.get_backend())  # its comm layer wraps the running group
+    config = causal_config(model)
+    plain = ALL_ATTENTION_FUNCTIONS[core]
+
+    def switched(module, query, key, value, attention_mask, *args, **kwargs):
+        group = _state["group"]
+        if group is None:
+            return plain(module, query, key, value, attention_mask, *args, **kwargs)
+        rows = query.shape[0]
+        instance = _state["instances"].get((id(group), rows))
+        if instance is None:
+            instance = _state["instances"][(id(group), rows)] = UlyssesSPAttentionHF(
+                attn=plain, batch_size=rows, attn_head_count=config.num_attention_heads,
+                attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
+                process_group=group, seq_length_is_variable=True)
+        return instance(module, query, key, value, None, *args, **kwargs)  # the local slice's mask: dropped
+
+    ALL_ATTENTION_FUNCTIONS[core] = switched
+    _state["installed"].add(core)
+
+
+def activate(group) -> None:
+    _state["group"] = group
+
+
+def deactivate() -> None:
+    _state["group"] = None
+
+
+def causal_config(model: nn.Module):
+    """The text config of `model` (a wrapper's inner model's)."""
+    inner = getattr(model, "module", model)
+    return inner.config.get_text_config()
+
+
+class ShardedScores(NamedTuple):
+    logps: Tensor  # [B, T]
+    entropy: Tensor  # [B, T]
+
+
+def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
+                   group=None, temperature: float = 1.0, pad_token_id: int = 0) -> ShardedScores:
+    """Log-probs and entropies `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`
+    (left-padded prompts, right-padded completions), the forward split along positions over `group` with Ulysses
+    attention (`install` first). Every process of the group must call it with the same rows; each gets the same
+    result, differentiable through its own positions (`gather_positions`). The attention stays sharded until
+    `deactivate` (its backward may recompute it). Values at padding positions are not meaningful (a loss masks
+    them)."""
+    rank, size = torch_dist.get_rank(group), torch_dist.get_world_size(group)
+    shard = SequenceShard.of(input_ids, attention_mask, input_ids.shape[1] - completion_length, rank, size,
+                             pad_token_id)
+    activate(group if group is not None else torch_dist.group.WORLD)
+    _state["forwards"] += 1
+    logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False).logits
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, W / sp, V]
+    logps = logp_all.gather(-1, shard.labels.unsqueeze(-1)).squeeze(-1)  # [B, W / sp]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, W / sp]
+    return ShardedScores(shard.completion(gather_positions(logps, group)),
+                         shard.completion(gather_positions(entropy, group)))

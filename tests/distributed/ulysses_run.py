@@ -10,8 +10,8 @@ ALST's UlyssesSPDataLoaderAdapter does), and the per-token log-probs are gathere
 the group's token sum is each process's local sum backpropagated, then summed over the group.
 
 Then GRPO's layout (grpo_trainer/modeling/sequence_parallel.py) over the same engine: a left-padded micro-batch
-left-aligned, sliced, scored and gathered back against the padded, masked forward. Not wired into the trainer (see
-docs/DISTRIBUTED.md, "Sequence and context parallelism").
+left-aligned, sliced, scored and gathered back against the padded, masked forward, and the trainer's scoring call
+(`sharded_scores`) the same way; docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses)".
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
 
 from grpo_trainer.modeling.logprobs import completion_logprobs
-from grpo_trainer.modeling.sequence_parallel import SequenceShard, gather_positions
+from grpo_trainer.modeling.sequence_parallel import SequenceShard, deactivate, gather_positions, install, sharded_scores
 
 B, S, VOCAB = 2, 12, 97  # B sequences of S positions; S/2 per process
 
@@ -102,6 +102,27 @@ def main() -> None:
         alone = _token_logps(model, ids[:, local], positions[:, local], labels[:, local])
     alone_diff = (alone - reference_logps[:, local]).abs().max().item()
 
+    # The trainer's scoring call (sharded_scores): Ulysses installed only around the forward, over the
+    # whole world group, for the 2-row micro-batch and then a 1-row one (row counts vary between micro-batches).
+    scorer = {}
+    install(model)
+    for rows in (slice(0, 2), slice(1, 2)):
+        model.zero_grad(set_to_none=True)
+        scored = sharded_scores(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD).logps
+        (scored * grpo_weights[rows]).sum().backward()
+        deactivate()
+        for parameter in model.parameters():
+            torch_dist.all_reduce(parameter.grad)
+        if rows.start == 0:
+            scorer = {"logp_diff": (scored - reference_grpo).abs().max().item(),
+                      "grad_diff": max((p.grad - reference_grpo_grads[n]).abs().max().item()
+                                       for n, p in model.named_parameters())}
+        else:
+            with torch.no_grad():
+                plain_row = completion_logprobs(model, grpo_ids[rows], grpo_mask[rows], completion_length=6).logps
+            scorer["one_row_logp_diff"] = (scored - plain_row).abs().max().item()
+    model.zero_grad(set_to_none=True)
+
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=world,
         micro_batch_size=B, seq_length_is_variable=True)
@@ -146,7 +167,7 @@ def main() -> None:
               "local_positions": S // world, "logp_max_diff": (sharded_logps - reference_logps).abs().max().item(),
               "logp_scale": reference_logps.abs().max().item(), "grad_max_diff": grad_diff, "grad_scale": grad_scale,
               "alone_logp_diff": alone_diff, "padded_logp_diff": layout_diffs,
-              "grads_nonzero": grads_nonzero, "grpo_layout": grpo_layout}
+              "grads_nonzero": grads_nonzero, "grpo_layout": grpo_layout, "scorer": scorer}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     leave_cleanly()
 
