@@ -120,6 +120,8 @@ class GRPOTrainer(Trainer):
         backend = rollout.select(typed.backend_choice(args))
         setup.check_processor_setup(args, processing_class)
         backend.check_model(model, args.trust_remote_code)
+        setup.check_sequence_parallel(args, processing_class,
+                                      multi_turn=bool(tools or environments is not None or rollout_func))
         self._multi_turn = setup.multi_turn_of(processing_class, args, tools, environments, rollout_func,
                                                backend.capabilities.multi_turn)
         # TRL's attributes: every tool, the rollout_func, each environment's tools and pool

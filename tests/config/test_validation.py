@@ -225,6 +225,28 @@ def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_
         assert f"does not combine with {what}" in message and fix in message, message
 
 
+def test_sequence_parallelism_refuses_multi_turn_before_loading(args, tokenizer, monkeypatch):
+    """Tools (a multi-turn rollout) with sp_size=2 on 2 processes: refused by the trainer by name, before the model
+    (an id never downloaded) is loaded."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 2))
+    args.parallelism_config, args.padding_free = ParallelismConfig(sp_size=2), False
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: first.
+            b: second.
+        """
+        return a + b
+
+    with pytest.raises(ValueError, match=r"sp_size=2 \(DeepSpeed Ulysses sequence parallelism\) is untested with "
+                                         r"multi-turn rollouts"):
+        make(args, tokenizer, tools=[add])
+
+
 @pytest.mark.parametrize("field, engine", [("cp_size", "torch context parallelism")])
 def test_sequence_and_context_parallelism_are_refused_before_loading(args, tokenizer, field, engine):
     """Not wired into GRPO (docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses), and context
