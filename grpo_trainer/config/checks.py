@@ -178,6 +178,13 @@ def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
         (args.padding_free, "padding_free=True (the sharded forward runs the padded, left-aligned layout)",
          "set padding_free=False"),
         (args.use_vllm, "use_vllm=True (untested)", "set use_vllm=False"),
+        (args.top_k > 0 or args.top_p < 1.0 or args.min_p is not None,
+         "truncated sampling (top_k / top_p / min_p: the sharded forward scores over the full softmax, not the "
+         "kept supports)", "set top_k=0, top_p=1.0, min_p=None"),
+        (args.mlp_tile_tokens > 0, f"mlp_tile_tokens={args.mlp_tile_tokens} (the sharded forward does not tile)",
+         "set mlp_tile_tokens=0"),
+        (args.routing_replay == "on", "routing_replay='on' (the sharded forward does not replay routes)",
+         "set routing_replay='off'"),
         (args.async_rollouts > 0, f"async_rollouts={args.async_rollouts} (untested)", "set async_rollouts=0"),
         (getattr(args, "deepspeed", None) is not None or bool(getattr(args, "fsdp", None)),
          "DeepSpeed or FSDP (only DDP is wired)", "launch with accelerate_configs/cpu/ddp_sp.yaml"),
