@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.algorithms.truncation import Truncation
-from grpo_trainer.modeling import forwards
+from grpo_trainer.modeling import forwards, sequence_parallel
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.routing import ReplayStats
 from grpo_trainer.modeling.support import KeptSupport
@@ -79,6 +79,7 @@ class PolicyScorer:
 
     def __init__(self, settings: ScoringSettings, schedule: Schedule, ref_model: nn.Module | None) -> None:
         self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
+        self.sp_group = None  # a sequence-parallel group: the policy's training forward is sharded over it
         self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
                                                 settings.pad_to_multiple_of, settings.mlp_tile_tokens)
 
@@ -103,6 +104,10 @@ class PolicyScorer:
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
+        if policy and self.sp_group is not None and model.training:  # every process its slice of positions
+            scores = sequence_parallel.sharded_scores(model, input_ids, attention_mask, width, self.sp_group,
+                                                      self.settings.temperature)
+            return LogProbs(scores.logps, scores.entropy)
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         known = inputs.sampler.stand_ins if policy else (None,) * 3
         replayed = inputs.sampler.replay.layer_outputs if policy and model.training else None

@@ -201,10 +201,58 @@ def test_advisories(overrides, expected):
     assert messages == [] if expected is None else (len(messages) == 1 and expected in messages[0])
 
 
-@pytest.mark.parametrize("field, engine", [("sp_size", "DeepSpeed Ulysses sequence parallelism"),
-                                           ("cp_size", "torch context parallelism")])
+def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_combine(monkeypatch):
+    """sp_size=2 (docs/DISTRIBUTED.md, "Sequence parallelism"; trained in tests/distributed/test_multiprocess.py's
+    ddp_sp modes) is accepted on 2 processes with padding_free=False; each combination it is not wired or tested
+    with is refused by name, with its fix."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    def config(processes: int, **overrides) -> GRPOConfig:
+        monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: processes))
+        return GRPOConfig(**{**BASE, "parallelism_config": ParallelismConfig(sp_size=2), "padding_free": False,
+                             **overrides})
+
+    assert config(2).parallelism_config.sp_size == 2
+    for processes, overrides, what, fix in [
+            (1, {}, "1 processes (only one group, of all processes, is wired)", "launch 2 processes"),
+            (2, {"padding_free": True}, "padding_free=True", "set padding_free=False"),
+            (2, {"loss_type": "bnpo"}, "loss_type='bnpo'", "use loss_type='dapo' or 'grpo'"),
+            (2, {"async_rollouts": 1}, "async_rollouts=1 (untested)", "set async_rollouts=0"),
+            (2, {"top_k": 5}, "truncated sampling", "set top_k=0, top_p=1.0, min_p=None"),
+            (2, {"mlp_tile_tokens": 64}, "mlp_tile_tokens=64", "set mlp_tile_tokens=0")]:
+        with pytest.raises(ValueError) as error:
+            config(processes, **overrides)
+        message = str(error.value)
+        assert "parallelism_config sp_size=2 (DeepSpeed Ulysses sequence parallelism" in message
+        assert f"does not combine with {what}" in message and fix in message, message
+
+
+def test_sequence_parallelism_refuses_multi_turn_before_loading(args, tokenizer, monkeypatch):
+    """Tools (a multi-turn rollout) with sp_size=2 on 2 processes: refused by the trainer by name, before the model
+    (an id never downloaded) is loaded."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 2))
+    args.parallelism_config, args.padding_free = ParallelismConfig(sp_size=2), False
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: first.
+            b: second.
+        """
+        return a + b
+
+    with pytest.raises(ValueError, match=r"sp_size=2 \(DeepSpeed Ulysses sequence parallelism\) is untested with "
+                                         r"multi-turn rollouts"):
+        make(args, tokenizer, tools=[add])
+
+
+@pytest.mark.parametrize("field, engine", [("cp_size", "torch context parallelism")])
 def test_sequence_and_context_parallelism_are_refused_before_loading(args, tokenizer, field, engine):
-    """Not wired into GRPO (docs/DISTRIBUTED.md, "Sequence and context parallelism"): refused by the config, and by
+    """Not wired into GRPO (docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses), and context
+    parallelism: refused"): refused by the config, and by
     the trainer for a config changed after it was built, before the model (an id never downloaded) is loaded; the
     message names the field, the reason, and what fits a longer completion instead."""
     from accelerate.parallelism_config import ParallelismConfig

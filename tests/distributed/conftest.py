@@ -54,11 +54,21 @@ MODES = {
     "fsdp2": Mode("fsdp2.yaml", "FSDP", "FSDPModule", env=CPU),
     "lora_ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--lora",), env=CPU, lora=True),
     # padding_free: packed log-prob forwards (the 1-process reference runs padded).
+    # Sequence parallelism: each process scores half of every sequence's positions of both processes' rows.
+    "ddp_sp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--sequence-parallel",), env=CPU),
     "ddp_packed": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--padding-free",), env=CPU),
     "zero2_packed": Mode("deepspeed_zero2.yaml", "DEEPSPEED", "DeepSpeedEngine",
                          ("--ddp-backend", "gloo", "--padding-free")),
     "zero3_packed": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
                          ("--ddp-backend", "gloo", "--no-ds3-gather", "--padding-free")),
+}
+
+# Launched only by the tests that name them (not in the tests parametrized over MODES): loss_type='grpo' under SGD
+# (lr 0.1), with and without sequence parallelism, compared with each other (the 1-process reference runs dapo).
+EXTRA_MODES = {
+    "ddp_grpo": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--loss-type", "grpo", "--sgd"), env=CPU),
+    "ddp_sp_grpo": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel",
+                        ("--loss-type", "grpo", "--sgd", "--sequence-parallel"), env=CPU),
 }
 
 
@@ -104,7 +114,7 @@ def run_mode(model_dir, tmp_path_factory):
     cache: dict[str, tuple[dict, Path] | str] = {}  # a failed launch is kept as its message: no relaunch
 
     def run(name: str) -> tuple[dict, Path]:
-        mode = MODES[name]
+        mode = {**MODES, **EXTRA_MODES}[name]
         if "deepspeed" in mode.config and importlib.util.find_spec("deepspeed") is None:
             pytest.skip("deepspeed is not installed (pip install '.[deepspeed]')")
         if name not in cache:

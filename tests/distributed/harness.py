@@ -203,14 +203,23 @@ def _count_packed_forwards() -> list[int]:
     return count
 
 
+def _sequence_parallel(processes: int) -> dict:
+    """Every process one slice of each sequence's positions (DeepSpeed Ulysses), the group being all processes."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return {"parallelism_config": ParallelismConfig(sp_size=processes, sp_backend="deepspeed")}
+
+
 def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
         ds3_gather: bool = True, per_device_batch: int | None = None, padding_free: bool = False,
-        logprob_chunk_size: int = 1024) -> dict:
+        logprob_chunk_size: int = 1024, sequence_parallel: bool = False, loss_type: str = "dapo",
+        sgd: bool = False) -> dict:
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from transformers import set_seed
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
+    from grpo_trainer.modeling.sequence_parallel import sharded_forwards
     from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
     from tests.helpers import make_args, make_trainer
 
@@ -221,11 +230,14 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         out_dir / "run",
         per_device_train_batch_size=per_device_batch or ROUND_ROWS // (processes * ACCUMULATION),
         gradient_accumulation_steps=ACCUMULATION, num_generations=G, max_completion_length=MAX_COMPLETION,
-        max_steps=STEPS, learning_rate=1e-2 if lora else 1e-3, beta=0.04, reward_weights=[1.0, 0.5, 0.0],
+        max_steps=STEPS, learning_rate=0.1 if sgd else 1e-2 if lora else 1e-3, beta=0.04,
+        reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
         seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
         # RowSeededSampling stands in for generate_rollout (model.generate)
-        generation_backend="generate", padding_free=padding_free, logprob_chunk_size=logprob_chunk_size)
+        generation_backend="generate", padding_free=padding_free, logprob_chunk_size=logprob_chunk_size,
+        loss_type=loss_type, **_sequence_parallel(processes) if sequence_parallel else {},
+        **{"optim": "sgd"} if sgd else {})  # SGD: a gradient's scale shows in the weights
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -264,7 +276,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     reward_model = trainer.reward_funcs[1].model
     mine = {"rank": state.process_index, "rounds": recorder.rounds, "flushes": flushes, "local_metrics": local_metrics,
             "digest": parameter_digest(params), "sharding": sharding, "probe": probe,
-            "packed_forwards": packed_forwards[0]}
+            "packed_forwards": packed_forwards[0], "sharded_forwards": sharded_forwards()}
     every = gather_object([mine])
     if state.is_main_process:
         torch.save(params, out_dir / "params.pt")
@@ -296,6 +308,9 @@ def main() -> None:
     parser.add_argument("--per-device-batch", type=int, default=None)
     parser.add_argument("--padding-free", action="store_true")
     parser.add_argument("--logprob-chunk-size", type=int, default=1024)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument("--sgd", action="store_true")
     cli = parser.parse_args()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
         # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (2-3 min on 2 cores) the
@@ -304,7 +319,8 @@ def main() -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
-        per_device_batch=cli.per_device_batch, padding_free=cli.padding_free, logprob_chunk_size=cli.logprob_chunk_size)
+        per_device_batch=cli.per_device_batch, padding_free=cli.padding_free, logprob_chunk_size=cli.logprob_chunk_size,
+        sequence_parallel=cli.sequence_parallel, loss_type=cli.loss_type, sgd=cli.sgd)
     leave_cleanly()
 
 

@@ -115,7 +115,11 @@ def test_logged_metrics_are_global(name, run_mode, run_reference):
     for log, local0, local1 in zip(logs, rank0["local_metrics"], rank1["local_metrics"]):
         for key in ("entropy", "kl"):
             assert log[key] == pytest.approx((local0[key] + local1[key]) / 2, abs=1e-6), key
-    assert any(a["entropy"] != b["entropy"] for a, b in zip(rank0["local_metrics"], rank1["local_metrics"]))
+    pairs = list(zip(rank0["local_metrics"], rank1["local_metrics"]))
+    if name == "ddp_sp":  # both processes score the group's rows (each its half of the positions): same metrics
+        assert all(a["entropy"] == pytest.approx(b["entropy"], abs=1e-6) for a, b in pairs)
+    else:
+        assert any(a["entropy"] != b["entropy"] for a, b in pairs)
 
 
 @pytest.mark.parametrize("name", MODES)
@@ -199,6 +203,28 @@ def test_packed_modes_ran_packed_forwards_on_every_process(name, run_mode):
         assert counts == [0, 0]
     else:
         assert all(count >= 2 * 2 + 2 for count in counts), counts
+
+
+def test_sequence_parallel_mode_sharded_every_policy_forward(run_mode):
+    """sp_size=2: every micro-step's policy forward (3 steps x 2 micro-steps) ran sharded on both processes, each
+    scoring its half of the positions of both processes' rows (gathered), while the weights match the unsharded
+    1-process run (test_weights_match_single_process_run[ddp_sp]); the other modes ran none."""
+    result, _ = run_mode("ddp_sp")
+    assert [rank["sharded_forwards"] for rank in result["ranks"]] == [3 * 2, 3 * 2]
+    assert [rank["sharded_forwards"] for rank in run_mode("ddp")[0]["ranks"]] == [0, 0]
+
+
+def test_sequence_parallel_grpo_loss_matches_ddp(run_mode, model_dir):
+    """loss_type='grpo' (a mean over rows, so the group's loss is multiplied by sp_size against DDP's mean:
+    `algorithms.losses.sequence_parallel_scale`): under SGD, where a gradient's scale shows in the weights (without
+    the factor each step would move them half as far), the weights after 3 steps with sp_size=2 equal the
+    2-process DDP run's without it, and training moved them."""
+    sp, ddp = (_params(run_mode(name)[1]) for name in ("ddp_sp_grpo", "ddp_grpo"))
+    assert _max_diff(sp, ddp) < PARAM_TOL
+    from safetensors.torch import load_file
+
+    initial = load_file(model_dir / "policy" / "model.safetensors")
+    assert max((ddp[k] - initial[k]).abs().max().item() for k in initial) > 100 * PARAM_TOL
 
 
 def test_backends_agree_with_each_other(run_mode):

@@ -1,7 +1,8 @@
 """DeepSpeed's Ulysses sequence parallelism (ALST) runs on CPU over gloo and is exact (see ulysses_run.py).
 
-This is the engine alone, on a tiny Qwen2: GRPO does not wire it in yet and refuses sp_size > 1
-(grpo_trainer/config/checks.py; docs/DISTRIBUTED.md, "Sequence and context parallelism", says why).
+This is the engine, on a tiny Qwen2, and GRPO's sequence-parallel layout over it
+(grpo_trainer/modeling/sequence_parallel.py); the trainer's runs with sp_size=2 are in test_multiprocess.py (modes
+ddp_sp, ddp_sp_grpo); docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses)".
 """
 
 from __future__ import annotations
@@ -47,3 +48,18 @@ def test_ulysses_attention_on_two_cpu_processes_equals_the_unsharded_model(tmp_p
     for r in ranks:
         assert r["padded_logp_diff"]["left_padded"] > 1e-2
         assert r["padded_logp_diff"]["left_aligned"] <= 1e-5
+    # GRPO's layout through grpo_trainer.modeling.sequence_parallel: a left-padded 11-column micro-batch (5 prompt,
+    # 6 completion columns) left-aligned and padded to 12, 6 positions per process, gathered back differentiably:
+    # the 12 completion log-probs equal the padded, masked forward's and the group's gradient of a weighted sum of
+    # them (each process's, summed) equals the unsharded one.
+    for r in ranks:
+        layout = r["grpo_layout"]
+        assert (layout["width"], layout["real_tokens"]) == (12, 12)
+        assert layout["logp_diff"] <= 1e-5 and layout["logp_scale"] > 1.0
+        assert layout["grad_diff"] <= 1e-5 and layout["grad_scale"] > 0.1
+    # The scoring call the trainer would use (sharded_completion_logps: Ulysses only around the forward) gives the
+    # same for the 2-row micro-batch, and for a 1-row one after it (an instance per row count); the plain attention
+    # is back afterwards (the 1-row reference was computed between the calls, with the mask).
+    for r in ranks:
+        assert r["scorer"]["logp_diff"] <= 1e-5 and r["scorer"]["grad_diff"] <= 1e-5
+        assert r["scorer"]["one_row_logp_diff"] <= 1e-5

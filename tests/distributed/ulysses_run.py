@@ -9,7 +9,9 @@ BEFORE sharding, so the last position of the first half is scored against the fi
 ALST's UlyssesSPDataLoaderAdapter does), and the per-token log-probs are gathered across the group; the gradient of
 the group's token sum is each process's local sum backpropagated, then summed over the group.
 
-Not wired into the trainer: this only shows the engine runs here (see docs/LONG.md, "Sequence parallelism").
+Then GRPO's layout (grpo_trainer/modeling/sequence_parallel.py) over the same engine: a left-padded micro-batch
+left-aligned, sliced, scored and gathered back against the padded, masked forward, and the trainer's scoring call
+(`sharded_scores`) the same way; docs/DISTRIBUTED.md, "Sequence parallelism (DeepSpeed Ulysses)".
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 import torch.distributed as torch_dist
 from accelerate import Accelerator
 from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
+
+from grpo_trainer.modeling.logprobs import completion_logprobs
+from grpo_trainer.modeling.sequence_parallel import SequenceShard, deactivate, gather_positions, install, sharded_scores
 
 B, S, VOCAB = 2, 12, 97  # B sequences of S positions; S/2 per process
 
@@ -76,6 +81,15 @@ def main() -> None:
             ~(real & torch.cat([real[:, 1:], torch.zeros(B, 1, dtype=torch.bool)], 1)), -100)
 
     model = _model()
+    # GRPO's layout (grpo_trainer/modeling/sequence_parallel.py): the left-padded row 0 and row 1 cut to 11 columns
+    # (5 prompt + 6 completion; the width pads to 12 for the group of 2), the padded forward's masked completion
+    # log-probs and the gradient of a weighted sum of them are the reference.
+    grpo_ids, grpo_mask = padded["ids"][:, :11], padded["mask"][:, :11]  # [B, 11]
+    grpo_weights = torch.rand(B, 6, generator=generator)  # [B, T]: a stand-in for advantages
+    reference_grpo = completion_logprobs(model, grpo_ids, grpo_mask, completion_length=6).logps  # [B, T]
+    (reference_grpo * grpo_weights).sum().backward()
+    reference_grpo_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     with torch.no_grad():  # the masked, unsharded reference of the real tokens, in row order
         padded_reference = _token_logps(model, padded["ids"], padded["positions"], padded["labels"],
                                         padded["mask"])[padded["mask"].bool()]
@@ -87,6 +101,27 @@ def main() -> None:
     with torch.no_grad():  # the control: this process's half alone, without the exchange, lacks the other half
         alone = _token_logps(model, ids[:, local], positions[:, local], labels[:, local])
     alone_diff = (alone - reference_logps[:, local]).abs().max().item()
+
+    # The trainer's scoring call (sharded_scores): Ulysses installed only around the forward, over the
+    # whole world group, for the 2-row micro-batch and then a 1-row one (row counts vary between micro-batches).
+    scorer = {}
+    install(model)
+    for rows in (slice(0, 2), slice(1, 2)):
+        model.zero_grad(set_to_none=True)
+        scored = sharded_scores(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD).logps
+        (scored * grpo_weights[rows]).sum().backward()
+        deactivate()
+        for parameter in model.parameters():
+            torch_dist.all_reduce(parameter.grad)
+        if rows.start == 0:
+            scorer = {"logp_diff": (scored - reference_grpo).abs().max().item(),
+                      "grad_diff": max((p.grad - reference_grpo_grads[n]).abs().max().item()
+                                       for n, p in model.named_parameters())}
+        else:
+            with torch.no_grad():
+                plain_row = completion_logprobs(model, grpo_ids[rows], grpo_mask[rows], completion_length=6).logps
+            scorer["one_row_logp_diff"] = (scored - plain_row).abs().max().item()
+    model.zero_grad(set_to_none=True)
 
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=world,
@@ -109,11 +144,30 @@ def main() -> None:
 
     grad_diff = max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters())
     grad_scale = max(g.abs().max().item() for g in reference_grads.values())
+    grads_nonzero = all(bool(p.grad.abs().sum() > 0) for p in model.parameters())
+    # The same under Ulysses, through SequenceShard: rows left-aligned, this process's slice scored without a mask,
+    # the slices gathered (differentiably) and the completion tokens picked; every process computes the same loss
+    # from the gathered log-probs, so the group's gradient is the sum of the processes' gradients.
+    model.zero_grad(set_to_none=True)
+    shard = SequenceShard.of(grpo_ids, grpo_mask, prompt_width=5, rank=rank, sp_size=world)
+    local_logps = _token_logps(model, shard.input_ids, shard.position_ids, shard.labels)  # [B, W / sp]
+    grpo_logps = shard.completion(gather_positions(local_logps, group))  # [B, T]
+    (grpo_logps * grpo_weights).sum().backward()
+    for parameter in model.parameters():
+        torch_dist.all_reduce(parameter.grad, group=group)
+    real = grpo_mask[:, 5:].bool()  # the completion tokens a loss reads (all real here)
+    grpo_layout = {"width": shard.width, "real_tokens": int(real.sum()),
+                   "logp_diff": (grpo_logps - reference_grpo)[real].abs().max().item(),
+                   "logp_scale": reference_grpo[real].abs().max().item(),
+                   "grad_diff": max((p.grad - reference_grpo_grads[n]).abs().max().item()
+                                    for n, p in model.named_parameters()),
+                   "grad_scale": max(g.abs().max().item() for g in reference_grpo_grads.values())}
+
     result = {"num_processes": world, "sp_world_size": mpu.get_sequence_parallel_world_size(),
               "local_positions": S // world, "logp_max_diff": (sharded_logps - reference_logps).abs().max().item(),
               "logp_scale": reference_logps.abs().max().item(), "grad_max_diff": grad_diff, "grad_scale": grad_scale,
               "alone_logp_diff": alone_diff, "padded_logp_diff": layout_diffs,
-              "grads_nonzero": all(bool(p.grad.abs().sum() > 0) for p in model.parameters())}
+              "grads_nonzero": grads_nonzero, "grpo_layout": grpo_layout, "scorer": scorer}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     leave_cleanly()
 
