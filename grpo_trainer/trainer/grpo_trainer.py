@@ -29,7 +29,6 @@ Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -44,13 +43,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import SyncRefModelCallback
 
 from grpo_trainer import rollout
-from grpo_trainer.algorithms import losses, masks, surrogates
+from grpo_trainer.algorithms import masks, surrogates
 from grpo_trainer.algorithms.advantage import Advantage, get_advantage_estimator
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable, streaming_eval
-from grpo_trainer.modeling import kernels, sequence_parallel
+from grpo_trainer.modeling import kernels
 from grpo_trainer.reporting import completions_hub, hub
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow, StepTime
@@ -65,6 +64,7 @@ from grpo_trainer.trainer.loss import NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView
 from grpo_trainer.trainer.schedule import RoundBuffer
+from grpo_trainer.trainer.sequence_group import SequenceGroup, Unsharded, sequence_group
 
 __all__ = ["GRPOTrainer"]
 
@@ -85,6 +85,7 @@ class GRPOTrainer(Trainer):
 
     _tag_names = ["grpo_trainer", "grpo"]
     loss_is_scaled_for_ga = True
+    sequence: SequenceGroup = Unsharded()  # a trainer built with `object.__new__` (TRL's white-box tests) too
 
     def __init__(
         self,
@@ -168,9 +169,7 @@ class GRPOTrainer(Trainer):
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
         self.scorer = parts.scorer(args, schedule, self.ref_model)
-        if self.sp_size > 1:  # every process one slice of each sequence (the group: all processes)
-            sequence_parallel.install(self.model)
-            self.scorer.sp_group = torch.distributed.group.WORLD
+        self.sequence.attach(self.model, self.scorer)
         self.objective = parts.objective(args, self.scorer, self.router_aux_loss_coef, self.accelerator, self.metrics)
         first_turn = (lambda prompts: self._generate(prompts)) if self.rollout_func else None
         self.rounds = parts.round_builder(args, schedule, processing_class, backend, self.reward_sources,
@@ -190,16 +189,9 @@ class GRPOTrainer(Trainer):
         self.step_time, self._saving_stuck = StepTime(self.metrics), False
 
     def create_accelerator_and_postprocess(self) -> None:
-        # GRPO shards sequences itself after generation (`modeling.sequence_parallel`): accelerate and the Trainer
-        # must not see sp_size (their Ulysses path wants a DeepSpeed engine and re-shards the prompt data loader)
-        config = self.args.parallelism_config
-        self.sp_size = getattr(config, "sp_size", None) or 1
-        if self.sp_size > 1:
-            self.args.parallelism_config = None
-        try:
+        self.sequence = sequence_group(self.args)  # GRPO shards sequences itself, after generation
+        with self.sequence.hidden_from_accelerate(self.args):
             super().create_accelerator_and_postprocess()
-        finally:
-            self.args.parallelism_config = config
         # FSDP2 on CPU; refuse a launch whose processes would not sync
         if distributed.prepare_backend(self.accelerator, getattr(self.args, "fsdp_plugin_args", None)):
             self.is_fsdp_enabled = True
@@ -316,19 +308,12 @@ class GRPOTrainer(Trainer):
             with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
                 return self.source.training_round(self.buffer.micro_step, generation_batch, self.model, self.state)
 
-        micro = self.buffer.next(make_round)
-        if self.sp_size > 1:  # every process of the group then trains on the group's rows, each on its positions
-            parts_ = [None] * self.accelerator.num_processes
-            torch.distributed.all_gather_object(parts_, micro)
-            micro = dataclasses.replace(Round.concat(parts_, self._tokenizer.pad_token_id),
-                                        window_tokens=micro.window_tokens)
-        return micro
+        return self.sequence.rows(self.buffer.next(make_round), self._tokenizer.pad_token_id)
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
         loss = self.objective(model, inputs, "train" if model.training else "eval", self.accelerator.sync_gradients)
-        if self.sp_size > 1 and model.training:  # DDP's mean over the group against the rows' aggregation
-            loss = loss * losses.sequence_parallel_scale(self.args.loss_type, self.sp_size)
+        loss = self.sequence.loss(loss) if model.training else loss
         return (loss, None) if return_outputs else loss
 
     def training_step(self, model: nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> Tensor:
@@ -338,10 +323,9 @@ class GRPOTrainer(Trainer):
         with self.step_time.micro_step(self.current_gradient_accumulation_steps):
             try:
                 loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
-            finally:  # the sharded policy forward's backward (and its recomputed forwards) is done
-                sequence_parallel.deactivate()
-        if self.sp_size > 1:  # the logged loss: the unsharded run's mean over processes (`compute_loss`)
-            loss = loss / self.sp_size
+            finally:
+                self.sequence.step_done()
+        loss = self.sequence.logged(loss)
         return loss if self.guard.check(loss, model, self.state.global_step) else loss.new_zeros(())
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
