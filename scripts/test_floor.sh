@@ -5,6 +5,7 @@
 #
 #   bash scripts/test_floor.sh                 # builds or updates .venv-floor, then runs pytest -q
 #   bash scripts/test_floor.sh tests/config    # extra arguments go to pytest
+#   GRPO_TRAINER_TEST_WORKERS=1 bash scripts/test_floor.sh    # serially (default: 2 pytest-xdist workers)
 #
 # Idempotent: a re-run reuses the venv. Exits with pytest's status (5, no tests collected, is a failure).
 set -uo pipefail
@@ -31,7 +32,7 @@ fi
 
 # The combination matrix (tests/matrix, ~3.5 min) runs once, in the newest-releases stage: it tests how the
 # features combine, which does not depend on the transformers release; here it would double its cost.
-"$VENV/bin/python" -m pytest -q --ignore=tests/matrix "$@"
+"$VENV/bin/python" -m pytest -q -n "${GRPO_TRAINER_TEST_WORKERS:-2}" --ignore=tests/matrix "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests (exit 5): a suite that runs nothing fails the run" >&2
