@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.algorithms import losses
-from grpo_trainer.modeling import sequence_parallel
+from grpo_trainer.modeling import routing, sequence_parallel
+from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.scoring import PolicyScorer
 
@@ -74,6 +75,13 @@ class UlyssesGroup(SequenceGroup):
             args.parallelism_config = config
 
     def attach(self, model: nn.Module, scorer: PolicyScorer) -> None:
+        # The sharded forward neither replays a rollout's routes nor returns the router's auxiliary loss: a
+        # Mixture-of-Experts model would train silently without both
+        if routing.find_routers(causal_lm(model)):
+            raise ValueError("parallelism_config.sp_size > 1 cannot train a Mixture-of-Experts model: the sequence-"
+                             "sharded policy forward does not replay the rollout's expert routes (routing_replay) nor "
+                             "return the router's auxiliary loss. Train it without sp_size (one device: "
+                             "gradient_checkpointing, logprob_chunk_size, `grpo-train plan`).")
         sequence_parallel.install(model)
         scorer.sp_group = torch.distributed.group.WORLD
 

@@ -94,3 +94,16 @@ def test_the_left_aligned_mask_free_forward_scores_completions_as_the_padded_mas
         completion_mask = MASK[:, 3:].bool()  # the real completion tokens: the only ones a loss reads
         assert torch.allclose(logps[completion_mask], reference[completion_mask], atol=1e-5)
         assert reference[completion_mask].abs().max() > 1.0  # log-probs of a random model: several nats
+
+
+def test_a_mixture_of_experts_model_is_refused_by_the_sequence_group_before_anything_is_installed(tokenizer):
+    """The sharded forward neither replays routes nor returns the router's auxiliary loss: a MoE model is refused by
+    name (a dense one is accepted: `attach` then installs Ulysses, which needs a process group, so only the MoE
+    refusal, which comes first, is checked in one process)."""
+    from grpo_trainer.modeling import sequence_parallel
+    from grpo_trainer.trainer.sequence_group import UlyssesGroup
+    from tests.modeling.test_routing import moe_of_family
+
+    with pytest.raises(ValueError, match=r"sp_size > 1 cannot train a Mixture-of-Experts model"):
+        UlyssesGroup(2, "dapo").attach(moe_of_family(tokenizer, "qwen3_moe"), scorer=None)
+    assert not sequence_parallel._state["installed"]  # refused before Ulysses replaced any attention function
