@@ -40,7 +40,7 @@ from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.settings import BackendChoice
 from grpo_trainer.rollout.types import PromptBatch, Rollout
 
-__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "VLLM", "Capabilities", "MemoryProfile", "RolloutBackend",
+__all__ = ["BACKENDS", "CONTINUOUS_BATCHING", "VLLM", "Capabilities", "MemoryProfile", "RolloutBackend", "chosen",
            "memory_profile", "register_backend", "select", "serving"]
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,8 @@ CONTINUOUS_BATCHING = "transformers_continuous_batching"  # `rollout.continuous`
 VLLM = "vllm"  # `rollout.vllm.backend`
 
 
-def _chosen(choice: BackendChoice) -> type[RolloutBackend]:
+def chosen(choice: BackendChoice) -> type[RolloutBackend]:
+    """The backend class `choice` names, before anything is built (a server contacted, an engine started)."""
     if choice.name not in BACKENDS:
         raise ValueError(f"unknown generation_backend {choice.name!r}; choose one of {sorted(BACKENDS)}.")
     return BACKENDS[choice.name]
@@ -183,13 +184,13 @@ def _chosen(choice: BackendChoice) -> type[RolloutBackend]:
 def select(choice: BackendChoice) -> RolloutBackend:
     """The backend `choice` names (`config.settings.backend_choice`: `use_vllm`, then
     `use_transformers_continuous_batching`, override `generation_backend`)."""
-    return _chosen(choice).from_settings(choice)
+    return chosen(choice).from_settings(choice)
 
 
 def memory_profile(choice: BackendChoice, device_type: str) -> MemoryProfile:
     """The memory of the backend `choice` names, on `device_type` (decision 7): the plan's view of what `select`
     runs."""
-    return _chosen(choice).memory_profile(choice, device_type)
+    return chosen(choice).memory_profile(choice, device_type)
 
 
 _REFERENCE = "generate"  # `rollout.generate`: takes every model's image inputs

@@ -57,6 +57,7 @@ from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import check_reward_setup
 from grpo_trainer.rewards.sources import ADVANTAGE_EPS
 from grpo_trainer.rollout import multimodal, multiturn
+from grpo_trainer.rollout.backend import chosen
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, memory, parts, setup
@@ -119,7 +120,10 @@ class GRPOTrainer(Trainer):
         processing_class = setup.load_processing_class(model, processing_class, args)
         # the text tokenizer (a processor's own) under TRL's attribute name, which TRL users' code reads and assigns
         self._tokenizer = multimodal.text_tokenizer(processing_class)
-        backend = rollout.select(typed.backend_choice(args))
+        choice = typed.backend_choice(args)
+        source_type = parts.source_type(args)  # its refusals before the backend contacts a server or starts
+        source_type.check(args, chosen(choice), train_dataset, rollout_func)
+        backend = rollout.select(choice)
         setup.check_processor_setup(args, processing_class)
         backend.check_model(model, args.trust_remote_code)
         setup.check_sequence_parallel(args, processing_class,
@@ -134,8 +138,6 @@ class GRPOTrainer(Trainer):
         train_dataset = setup.training_prompts(train_dataset, environments, self._multi_turn, args)
         setup.check_inputs(args, model, train_dataset, eval_dataset, processing_class, peft_config,
                            prompt_optional=environments is not None)
-        source_type = parts.source_type(args)
-        source_type.check(args, backend, train_dataset, rollout_func)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         memory.prepare_host(args)
         memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)

@@ -60,7 +60,8 @@ class RoundSource(ABC):
     @classmethod
     @abstractmethod
     def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
-        """Refuse, before any model loads, what this source cannot run (decision 3)."""
+        """Refuse, before any model loads or the backend is built, what this source cannot run (decision 3);
+        `backend`: the chosen backend's class (`rollout.backend.chosen`)."""
 
     @classmethod
     @abstractmethod

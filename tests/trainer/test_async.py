@@ -306,6 +306,13 @@ def test_unsafe_combinations_are_refused_before_any_model_loads(tmp_path, tokeni
     with pytest.raises(ValueError, match="which FSDP shards.*vllm_mode='server'"):
         trainer()
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    # A vLLM server's refusals come before the backend is built, which would contact the server (none listens at
+    # this port: building the backend first would wait for it, then fail on the connection instead)
+    monkeypatch.setattr("grpo_trainer.rollout.vllm.server.wait_for_server",
+                        lambda *a, **k: pytest.fail("the server was contacted before the refusal"))
+    with pytest.raises(ValueError, match="sampling_mismatch_report compares the sampler's log-probs"):
+        trainer(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:9",
+                sampling_mismatch_report=True)
     with pytest.raises(ValueError, match="async_rollouts must be an integer >= 0"):
         GRPOConfig(output_dir=str(tmp_path), async_rollouts=-1, report_to="none")
     with pytest.raises(ValueError, match="async_correction must be 'recompute' or 'behaviour'"):
