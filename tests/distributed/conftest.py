@@ -55,7 +55,7 @@ MODES = {
     "lora_ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--lora",), env=CPU, lora=True),
     # padding_free: packed log-prob forwards (the 1-process reference runs padded).
     # Sequence parallelism: each process scores half of every sequence's positions of both processes' rows.
-    "ddp_sp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--sequence-parallel",), env=CPU),
+    "ddp_sp": Mode("ddp_sp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--sequence-parallel",), env=CPU),
     "ddp_packed": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--padding-free",), env=CPU),
     "zero2_packed": Mode("deepspeed_zero2.yaml", "DEEPSPEED", "DeepSpeedEngine",
                          ("--ddp-backend", "gloo", "--padding-free")),
@@ -67,7 +67,7 @@ MODES = {
 # (lr 0.1), with and without sequence parallelism, compared with each other (the 1-process reference runs dapo).
 EXTRA_MODES = {
     "ddp_grpo": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--loss-type", "grpo", "--sgd"), env=CPU),
-    "ddp_sp_grpo": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel",
+    "ddp_sp_grpo": Mode("ddp_sp.yaml", "MULTI_CPU", "DistributedDataParallel",
                         ("--loss-type", "grpo", "--sgd", "--sequence-parallel"), env=CPU),
 }
 

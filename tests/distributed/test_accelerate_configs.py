@@ -29,6 +29,7 @@ EXPECTED = {
                                                "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}),
     "multi_node.yaml": ("deepspeed", 16, 2, "bf16", {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}),
     "cpu/ddp.yaml": ("multi_gpu", 2, 1, "no", {}),
+    "cpu/ddp_sp.yaml": ("multi_gpu", 2, 1, "no", {}),  # sequence parallelism: plain DDP, GRPO shards positions
     "cpu/deepspeed_zero2.yaml": ("deepspeed", 2, 1, "no", {
         "ACCELERATE_DEEPSPEED_CONFIG_FILE": "accelerate_configs/cpu/deepspeed_zero2.json"}),
     "cpu/deepspeed_zero3.yaml": ("deepspeed", 2, 1, "no", {
