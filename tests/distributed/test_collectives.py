@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.conftest import REPO, _free_port, launch_env
+from tests.distributed.conftest import accelerate_launch, launch_env
 
 pytestmark = pytest.mark.distributed
 
 
 def test_cross_process_entropy_quantile_clip_extremes_and_entropy_control(tmp_path):
     script = Path(__file__).with_name("collectives.py")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu/ddp.yaml",
-               "--main_process_port", str(_free_port()), str(script), "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO, env=launch_env({"ACCELERATE_USE_CPU": "true"}), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = tmp_path / "launch.log"
+    code, _ = accelerate_launch("ddp.yaml", ["--out", str(tmp_path)], launch_env({"ACCELERATE_USE_CPU": "true"}), log,
+                                script=script)
+    assert code == 0, log.read_text(errors="replace")[-6000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert [r["num_processes"] for r in ranks] == [2, 2]
     # Pooled completion-token entropies: 0.1 0.9 0.5 0.3 0.7 | 2 3 -> sorted 0.1 0.3 0.5 0.7 0.9 2 3; the 0.5

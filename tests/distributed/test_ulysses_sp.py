@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.conftest import REPO, _free_port, launch_env
+from tests.distributed.conftest import accelerate_launch, launch_env
 
 pytestmark = pytest.mark.distributed
 
@@ -23,11 +21,10 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_ulysses_attention_on_two_cpu_processes_equals_the_unsharded_model(tmp_path):
     script = Path(__file__).with_name("ulysses_run.py")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu/ddp.yaml",
-               "--main_process_port", str(_free_port()), str(script), "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO, env=launch_env({"ACCELERATE_USE_CPU": "true"}), capture_output=True,
-                          text=True, timeout=420)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = tmp_path / "launch.log"
+    code, _ = accelerate_launch("ddp.yaml", ["--out", str(tmp_path)], launch_env({"ACCELERATE_USE_CPU": "true"}), log,
+                                script=script)
+    assert code == 0, log.read_text(errors="replace")[-6000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for r in ranks:
         assert (r["num_processes"], r["sp_world_size"], r["local_positions"]) == (2, 2, 6)
