@@ -132,32 +132,21 @@ def main(argv: list[str] | None = None) -> None:
     if opts.child:
         print("RESULT " + json.dumps(_child(opts)), flush=True)
         return
-    from tests.vllm_integration.vllm_helpers import free_port, stop, wait_until_healthy
+    from tests.vllm_integration.vllm_helpers import served
 
     print(f"# load average {os.getloadavg()}, {os.cpu_count()} cores", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         model_dir, log = Path(folder) / "model", Path(folder) / "server.log"
         _build_model(model_dir)
-        port = free_port()
-        command = ["taskset", "-c", str(opts.server_core), sys.executable, "-m", "grpo_trainer.cli", "vllm-serve",
-                   "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                   "--max_model_len", "512", "--kv_cache_gib", "0.5", "--seed", "0"]
-        with open(log, "w") as out:
-            server = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                                              "OMP_NUM_THREADS": "1"},
-                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_healthy(url, server, log, 600)
+        launcher = ("taskset", "-c", str(opts.server_core))
+        with served(model_dir, log, launcher=launcher, kv_cache_gib="0.5") as url:
             for repeat in range(opts.repeats):
                 for k in (0, 1):
                     result = _run_child(opts, url, model_dir, k)
                     rows.append({"async_rollouts": k, "repeat": repeat, **result})
                     print(f"# async={k} repeat {repeat}: step {result.get('step_s', 'FAILED')} s, generate "
                           f"{result.get('generate_s')} s, train {result.get('train_s')} s", flush=True)
-        finally:
-            stop(server)
     for repeat in range(opts.repeats):
         sync, asynchronous = (next(r for r in rows if r["repeat"] == repeat and r["async_rollouts"] == k)
                               for k in (0, 1))

@@ -128,14 +128,15 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def served(model_dir: Path, log: Path, *extra: str) -> Iterator[str]:
+def served(model_dir: Path, log: Path, *extra: str, launcher: tuple[str, ...] = (),
+           kv_cache_gib: str = "0.25") -> Iterator[str]:
     """`grpo-train vllm-serve` serving `model_dir` in float32 (so its log-probs compare with the trainer's at tight
     tolerance) on a free loopback port, its output in `log`; yields its URL, and stops it and every process it
-    started on leaving."""
+    started on leaving. `launcher`: a command prefix (e.g. `taskset -c 0`, to pin it to a core)."""
     port = free_port()
-    command = [sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(model_dir), "--host",
+    command = [*launcher, sys.executable, "-m", "grpo_trainer.cli", "vllm-serve", "--model", str(model_dir), "--host",
                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max_model_len", "512", "--kv_cache_gib",
-               "0.25", "--seed", "0", *extra]
+               kv_cache_gib, "--seed", "0", *extra]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
                                                            "OMP_NUM_THREADS": "1"},
