@@ -20,7 +20,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 export GRPO_TRAINER_REQUIRE_VLLM=1
 report="$(mktemp --suffix=.xml)"
 trap 'rm -f "$report"' EXIT
-.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -rs --junitxml="$report" tests/vllm_integration \
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -rfEs --junitxml="$report" tests/vllm_integration \
     tests/rollout/vllm_backend tests/rollout/multiturn tests/algorithms/test_engine_correction.py tests/modeling/test_export.py \
     tests/modeling/test_lora.py "$@"
 rc=$?
