@@ -6,6 +6,7 @@
 #   bash scripts/test_floor.sh                 # builds or updates .venv-floor, then runs pytest -q
 #   bash scripts/test_floor.sh tests/config    # extra arguments go to pytest
 #   GRPO_TRAINER_TEST_WORKERS=1 bash scripts/test_floor.sh    # serially (default: 2 pytest-xdist workers)
+#   bash scripts/test_floor.sh --build-only    # only builds or updates .venv-floor (scripts/test.sh, in the background)
 #
 # Idempotent: a re-run reuses the venv. Exits with pytest's status (5, no tests collected, is a failure).
 set -uo pipefail
@@ -29,6 +30,8 @@ if [ "$installed" != "$FLOOR" ]; then
     echo "test_floor.sh: $VENV has transformers $installed, not the floor $FLOOR" >&2
     exit 1
 fi
+
+[ "${1:-}" = "--build-only" ] && exit 0
 
 # The combination matrix (tests/matrix, ~3.5 min) runs once, in the newest-releases stage: it tests how the
 # features combine, which does not depend on the transformers release; here it would double its cost.

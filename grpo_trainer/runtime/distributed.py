@@ -1,4 +1,4 @@
-"""Multi-process set-up that accelerate and transformers leave to the trainer, and full-parameter gathering.
+"""Multi-process set-up that accelerate and transformers leave to the trainer.
 
 Decisions:
 
@@ -11,14 +11,12 @@ Decisions:
    FSDP config; it quietly runs DDP instead. `enable_fsdp2_on_cpu` switches the state to FSDP with a plugin
    read from the `FSDP_*` variables that `accelerate launch` exports. This writes accelerate's private state
    and may need updating when accelerate changes. FSDP1 cannot run on CPU, so it is refused.
-3. `full_parameters` returns every parameter's full value on every process, whatever the sharding (ZeRO-3
-   partitions, FSDP2 DTensors). It is a collective: every process must call it.
-4. `unwrapped_for_generation` hands the rollout the bare model: ZeRO-3 weights gathered (unless told not to), and
+3. `unwrapped_for_generation` hands the rollout the bare model: ZeRO-3 weights gathered (unless told not to), and
    activation checkpointing paused by flipping the layers' own flags and restoring them exactly. transformers'
    `gradient_checkpointing_disable`/`_enable` pair (what TRL's `unwrap_model_for_generation` calls every round)
    registers a new input-grad hook on each enable without removing the last, and re-enables with default
    checkpoint kwargs: after N rounds the embedding runs N hooks per call.
-5. `decided_by_main` runs a decision about shared files (which checkpoint to resume from, whether output_dir is
+4. `decided_by_main` runs a decision about shared files (which checkpoint to resume from, whether output_dir is
    free) on the main process and hands its outcome, result or exception, to all: every process acts alike.
 """
 
@@ -29,16 +27,14 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
-from torch import Tensor, nn
+from torch import nn
 
 from grpo_trainer.modeling.unwrap import is_zero3_partitioned
 
-__all__ = ["check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu", "full_parameters",
-           "launched_world_size", "parameter_digest", "prepare_backend",
-           "unwrapped_for_generation"]
+__all__ = ["check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu",
+           "launched_world_size", "prepare_backend", "unwrapped_for_generation"]
 
 T = TypeVar("T")
 
@@ -97,31 +93,6 @@ def prepare_backend(accelerator: Accelerator, fsdp_plugin_args: dict | None) -> 
         enable_fsdp2_on_cpu(accelerator, fsdp_plugin_args)
     check_processes(accelerator)
     return switched
-
-
-def full_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """Full copies (on CPU) of the parameters of an unwrapped model, on every process. A collective."""
-    params = dict(model.named_parameters())
-    if is_zero3_partitioned(model):  # each process holds a partition
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(params.values())):
-            return {name: p.detach().cpu().clone() for name, p in params.items()}
-    from torch.distributed.tensor import DTensor
-
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-            for name, p in params.items()}
-
-
-def parameter_digest(params: dict[str, Tensor]) -> str:
-    """A short hash of parameter values, to compare processes cheaply."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name in sorted(params):
-        digest.update(name.encode())
-        digest.update(params[name].to(torch.float32).contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 @contextlib.contextmanager

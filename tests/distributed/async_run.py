@@ -12,9 +12,9 @@ import torch
 from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
 
 from grpo_trainer.cli.toy import copy_digits_dataset, make_tiny_model, make_tokenizer
-from grpo_trainer.runtime.distributed import full_parameters, parameter_digest
 from grpo_trainer.trainer import round_builder
 from tests.helpers import make_trainer
+from tests.parameters import full_parameters, parameter_digest
 
 
 def main() -> None:

@@ -43,8 +43,9 @@ def run(out_dir: Path, model_dir: Path, truncated: bool = False) -> None:
     from accelerate import PartialState
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
-    from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
+    from grpo_trainer.runtime.distributed import launched_world_size
     from tests.helpers import make_trainer
+    from tests.parameters import full_parameters, parameter_digest
 
     recorder = harness.Recorder()
     trainer = make_trainer(

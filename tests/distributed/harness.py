@@ -220,8 +220,9 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
     from grpo_trainer.modeling.sequence_parallel import sharded_forwards
-    from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
+    from grpo_trainer.runtime.distributed import launched_world_size
     from tests.helpers import make_args, make_trainer
+    from tests.parameters import full_parameters, parameter_digest
 
     out_dir.mkdir(parents=True, exist_ok=True)
     processes = launched_world_size()

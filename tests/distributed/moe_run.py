@@ -22,8 +22,9 @@ def run(out_dir: Path) -> None:
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tokenizer
     from grpo_trainer.modeling import routing
-    from grpo_trainer.runtime.distributed import full_parameters, launched_world_size, parameter_digest
+    from grpo_trainer.runtime.distributed import launched_world_size
     from tests.helpers import make_trainer
+    from tests.parameters import full_parameters, parameter_digest
 
     tokenizer = make_tokenizer()
     torch.manual_seed(0)  # the same weights on every process

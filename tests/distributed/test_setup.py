@@ -14,6 +14,7 @@ from grpo_trainer.modeling import unwrap
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.runtime import distributed, models
 from tests.distributed.conftest import MODES, accelerate_launch, launch_env
+from tests.parameters import full_parameters, parameter_digest
 
 
 def _accelerator(num_processes: int, distributed_type: DistributedType, deepspeed: bool = False):
@@ -102,12 +103,12 @@ def test_zero3_reference_without_a_checkpoint_is_refused(tiny_model):
 
 
 def test_full_parameters_and_digest(tiny_model):
-    params = distributed.full_parameters(tiny_model)
+    params = full_parameters(tiny_model)
     assert params.keys() == dict(tiny_model.named_parameters()).keys()
-    digest = distributed.parameter_digest(params)
-    assert distributed.parameter_digest(distributed.full_parameters(tiny_model)) == digest
+    digest = parameter_digest(params)
+    assert parameter_digest(full_parameters(tiny_model)) == digest
     params["model.norm.weight"][0] += 1e-6
-    assert distributed.parameter_digest(params) != digest
+    assert parameter_digest(params) != digest
 
 
 @pytest.mark.distributed

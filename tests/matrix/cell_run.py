@@ -134,7 +134,7 @@ def build(cell: dict, output_dir: Path, model=None, vllm: dict | None = None, **
 
 
 def _trained(trainer) -> dict[str, torch.Tensor]:
-    from grpo_trainer.runtime.distributed import full_parameters
+    from tests.parameters import full_parameters
 
     return {n: p for n, p in full_parameters(trainer.model).items()
             if dict(trainer.model.named_parameters())[n].requires_grad}
@@ -218,7 +218,7 @@ def _train(cell: dict, output_dir: Path, vllm: dict | None = None, replay: list 
 
 def run_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
     """Train `cell` and record what test_matrix.py checks (see the module's docstring)."""
-    from grpo_trainer.runtime.distributed import parameter_digest
+    from tests.parameters import parameter_digest
 
     resume = cell["resume"] == "save"
     saving = {"save_strategy": "steps", "save_steps": 1} if resume else {}

@@ -35,7 +35,7 @@ def main() -> None:
     from grpo_trainer.rollout.generate import generate_rollout
     from grpo_trainer.rollout.prompts import tokenize_prompts
     from grpo_trainer.rollout.settings import make_generation_config
-    from grpo_trainer.runtime.distributed import full_parameters, parameter_digest
+    from tests.parameters import full_parameters, parameter_digest
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
