@@ -6,9 +6,9 @@ Each row trains 2 steps with vLLM colocated or against a server and shows what a
 equal to the straight run, the packed run equal to its padded twin, async staleness within its bound, resampling
 that kept informative groups. The refused rows (a server with several training processes and async_rollouts)
 must stop before the model loads, naming both settings. Text rows start from the tiny model the session's server
-serves, image rows from the tiny Idefics3 (TRL's placeholder format); the server rows get servers of their own
-(module fixtures), because training pushes its weights to the server it uses: on the session's server they would
-change what the other real-vLLM tests generate after them. A server samples from one unseeded random state, so a
+serves, and their server rows use that server, which gets the served weights back after the module (they push
+trained weights to it); image rows start from the tiny Idefics3 (TRL's placeholder format), served by a server of
+their own. A server samples from one unseeded random state, so a
 server row's resumed run and padded twin replay the straight run's rollouts (`cell_run._sampled`)."""
 
 from __future__ import annotations
@@ -28,12 +28,19 @@ REFUSED = [row for row in factors.refusal_cells() if factors.uses_vllm(row)]
 
 
 @pytest.fixture(scope="module")
-def text_server(served_model, tmp_path_factory):
-    """`grpo-train vllm-serve` serving a copy of the session's tiny model: the rows push their trained weights to
-    it, so the session's `vllm_server` keeps the weights the other tests expect."""
-    folder = tmp_path_factory.mktemp("matrix_text")
-    with served(served_model, folder / "server.log", "--gpu_memory_utilization", "0.2") as url:
-        yield url
+def text_server(served_model, vllm_server):
+    """The session's server. The rows push their trained weights to it, and a trainer takes the server to hold its
+    starting weights until its first push: on leaving, the served model's own weights go back (float32 files, so
+    exactly), and the real-vLLM tests after this module see the server they expect. (A server of its own cost a
+    second start of vLLM, ~100-200 s of the stage on 2 cores.)"""
+    yield vllm_server
+    from transformers import AutoModelForCausalLM
+
+    from grpo_trainer.rollout.vllm.server import ServerClient, ServerWeights
+    from tests.vllm_integration.vllm_helpers import free_port
+
+    client = ServerClient(vllm_server, timeout=60, group_port=free_port())
+    ServerWeights(client, client.transfer).push(AutoModelForCausalLM.from_pretrained(served_model))
 
 
 @pytest.fixture(scope="module")
