@@ -2,6 +2,7 @@
 tiny models of each decoder family and of Qwen2.5-0.5B's layout, grouped prompts, greedy settings, and rollout
 comparisons. Everything is built offline from configs."""
 
+import contextlib
 import copy
 import inspect
 import math
@@ -287,11 +288,16 @@ def vlm_families(families) -> list:
 
 
 def run_bounded(command: list[str], cwd, env: dict, log, timeout_s: float) -> int:
-    """Run `command` with its output in the file `log` until it exits, or until `timeout_s` pass: then its whole
-    process group is killed (a launcher's ranks, a server's workers) and the exit code is -9."""
+    """Run `command` with its output in the file `log` until it exits, or until `timeout_s` pass: then every process
+    it started is killed (a launcher's ranks, a server's workers) and the exit code is -9. The descendants are
+    collected before the process group is killed: torch's elastic agent can start ranks outside the launcher's
+    group, and a rank left waiting (on a collective, or on the lock of a DeepSpeed op build) held that lock and
+    hung every later launch of the session."""
     import os
     import signal
     import subprocess
+
+    import psutil
 
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -299,7 +305,13 @@ def run_bounded(command: list[str], cwd, env: dict, log, timeout_s: float) -> in
         try:
             return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            descendants = []
+            with contextlib.suppress(psutil.NoSuchProcess):
+                descendants = psutil.Process(process.pid).children(recursive=True)
             os.killpg(process.pid, signal.SIGKILL)
+            for child in descendants:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             process.wait()
             return -9
 
