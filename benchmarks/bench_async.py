@@ -14,6 +14,8 @@ Per run: wall seconds per step (median after warm-up), the async/* wait metrics,
 object (also `--json-out`).
 
     PYTHONPATH=. python benchmarks/bench_async.py --scenarios io,compute --repeats 2
+    PYTHONPATH=. python benchmarks/bench_async.py --scenarios io --sleep 0.2 --corrections recompute,behaviour
+    PYTHONPATH=. python benchmarks/bench_async.py --scenarios compute --sync-threads 2
     PYTHONPATH=. python benchmarks/bench_async.py --scenarios learning --steps 200 --seeds 0,1
 """
 
@@ -102,7 +104,8 @@ def _child(opts: argparse.Namespace) -> dict:
 def run_child(opts: argparse.Namespace, **changes) -> dict:
     argv = [sys.executable, __file__, "--child"]
     for key, value in {**vars(opts), **changes}.items():
-        if key in ("child", "json_out", "scenarios", "seeds", "repeats", "tasks") or value is None:
+        if key in ("child", "json_out", "scenarios", "seeds", "repeats", "tasks", "corrections", "sync_threads") \
+                or value is None:
             continue
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -136,6 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--async-rollouts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--correction", default="recompute", help=argparse.SUPPRESS)
+    parser.add_argument("--corrections", default="recompute",
+                        help="io/compute: the async_correction values of the async_rollouts=1 runs, comma-separated")
+    parser.add_argument("--sync-threads", default="",
+                        help="io/compute: also a synchronous run at each of these torch thread counts")
     parser.add_argument("--tokenizer", default="auto")
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--json-out", default=None)
@@ -147,12 +154,18 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for scenario in opts.scenarios.split(","):
         if scenario in ("io", "compute"):
+            # alternating within a repeat: a neighbour's load hits every variant alike
+            variants = [(0, "recompute", 1)] + [(1, c, 1) for c in opts.corrections.split(",")] + \
+                [(0, "recompute", t) for t in (int(t) for t in opts.sync_threads.split(",") if t)]
             for repeat in range(opts.repeats):
-                for k in (0, 1):  # alternating: a neighbour's load hits both alike
-                    result = run_child(opts, scenario=scenario, async_rollouts=k, threads=1)
-                    rows.append({"scenario": scenario, "async_rollouts": k, "repeat": repeat, **result})
-                    print(f"# {scenario} async={k} repeat {repeat}: {result.get('step_s', 'FAILED')} s/step "
-                          f"(trainer waited {result.get('async/trainer_wait_s')}, producer waited "
+                for k, correction, threads in variants:
+                    result = run_child(opts, scenario=scenario, async_rollouts=k, correction=correction,
+                                       threads=threads)
+                    rows.append({"scenario": scenario, "async_rollouts": k, "correction": correction,
+                                 "threads": threads, "repeat": repeat, **result})
+                    print(f"# {scenario} async={k} {correction} threads={threads} repeat {repeat}: "
+                          f"{result.get('step_s', 'FAILED')} s/step (trainer waited "
+                          f"{result.get('async/trainer_wait_s')}, producer waited "
                           f"{result.get('async/producer_wait_s')})", flush=True)
             continue
         for task in opts.tasks.split(","):
