@@ -30,8 +30,8 @@ if python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 \
         && DS_BUILD_OPS=0 .venv/bin/pip install -q -e '.[test,deepspeed]'; then
     # The floor and vLLM environments are built while the first suite runs, not while .venv is built (with all
     # three pip runs at once the stage took 322 s more than its tests, 2026-11-28). When they ran in turn the builds
-    # took 331 s (vLLM) and ~100 s (floor) of the CI run's wall time. Each stage below runs its build script again, which then only checks
-    # what is installed (and reports a failed build).
+    # took 331 s (vLLM) and ~100 s (floor) of the CI run's wall time. Each stage below runs its build script again,
+    # which then only checks what is installed (and reports a failed build).
     logs="$(mktemp -d)"
     bash scripts/test_floor.sh --build-only >"$logs/floor_build.log" 2>&1 &
     floor_build=$!

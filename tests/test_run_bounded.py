@@ -23,9 +23,16 @@ def test_a_timed_out_command_leaves_no_process_behind(tmp_path):
     assert code == -9 and time.monotonic() - started < 60
     escaped = int(log.read_text().split()[0])
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(escaped) and psutil.Process(escaped).status() != psutil.STATUS_ZOMBIE:
+    while _running(escaped):
         assert time.monotonic() < deadline, f"process {escaped}, started in a session of its own, still runs"
         time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_command_that_ends_returns_its_exit_code(tmp_path):
