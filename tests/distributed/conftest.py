@@ -63,10 +63,9 @@ MODES = {
                          ("--ddp-backend", "gloo", "--no-ds3-gather", "--padding-free")),
 }
 
-# Launched only by the tests that name them (not in the tests parametrized over MODES): loss_type='grpo' under SGD
-# (lr 0.1), with and without sequence parallelism, compared with each other (the 1-process reference runs dapo).
+# Launched only by the test that names it (not in the tests parametrized over MODES): loss_type='grpo' under SGD
+# (lr 0.1) with sequence parallelism, compared with the 1-process run of the same settings (`run_reference`).
 EXTRA_MODES = {
-    "ddp_grpo": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--loss-type", "grpo", "--sgd"), env=CPU),
     "ddp_sp_grpo": Mode("ddp_sp.yaml", "MULTI_CPU", "DistributedDataParallel",
                         ("--loss-type", "grpo", "--sgd", "--sequence-parallel"), env=CPU),
 }
@@ -137,18 +136,21 @@ def run_mode(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def run_reference(model_dir, tmp_path_factory):
-    """`run_reference(lora)` -> (result, output dir) of the 1-process run over the same global batch."""
-    cache: dict[bool, tuple[dict, Path]] = {}
+    """`run_reference(lora, **options)` -> (result, output dir) of the 1-process run over the same global batch
+    (`options`: harness.run's `loss_type`, `sgd`)."""
+    cache: dict[tuple, tuple[dict, Path]] = {}
 
-    def run(lora: bool) -> tuple[dict, Path]:
-        if lora not in cache:
-            out = tmp_path_factory.mktemp(f"dist_reference_{'lora' if lora else 'full'}")
+    def run(lora: bool, **options) -> tuple[dict, Path]:
+        key = (lora, *sorted(options.items()))
+        if key not in cache:
+            name = "_".join(["lora" if lora else "full", *(f"{k}-{v}" for k, v in sorted(options.items()))])
+            out = tmp_path_factory.mktemp(f"dist_reference_{name}")
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # like each launched process; 2 threads on a busy 2-core CI box crawl
             try:
-                cache[lora] = (harness.run(out, model_dir, lora=lora), out)
+                cache[key] = (harness.run(out, model_dir, lora=lora, **options), out)
             finally:
                 torch.set_num_threads(threads)
-        return cache[lora]
+        return cache[key]
 
     return run

@@ -29,7 +29,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
+from deepspeed_cpu import skip_shm_op_build  # beside this script, on sys.path when it is launched
+from teardown import leave_cleanly
 from transformers import LogitsProcessor, LogitsProcessorList
 
 ROUND_ROWS = 12  # completions per generation round over all processes: 3 prompts x G
@@ -313,12 +314,7 @@ def main() -> None:
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--sgd", action="store_true")
     cli = parser.parse_args()
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
-        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (2-3 min on 2 cores) the
-        # first time a process group starts; gloo does the same job for a tiny model.
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    skip_shm_op_build()  # ZeRO and Ulysses launches start a group through deepspeed.comm
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
         per_device_batch=cli.per_device_batch, padding_free=cli.padding_free, logprob_chunk_size=cli.logprob_chunk_size,
         sequence_parallel=cli.sequence_parallel, loss_type=cli.loss_type, sgd=cli.sgd)

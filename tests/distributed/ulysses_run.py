@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 from accelerate import Accelerator
-from teardown import leave_cleanly  # beside this script, on sys.path when it is launched
+from deepspeed_cpu import skip_shm_op_build  # beside this script, on sys.path when it is launched
+from teardown import leave_cleanly
 
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.modeling.sequence_parallel import SequenceShard, deactivate, gather_positions, install, sharded_scores
@@ -54,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     out = parser.parse_args().out
+    skip_shm_op_build()
     accelerator = Accelerator()
     rank, world = accelerator.process_index, accelerator.num_processes
     import deepspeed

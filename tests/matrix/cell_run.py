@@ -288,10 +288,9 @@ def main() -> None:
     parser.add_argument("--vllm", type=json.loads, default=None)  # {"text": server URL, "image": server URL}
     cli = parser.parse_args()
     torch.set_num_threads(1)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true":
-        import deepspeed.ops  # DeepSpeed's CPU all-reduce op compiles for minutes; gloo does it (harness.py)
+    from tests.distributed.deepspeed_cpu import skip_shm_op_build
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    skip_shm_op_build()  # ZeRO-2 cells start a group through deepspeed.comm
     from accelerate import PartialState
 
     results = run_all(json.loads(cli.cells.read_text()), cli.out, cli.vllm)
