@@ -28,18 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _peak_rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(T: int, check: str, steps: int, model_dir: str) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from fed_completions import distinct_rewards, peak_rss_mb, random_completions, step_timer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_trainer import GRPOConfig, GRPOTrainer
     from grpo_trainer.modeling import forwards
@@ -51,36 +44,19 @@ def child(T: int, check: str, steps: int, model_dir: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = model.config.vocab_size
 
-    def rollout_func(prompts, trainer):
-        generator = torch.Generator().manual_seed(len(prompts))
-        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
-        completion_ids = torch.randint(1000, vocab - 1000, (len(prompts), T), generator=generator).tolist()
-        # a uniform sampler's log-probs, -ln(151936) = -11.93 (TRL 1.16 requires the key)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [[-11.93] * T] * len(prompts)}
-
-    def reward(completions, **kwargs):
-        return [float(i) for i in range(len(completions))]  # rewards differ within the group: a real backward
-
+    rollout_func = random_completions(tokenizer, vocab, T)
     times: list[dict] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = (time.process_time(), time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append({"cpu_s": time.process_time() - self.start[0],
-                          "wall_s": time.perf_counter() - self.start[1]})
 
     with tempfile.TemporaryDirectory() as output:
         args = GRPOConfig(output_dir=output, per_device_train_batch_size=2, num_generations=2,
                           max_completion_length=T, max_steps=steps, logging_steps=1, report_to="none",
                           save_strategy="no", use_cpu=True, bf16=False, learning_rate=1e-6, seed=0)
         dataset = Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
-        trainer = GRPOTrainer(model, reward, args=args, processing_class=tokenizer, train_dataset=dataset,
-                              rollout_func=rollout_func, callbacks=[Timer()])
+        trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=dataset,
+                              rollout_func=rollout_func, callbacks=[step_timer(times)])
         trainer.train()
     later = times[1:]
-    return {"T": T, "check": check, "steps": times, "peak_rss_mb": _peak_rss_mb(),
+    return {"T": T, "check": check, "steps": times, "peak_rss_mb": peak_rss_mb(),
             "first_over_later_cpu": times[0]["cpu_s"] / (sum(t["cpu_s"] for t in later) / len(later)),
             "first_over_later_wall": times[0]["wall_s"] / (sum(t["wall_s"] for t in later) / len(later)),
             "check_tokens": forwards.CHECK_TOKENS, "check_rows": forwards.CHECK_ROWS}

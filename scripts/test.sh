@@ -22,8 +22,10 @@ pytest_status() {  # pytest's exit status; 5 ("no tests collected") is a failure
 # The first two suites run in pytest-xdist workers, one per core (every test runs one torch thread: tests/conftest.py);
 # measured on the loaded 2-core machine, 2 workers ran the first suite in 19.5 min against 28 serially. The vLLM stage
 # stays serial (its tests share one session-wide vLLM server, which each worker would start again) and runs beside
-# the floor stage: alone it kept 1.1 of the 2 cores busy (838 CPU s in 762 s, 2026-11-28), so the two stages share
-# the cores instead of taking turns. Each stage's output is printed whole, in turn, after it ends.
+# the floor stage: alone it kept 1.1 of the 2 cores busy (838 CPU s in 762 s: benchmarks/results/
+# vllm_stage_alone_2026-11-28.log), so the two stages share the cores instead of taking turns (the whole command: 3093 s
+# in turn, 2614 s side by side, ci_clean_clone_2026-11-28{,b}.log there). Each stage's output is printed whole, in
+# turn, after it ends.
 export GRPO_TRAINER_TEST_WORKERS="${GRPO_TRAINER_TEST_WORKERS:-2}"
 WORKERS="$GRPO_TRAINER_TEST_WORKERS"
 logs="$(mktemp -d)"

@@ -1,0 +1,58 @@
+"""Training on supplied completions: the parts shared by the benchmarks that feed both trainers identical completions
+through `rollout_func` (no generation), so that only the training step differs (`first_step.py`,
+`long_completions.py`)."""
+
+from __future__ import annotations
+
+import time
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (VmHWM), in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def random_completions(tokenizer, vocab: int, T: int):
+    """A `rollout_func` whose completions are exactly T random tokens, the same for a given number of prompts in
+    either trainer, with a uniform sampler's log-probs, -ln(151936) = -11.93 (TRL 1.16 requires the key)."""
+    import torch
+
+    def rollout_func(prompts, trainer):
+        generator = torch.Generator().manual_seed(len(prompts))
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        completion_ids = torch.randint(1000, vocab - 1000, (len(prompts), T), generator=generator).tolist()
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": [[-11.93] * T] * len(prompts)}
+
+    return rollout_func
+
+
+def distinct_rewards(completions, **kwargs) -> list[float]:
+    return [float(i) for i in range(len(completions))]  # rewards differ within the group: a real backward
+
+
+def step_timer(times: list[dict]):
+    """A TrainerCallback appending each optimizer step's CPU seconds (`time.process_time`, the steadier number on a
+    shared machine) and wall seconds to `times`."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = (time.process_time(), time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append({"cpu_s": time.process_time() - self.start[0],
+                          "wall_s": time.perf_counter() - self.start[1]})
+
+    return StepTimer()

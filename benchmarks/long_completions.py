@@ -1,0 +1,101 @@
+"""Peak memory and step time as the completion length T doubles, grpo_trainer against TRL 1.16 (issue 41, item 3).
+
+Both trainers train on identical completions of exactly T random tokens supplied through `rollout_func` (no
+generation: only the training step differs), 2 rows (one prompt, `num_generations` 2), on the 2-layer proxy of
+Qwen2.5-0.5B (`shapes.py`: real widths and the real 151,936-token vocabulary), float32 on CPU, 1 thread, each
+trainer at its defaults (both checkpoint activations; grpo_trainer also packs rows: `padding_free`). Each run is its
+own subprocess; per T the two trainers run one after the other (the order alternating with T), and a trainer stops
+doubling once its peak passes `--budget-gib` or a run fails. Per run: each optimizer step's CPU seconds
+(`time.process_time`) and wall seconds, resident memory after the model loaded and the run's peak (VmHWM).
+
+    PYTHONPATH=. python benchmarks/long_completions.py --lengths 1024,2048,4096,8192 --steps 2 \
+        --out benchmarks/results/long_completions_cpu_<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+TRAINERS = ("ours", "trl")
+
+
+def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from fed_completions import distinct_rewards, peak_rss_mb, random_completions, rss_mb, step_timer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if trainer_name == "ours":
+        from grpo_trainer import GRPOConfig, GRPOTrainer
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded_mb = rss_mb()
+    times: list[dict] = []
+    with tempfile.TemporaryDirectory() as output:
+        args = GRPOConfig(output_dir=output, per_device_train_batch_size=2, num_generations=2,
+                          max_completion_length=T, max_steps=steps, logging_steps=1, report_to="none",
+                          save_strategy="no", use_cpu=True, bf16=False, learning_rate=1e-6, seed=0)
+        dataset = Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
+        trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=dataset,
+                              rollout_func=random_completions(tokenizer, model.config.vocab_size, T),
+                              callbacks=[step_timer(times)])
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"trainer": trainer_name, "T": T, "steps": times, "loaded_rss_mb": loaded_mb, "peak_rss_mb": peak_rss_mb(),
+            "losses": losses}
+
+
+def run(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", trainer_name, str(T), model_dir],
+                         env=env, capture_output=True, text=True)
+    if out.returncode:
+        return {"trainer": trainer_name, "T": T, "error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--budget-gib", type=float, default=16.0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", nargs=3, metavar=("TRAINER", "T", "MODEL_DIR"), help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.child:
+        print(json.dumps(child(cli.child[0], int(cli.child[1]), cli.steps, cli.child[2])))
+        return
+    from shapes import save_real_model
+
+    results, stopped = [], set()
+    record = {"date": time.strftime("%Y-%m-%d"), "threads": 1, "budget_gib": cli.budget_gib, "results": results}
+    with tempfile.TemporaryDirectory() as model_dir:
+        record["model"] = save_real_model("qwen2.5-0.5b-2layers", Path(model_dir), "char")
+        print(record["model"], flush=True)
+        for i, T in enumerate(map(int, cli.lengths.split(","))):
+            for name in TRAINERS[::-1] if i % 2 else TRAINERS:
+                if name in stopped:
+                    continue
+                result = run(name, T, cli.steps, model_dir)
+                print(json.dumps(result), flush=True)
+                results.append(result)
+                if "error" in result or result["peak_rss_mb"] > cli.budget_gib * 1024:
+                    stopped.add(name)
+                if cli.out:  # written after every run: a long sweep stopped early keeps what it measured
+                    Path(cli.out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
