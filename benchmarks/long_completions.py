@@ -10,6 +10,9 @@ doubling once its peak passes `--budget-gib` or a run fails. Per run: each optim
 
     PYTHONPATH=. python benchmarks/long_completions.py --lengths 1024,2048,4096,8192 --steps 2 \
         --out benchmarks/results/long_completions_cpu_<date>.json
+
+The output also holds grpo_trainer's memory plan for each length (what the trainer checks before loading the
+weights); `--plans-only` gives the plans without training (cheap at any length).
 """
 
 from __future__ import annotations
@@ -28,9 +31,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TRAINERS = ("ours", "trl")
 
 
+def _args(config_class, output: str, T: int, steps: int):
+    return config_class(output_dir=output, per_device_train_batch_size=2, num_generations=2, max_completion_length=T,
+                        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                        bf16=False, learning_rate=1e-6, seed=0)
+
+
+def _dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
+
+
+def plans(lengths: list[int], steps: int, model_dir: str) -> list[dict]:
+    """grpo_trainer's memory plan for each length (`trainer.memory.plan_run`, what the trainer checks before it
+    loads the weights), in MiB: its predicted peak, and the growth per completion token between lengths."""
+    from transformers import AutoTokenizer
+
+    from grpo_trainer import GRPOConfig
+    from grpo_trainer.trainer.memory import plan_run
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    rows = []
+    with tempfile.TemporaryDirectory() as output:
+        for T in lengths:
+            plan = plan_run(model_dir, _args(GRPOConfig, output, T, steps), _dataset(), tokenizer, device="cpu",
+                            with_device=False).plan
+            rows.append({"T": T, "predicted_peak_mb": plan.peak_bytes / 2**20, "peak_at": plan.peak_instant})
+    return rows
+
+
 def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
     import torch
-    from datasets import Dataset
     from fed_completions import distinct_rewards, peak_rss_mb, random_completions, rss_mb, step_timer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,11 +76,8 @@ def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
     loaded_mb = rss_mb()
     times: list[dict] = []
     with tempfile.TemporaryDirectory() as output:
-        args = GRPOConfig(output_dir=output, per_device_train_batch_size=2, num_generations=2,
-                          max_completion_length=T, max_steps=steps, logging_steps=1, report_to="none",
-                          save_strategy="no", use_cpu=True, bf16=False, learning_rate=1e-6, seed=0)
-        dataset = Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
-        trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=dataset,
+        args = _args(GRPOConfig, output, T, steps)
+        trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=_dataset(),
                               rollout_func=random_completions(tokenizer, model.config.vocab_size, T),
                               callbacks=[step_timer(times)])
         trainer.train()
@@ -72,6 +101,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trainers", default=",".join(TRAINERS), help="ours,trl (default) or one of them")
+    parser.add_argument("--plans-only", action="store_true", help="only grpo_trainer's plans, no training")
     parser.add_argument("--child", nargs=3, metavar=("TRAINER", "T", "MODEL_DIR"), help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.child:
@@ -84,8 +115,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         record["model"] = save_real_model("qwen2.5-0.5b-2layers", Path(model_dir), "char")
         print(record["model"], flush=True)
-        for i, T in enumerate(map(int, cli.lengths.split(","))):
-            for name in TRAINERS[::-1] if i % 2 else TRAINERS:
+        lengths = list(map(int, cli.lengths.split(",")))
+        record["plans"] = plans(lengths, cli.steps, model_dir)
+        print(json.dumps(record["plans"]), flush=True)
+        if cli.plans_only:
+            lengths = []
+        for i, T in enumerate(lengths):
+            trainers = [name for name in TRAINERS if name in cli.trainers.split(",")]
+            for name in trainers[::-1] if i % 2 else trainers:
                 if name in stopped:
                     continue
                 result = run(name, T, cli.steps, model_dir)
@@ -93,8 +130,13 @@ def main() -> None:
                 results.append(result)
                 if "error" in result or result["peak_rss_mb"] > cli.budget_gib * 1024:
                     stopped.add(name)
-                if cli.out:  # written after every run: a long sweep stopped early keeps what it measured
-                    Path(cli.out).write_text(json.dumps(record, indent=1) + "\n")
+                _write(record, cli.out)  # after every run: a long sweep stopped early keeps what it measured
+        _write(record, cli.out)
+
+
+def _write(record: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
