@@ -7,21 +7,22 @@ from __future__ import annotations
 import time
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (VmHWM), in MiB."""
+def _status_mb(field: str) -> float:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (VmHWM), in MiB."""
+    return _status_mb("VmHWM")
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """This process's resident memory now (VmRSS), in MiB."""
+    return _status_mb("VmRSS")
 
 
 def random_completions(tokenizer, vocab: int, T: int):
