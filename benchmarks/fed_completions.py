@@ -39,6 +39,20 @@ def random_completions(tokenizer, vocab: int, T: int):
     return rollout_func
 
 
+def training_args(config_class, output: str, T: int, steps: int):
+    """The same run settings in either trainer's config class: 2 rows (one prompt, G = 2), completions of T tokens,
+    float32 on CPU, each trainer's defaults otherwise."""
+    return config_class(output_dir=output, per_device_train_batch_size=2, num_generations=2, max_completion_length=T,
+                        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                        bf16=False, learning_rate=1e-6, seed=0)
+
+
+def prompts():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
+
+
 def distinct_rewards(completions, **kwargs) -> list[float]:
     return [float(i) for i in range(len(completions))]  # rewards differ within the group: a real backward
 

@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def child(T: int, check: str, steps: int, model_dir: str) -> dict:
     import torch
-    from datasets import Dataset
-    from fed_completions import distinct_rewards, peak_rss_mb, random_completions, step_timer
+    from fed_completions import distinct_rewards, peak_rss_mb, prompts, random_completions, step_timer, training_args
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_trainer import GRPOConfig, GRPOTrainer
@@ -48,10 +47,8 @@ def child(T: int, check: str, steps: int, model_dir: str) -> dict:
     times: list[dict] = []
 
     with tempfile.TemporaryDirectory() as output:
-        args = GRPOConfig(output_dir=output, per_device_train_batch_size=2, num_generations=2,
-                          max_completion_length=T, max_steps=steps, logging_steps=1, report_to="none",
-                          save_strategy="no", use_cpu=True, bf16=False, learning_rate=1e-6, seed=0)
-        dataset = Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
+        args = training_args(GRPOConfig, output, T, steps)
+        dataset = prompts()
         trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=dataset,
                               rollout_func=rollout_func, callbacks=[step_timer(times)])
         trainer.train()

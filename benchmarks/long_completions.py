@@ -31,21 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TRAINERS = ("ours", "trl")
 
 
-def _args(config_class, output: str, T: int, steps: int):
-    return config_class(output_dir=output, per_device_train_batch_size=2, num_generations=2, max_completion_length=T,
-                        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-                        bf16=False, learning_rate=1e-6, seed=0)
-
-
-def _dataset():
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [f"copy {i:03d}:" for i in range(16)]})
-
-
 def plans(lengths: list[int], steps: int, model_dir: str) -> list[dict]:
     """grpo_trainer's memory plan for each length (`trainer.memory.plan_run`, what the trainer checks before it
-    loads the weights), in MiB: its predicted peak, and the growth per completion token between lengths."""
+    loads the weights): its predicted peak in MiB and the instant it occurs at."""
+    from fed_completions import prompts, training_args
     from transformers import AutoTokenizer
 
     from grpo_trainer import GRPOConfig
@@ -55,7 +44,7 @@ def plans(lengths: list[int], steps: int, model_dir: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as output:
         for T in lengths:
-            plan = plan_run(model_dir, _args(GRPOConfig, output, T, steps), _dataset(), tokenizer, device="cpu",
+            plan = plan_run(model_dir, training_args(GRPOConfig, output, T, steps), prompts(), tokenizer, device="cpu",
                             with_device=False).plan
             rows.append({"T": T, "predicted_peak_mb": plan.peak_bytes / 2**20, "peak_at": plan.peak_instant})
     return rows
@@ -63,7 +52,15 @@ def plans(lengths: list[int], steps: int, model_dir: str) -> list[dict]:
 
 def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
     import torch
-    from fed_completions import distinct_rewards, peak_rss_mb, random_completions, rss_mb, step_timer
+    from fed_completions import (
+        distinct_rewards,
+        peak_rss_mb,
+        prompts,
+        random_completions,
+        rss_mb,
+        step_timer,
+        training_args,
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if trainer_name == "ours":
@@ -76,8 +73,8 @@ def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
     loaded_mb = rss_mb()
     times: list[dict] = []
     with tempfile.TemporaryDirectory() as output:
-        args = _args(GRPOConfig, output, T, steps)
-        trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=_dataset(),
+        args = training_args(GRPOConfig, output, T, steps)
+        trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=prompts(),
                               rollout_func=random_completions(tokenizer, model.config.vocab_size, T),
                               callbacks=[step_timer(times)])
         trainer.train()
@@ -120,8 +117,8 @@ def main() -> None:
         print(json.dumps(record["plans"]), flush=True)
         if cli.plans_only:
             lengths = []
+        trainers = [name for name in TRAINERS if name in cli.trainers.split(",")]
         for i, T in enumerate(lengths):
-            trainers = [name for name in TRAINERS if name in cli.trainers.split(",")]
             for name in trainers[::-1] if i % 2 else trainers:
                 if name in stopped:
                     continue
