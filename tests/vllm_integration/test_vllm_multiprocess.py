@@ -42,11 +42,14 @@ def test_two_processes_train_with_vllm(tmp_path, served_model, request, mode):
     first = [r["first_round"] for r in results]
     assert first[0]["prompt_ids"] != first[1]["prompt_ids"]
     assert all(len(f["completion_ids"]) == len(f["prompt_ids"]) == 4 for f in first)
-    # every round's server log-probs matched the (synchronised) policy's: the pushes carried the trained weights
+    assert first[0]["completion_ids"] != first[1]["completion_ids"]  # sampled at temperature 1 from the start weights
+    # every round's server log-probs matched the (synchronised) policy's on each process's own prompts: the pushes
+    # carried the trained weights, and no process received another's completions (their log-probs would not match)
     for r in results:
         steps = [h for h in r["log_history"] if "sampling/sampling_logp_difference/max" in h]
         assert len(steps) == 3 and all(h["sampling/sampling_logp_difference/max"] < LOGP_ATOL for h in steps)
     assert results[0]["digest"] == results[1]["digest"]  # DDP kept the processes' weights equal
     for r in results:
         assert r["served"] == r["generate"]  # through the server, for this process's own prompts
-    assert results[0]["served"] != results[1]["served"]  # and each got its own prompts' completions
+    # (the greedy completions of the two processes' prompts may coincide after training, e.g. both an immediate EOS,
+    # so which process received which completions is checked on the sampled rounds above, not here)
