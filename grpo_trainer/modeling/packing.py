@@ -185,9 +185,13 @@ class PackedBatch:
         b_index, c_index = real.nonzero(as_tuple=True)  # [M] each, row-major
         k = rank[b_index, c_index]
         p_row, p_col = packed_row[b_index], offset[b_index] + k
-        # Filler: positions 0, 1, ... after each row's last sequence; token 0, source (0, 0).
-        filled = torch.tensor(used, device=device)[:, None]  # [R, 1]
+        # Filler: positions 0, 1, ... after each row's last sequence; token 0, source (0, 0). Where no row holds
+        # two sequences, the filler continues its row's positions instead: every row then reads as one causal
+        # sequence (a row's real tokens come first and never see the filler after them), so transformers finds no
+        # packed sequences and SDPA runs causal without a dense [R, 1, W, W] mask (one sequence per micro-batch, or
+        # long ones that the cost keeps apart, need none).
         columns = torch.arange(W, device=device)[None, :]  # [1, W]
+        filled = torch.tensor(used if any(len(row) > 1 for row in rows) else [0] * R, device=device)[:, None]
         position_ids = (columns - filled).clamp(min=0).expand(R, W).clone()
         position_ids[p_row, p_col] = k
         packed_ids = input_ids.new_zeros(R, W)

@@ -51,6 +51,8 @@ Decisions:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -200,7 +202,11 @@ def _residual_bytes(settings: PlanSettings) -> int:
 
 
 def _mask_bytes_per_row(settings: PlanSettings) -> int:
-    """The `[N, N]` attention mask each layer's SDPA call converts to the query's dtype and keeps (padding)."""
+    """The `[N, N]` attention mask each layer's SDPA call converts to the query's dtype and keeps (padding). None
+    under flash-attention (no dense mask), nor in a packed forward, whose masks are their own item
+    (`_packed_attention`)."""
+    if settings.packed or settings.varlen_attention:
+        return 0
     return settings.compute_bytes * settings.sequence_length ** 2
 
 
@@ -518,17 +524,28 @@ def _round(b: _Builder, s: PlanSettings, m: ModelShape, replay: tuple[int, int])
 
 
 def packed_mask_elements(s: PlanSettings, m: ModelShape) -> int:
-    """The most elements `R x W^2` of a packed micro-batch's dense attention masks (decision 7). `modeling.packing.plan`
-    keeps the cheapest layout, and one row per sequence (budget: the longest) is among those it weighs, so
-    `R (token W + pair W^2) <= B (token N + pair N^2)`, hence `R W^2 <= B N (N + token / pair)`, with
-    `token / pair = 2 L P_layer / (4 L H D)` (`modeling.forwards.packing_cost`)."""
+    """The most elements `e = R x W^2` of a packed micro-batch's dense attention masks (decision 7).
+
+    `modeling.packing.plan` keeps the cheapest layout, and one sequence per row (budget: the longest) is among those
+    it weighs, so `R (token W + pair W^2) <= B (token N + pair N^2)`. With `x = R W` and `c = token / pair =
+    2 L P_layer / (4 L H D)` (`modeling.forwards.packing_cost`) that is `c x + e <= K = B N (N + c)`, and `e = x W
+    <= x^2` (R >= 1). The largest `e` meeting both is where `x^2 = K - c x`: `x = (sqrt(c^2 + 4 K) - c) / 2`,
+    `e = x^2` (B = 2 rows: one of N tokens and one of 0.56 N packed into one row, 2.44 N^2 at c = N)."""
     B, N = s.micro_batch, s.sequence_length
-    return B * N * (N + m.layer_parameters // (2 * m.heads * m.head_dim))
+    c = m.layer_parameters // (2 * m.heads * m.head_dim)
+    K = B * N * (N + c)
+    x = (math.isqrt(c * c + 4 * K) - c) // 2  # the largest integer x with x^2 + c x <= K (x is R W: an integer)
+    while x * x + c * x > K:
+        x -= 1
+    while (x + 1) ** 2 + c * (x + 1) <= K:
+        x += 1
+    return max(x * x, K - c * (x + 1))  # at x + 1, e <= K - c x binds
 
 
 def _packed_attention(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
-    """Decision 7: a packed forward under SDPA or eager attention masks each packed row densely."""
-    if not s.packed or s.varlen_attention:
+    """Decision 7: a packed forward under SDPA or eager attention masks each packed row densely, unless no row holds
+    two sequences (`modeling.packing`: causal, no mask), which one row per micro-batch guarantees."""
+    if not s.packed or s.varlen_attention or s.micro_batch == 1:
         return
     elements = packed_mask_elements(s, m)
     mask, bias = elements, elements * s.compute_bytes  # bool [R, 1, W, W]; each attention call's additive copy

@@ -13,7 +13,7 @@ from transformers import Qwen2ForCausalLM
 
 from grpo_trainer.modeling import forwards
 from grpo_trainer.modeling.logprobs import completion_logprobs
-from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings
+from grpo_trainer.modeling.packing import Layout, PackedBatch, PackingCost, PackingSettings
 from grpo_trainer.runtime import compat
 from tests.helpers import fast_rollout, greedy_config, grouped_prompts, model_of_kind
 
@@ -99,6 +99,50 @@ def test_packed_equals_padded_values_and_gradients(tokenizer, kind, lora, checkp
     assert any("lora" in name for name in ours_grads) == lora
     for name in padded_grads:
         torch.testing.assert_close(ours_grads[name], padded_grads[name], atol=ATOL, rtol=0, msg=name)
+
+
+def _sdpa_masks(monkeypatch) -> list:
+    """Records the `attn_mask` of every SDPA call (None: causal, no dense mask)."""
+    masks, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return masks
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_rows_of_one_sequence_run_causal_without_a_dense_mask(tokenizer, kind, monkeypatch):
+    """A layout whose rows each hold one sequence (one row per micro-batch, or long sequences the cost keeps
+    apart) gives the filler its row's next positions, so SDPA runs causal with no `[R, 1, W, W]` mask (the memory
+    the planner's "packed attention mask" counts), and the values and gradients are still the padded forward's
+    (Mistral: a sliding window of 4, whose mask transformers builds either way). A layout with shared rows still
+    masks densely."""
+    model = _model(kind, tokenizer, lora=False, checkpointing=True)
+    masks = _sdpa_masks(monkeypatch)
+    ids, mask, T = variable_batch(tokenizer)
+    row_each = Layout([[b] for b in range(8)], 17, mask.sum(1).tolist())  # rows of 17: the longest sequence
+    packed = PackedBatch.of(ids, mask, T, layout=row_each)
+    assert packed.input_ids.shape == (8, 17) and not _shared_rows(packed)
+    completion_mask = mask[:, -T:]
+    padded = completion_logprobs(model, ids, mask, T, with_entropy=True)
+    padded_grads = _loss_grads(model, padded, completion_mask)
+    masks.clear()
+    ours = forwards.packed_logprobs(model, packed, ON, with_entropy=True)
+    if kind == "qwen2":
+        assert masks and all(m is None for m in masks)  # causal: no dense mask in any layer
+    ours_grads = _loss_grads(model, ours, completion_mask)
+    real = completion_mask.bool()
+    torch.testing.assert_close(ours.logps[real], padded.logps[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours.entropy[real], padded.entropy[real], atol=ATOL, rtol=0)
+    for name in padded_grads:
+        torch.testing.assert_close(ours_grads[name], padded_grads[name], atol=ATOL, rtol=0, msg=name)
+    masks.clear()
+    with torch.no_grad():
+        forwards.packed_logprobs(model, PackedBatch.of(ids, mask, T, ROWS_OF_17), ON)
+    assert masks and all(m is not None and m.shape[-1] == 17 for m in masks)  # shared rows: masked densely
 
 
 def test_perturbing_one_sequence_leaves_the_others_bit_identical(tokenizer):

@@ -45,9 +45,10 @@ def test_layout_by_hand():
     ids, mask = _batch()
     packed = PackedBatch.of(ids, mask, completion_length=3, settings=PackingSettings(token_budget=5))
     # Lengths 5, 4, 3; a budget of 5: [row 0], [row 1], [row 2] (4 + 3 > 5): nothing shares a row here,
-    # but each row is only as wide as the longest sequence (5 instead of 6), the rest filler at positions 0, 1, ...
+    # but each row is only as wide as the longest sequence (5 instead of 6), the rest filler. With one sequence per
+    # row the filler continues the row's positions: each row is one causal sequence (no dense mask needed).
     assert packed.input_ids.tolist() == [[11, 12, 13, 14, 15], [21, 22, 23, 24, 0], [31, 32, 33, 0, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
     # Scored: row 0's 13 14 15 (completion columns 0 1 2), row 1's 24 (column 0), row 2's 32 33 (columns 0 1);
     # each predicted by the packed cell before it: flat indices 1 2 3 | 5 + 2 | 10 + 0, 10 + 1.
     assert packed.tokens.tolist() == [13, 14, 15, 24, 32, 33]

@@ -115,6 +115,21 @@ def test_activations_with_and_without_checkpointing():
     assert item(full, "activations")["loss forward"] == 2 * layer + rows * tokens * 64 * 4 * 2
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_the_padded_attention_mask_is_counted_only_where_a_padded_sdpa_forward_makes_it(checkpointing):
+    """The `[N, N]` float32 mask per row (4 rows x 4 B x 16 x 16 = 4,096 B per layer) is in each layer's saved
+    tensors under padded SDPA. A packed forward's masks are the "packed attention mask" item (counted there, not
+    twice), and flash-attention (varlen) makes none: both drop it from the layer recomputation (checkpointing) or
+    from both layers' saved tensors (without)."""
+    mask = 4 * 4 * 16 * 16
+    where, layers = ("backward start", 1) if checkpointing else ("loss forward", 2)
+    name = "layer recomputation" if checkpointing else "activations"
+    padded = dataclasses.replace(SETTINGS, checkpointing=checkpointing)
+    base = item(plan_memory(padded, SHAPE), name)[where]
+    for other in (dataclasses.replace(padded, packed=True), dataclasses.replace(padded, varlen_attention=True)):
+        assert item(plan_memory(other, SHAPE), name)[where] == base - layers * mask
+
+
 def test_sharding_divides_what_zero_partitions():
     two = dataclasses.replace(SETTINGS, processes=2, processes_per_node=2)
     ddp, zero2, zero3 = (plan_memory(dataclasses.replace(two, zero_stage=z), SHAPE) for z in (0, 2, 3))

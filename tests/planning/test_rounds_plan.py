@@ -69,16 +69,41 @@ def test_resampled_rounds_are_held_while_the_last_is_sampled():
 
 
 def test_packed_mask_elements_by_hand():
-    """R W^2 <= B N (N + P_layer / (2 H D)): 40,000 / (2 x 4 x 16) = 312 (floor), so 4 x 16 x (16 + 312)."""
-    assert packed_mask_elements(SETTINGS, SHAPE) == 4 * 16 * (16 + 312) == 20_992
+    """c = P_layer / (2 H D) = 40,000 / (2 x 4 x 16) = 312 (floor); K = B N (N + c) = 4 x 16 x (16 + 312) = 20,992.
+    The packer's layout costs no more than one sequence per row: c x + e <= K with x = R W, and e = x W <= x^2.
+    x = 56: 56^2 + 312 x 56 = 3,136 + 17,472 = 20,608 <= K, so e can reach 3,136; x = 57: 3,249 + 17,784 = 21,033
+    > K, so e <= K - 312 x 57 = 20,992 - 17,784 = 3,208 < 57^2; larger x only lowers K - c x. The bound is 3,208."""
+    assert packed_mask_elements(SETTINGS, SHAPE) == 3_208
+
+
+def test_the_packed_mask_bound_holds_for_the_packers_own_layouts():
+    """Over many length mixes, the layout `modeling.packing.plan` chooses under the cost `packed_mask_elements`
+    assumes has at most that many mask elements, and the bound is near what some mix reaches."""
+    import random
+
+    from grpo_trainer.modeling.packing import PackingCost, PackingSettings, plan
+
+    for B, N, c in ((2, 8_201, 8_300), (4, 16, 312), (8, 1_000, 200), (3, 500, 5_000)):
+        settings = dataclasses.replace(SETTINGS, micro_batch=B, prompt_length=1, completion_length=N - 1)
+        shape = dataclasses.replace(SHAPE, layer_parameters=c * 2 * SHAPE.heads * SHAPE.head_dim)
+        bound = packed_mask_elements(settings, shape)
+        packing = PackingSettings(cost=PackingCost(token=float(c), pair=1.0))
+        rng = random.Random(0)
+        reached = 0
+        for _ in range(300):
+            lengths = [N] + [rng.randint(1, N) for _ in range(B - 1)]
+            rows, width = plan(lengths, packing)
+            reached = max(reached, len(rows) * width ** 2)
+        assert B * N * N <= reached <= bound  # every sequence full: one per row
+        assert reached > 0.8 * bound, (B, N, c, reached, bound)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_packed_forward_with_dense_masks(checkpointing):
-    """A bool mask of 20,992 elements (1 B) per forward, and SDPA's float32 bias (4 B) per layer call: kept for the
+    """A bool mask of 3,208 elements (1 B) per forward, and SDPA's float32 bias (4 B) per layer call: kept for the
     backward by one layer with checkpointing, by both of the 2 layers without."""
     packed = dataclasses.replace(SETTINGS, packed=True, checkpointing=checkpointing)
-    mask, bias = 20_992, 20_992 * 4
+    mask, bias = 3_208, 3_208 * 4
     kept = 1 if checkpointing else 2
     assert item(plan_memory(packed, SHAPE), "packed attention mask") == {
         "rollout": 0, "scoring": mask + bias, "loss forward": mask + kept * bias, "backward start": mask + kept * bias,
@@ -87,6 +112,9 @@ def test_a_packed_forward_with_dense_masks(checkpointing):
     assert item(padded, "packed attention mask") is None
     varlen = plan_memory(dataclasses.replace(packed, varlen_attention=True), SHAPE)  # flash-attention: no mask
     assert item(varlen, "packed attention mask") is None
+    # one row per micro-batch: a row never holds two sequences, so the packed forward runs causal, unmasked
+    alone = plan_memory(dataclasses.replace(packed, micro_batch=1, accumulation_steps=4), SHAPE)
+    assert item(alone, "packed attention mask") is None
     assert plan_memory(packed, SHAPE).peak_bytes > padded.peak_bytes
 
 
