@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TRAINERS = ("ours", "trl")
 
 
-def plans(lengths: list[int], steps: int, model_dir: str) -> list[dict]:
+def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0) -> list[dict]:
     """grpo_trainer's memory plan for each length (`trainer.memory.plan_run`, what the trainer checks before it
     loads the weights): its predicted peak in MiB and the instant it occurs at."""
     from fed_completions import prompts, training_args
@@ -44,13 +44,14 @@ def plans(lengths: list[int], steps: int, model_dir: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as output:
         for T in lengths:
-            plan = plan_run(model_dir, training_args(GRPOConfig, output, T, steps), prompts(), tokenizer, device="cpu",
+            plan = plan_run(model_dir, training_args(GRPOConfig, output, T, steps, mlp_tile_tokens=tile), prompts(),
+                            tokenizer, device="cpu",
                             with_device=False).plan
             rows.append({"T": T, "predicted_peak_mb": plan.peak_bytes / 2**20, "peak_at": plan.peak_instant})
     return rows
 
 
-def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
+def child(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0) -> dict:
     import torch
     from fed_completions import (
         distinct_rewards,
@@ -73,19 +74,21 @@ def child(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
     loaded_mb = rss_mb()
     times: list[dict] = []
     with tempfile.TemporaryDirectory() as output:
-        args = training_args(GRPOConfig, output, T, steps)
+        args = training_args(GRPOConfig, output, T, steps, **({"mlp_tile_tokens": tile} if tile else {}))
         trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=prompts(),
                               rollout_func=random_completions(tokenizer, model.config.vocab_size, T),
                               callbacks=[step_timer(times)])
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"trainer": trainer_name, "T": T, "steps": times, "loaded_rss_mb": loaded_mb, "peak_rss_mb": peak_rss_mb(),
+    return {"trainer": trainer_name, "T": T, "mlp_tile_tokens": tile, "steps": times, "loaded_rss_mb": loaded_mb,
+            "peak_rss_mb": peak_rss_mb(),
             "losses": losses}
 
 
-def run(trainer_name: str, T: int, steps: int, model_dir: str) -> dict:
+def run(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", trainer_name, str(T), model_dir],
+    out = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--mlp-tile-tokens", str(tile), "--child",
+                          trainer_name, str(T), model_dir],
                          env=env, capture_output=True, text=True)
     if out.returncode:
         return {"trainer": trainer_name, "T": T, "error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
@@ -99,21 +102,24 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--trainers", default=",".join(TRAINERS), help="ours,trl (default) or one of them")
+    parser.add_argument("--mlp-tile-tokens", type=int, default=0,
+                        help="grpo_trainer's sequence-tiled MLP (mlp_tile_tokens; TRL has none); 0, its default: off")
     parser.add_argument("--plans-only", action="store_true", help="only grpo_trainer's plans, no training")
     parser.add_argument("--child", nargs=3, metavar=("TRAINER", "T", "MODEL_DIR"), help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.child:
-        print(json.dumps(child(cli.child[0], int(cli.child[1]), cli.steps, cli.child[2])))
+        print(json.dumps(child(cli.child[0], int(cli.child[1]), cli.steps, cli.child[2], cli.mlp_tile_tokens)))
         return
     from shapes import save_real_model
 
     results, stopped = [], set()
-    record = {"date": time.strftime("%Y-%m-%d"), "threads": 1, "budget_gib": cli.budget_gib, "results": results}
+    record = {"date": time.strftime("%Y-%m-%d"), "threads": 1, "budget_gib": cli.budget_gib,
+              "mlp_tile_tokens": cli.mlp_tile_tokens, "results": results}
     with tempfile.TemporaryDirectory() as model_dir:
         record["model"] = save_real_model("qwen2.5-0.5b-2layers", Path(model_dir), "char")
         print(record["model"], flush=True)
         lengths = list(map(int, cli.lengths.split(",")))
-        record["plans"] = plans(lengths, cli.steps, model_dir)
+        record["plans"] = plans(lengths, cli.steps, model_dir, cli.mlp_tile_tokens)
         print(json.dumps(record["plans"]), flush=True)
         if cli.plans_only:
             lengths = []
@@ -122,7 +128,7 @@ def main() -> None:
             for name in trainers[::-1] if i % 2 else trainers:
                 if name in stopped:
                     continue
-                result = run(name, T, cli.steps, model_dir)
+                result = run(name, T, cli.steps, model_dir, cli.mlp_tile_tokens)
                 print(json.dumps(result), flush=True)
                 results.append(result)
                 if "error" in result or result["peak_rss_mb"] > cli.budget_gib * 1024:
