@@ -33,11 +33,14 @@ TRAINERS = ("ours", "trl")
 
 def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0) -> list[dict]:
     """grpo_trainer's memory plan for each length (`trainer.memory.plan_run`, what the trainer checks before it
-    loads the weights): its predicted peak in MiB and the instant it occurs at."""
+    loads the weights): its predicted peak in MiB and the instant it occurs at, and its peak without the packed
+    attention mask (with its allocator share): the bound for rows of mixed lengths, which rows of exactly T tokens
+    (run padded and unmasked, or packed one per row) never build."""
     from fed_completions import prompts, training_args
     from transformers import AutoTokenizer
 
     from grpo_trainer import GRPOConfig
+    from grpo_trainer.planning.estimate import CPU_ALLOCATOR_OVERHEAD
     from grpo_trainer.trainer.memory import plan_run
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
@@ -45,9 +48,12 @@ def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0) -> list
     with tempfile.TemporaryDirectory() as output:
         for T in lengths:
             plan = plan_run(model_dir, training_args(GRPOConfig, output, T, steps, mlp_tile_tokens=tile), prompts(),
-                            tokenizer, device="cpu",
-                            with_device=False).plan
-            rows.append({"T": T, "predicted_peak_mb": plan.peak_bytes / 2**20, "peak_at": plan.peak_instant})
+                            tokenizer, device="cpu", with_device=False).plan
+            mask = [sum(i.bytes[k] for i in plan.items if i.name == "packed attention mask")
+                    for k in range(len(plan.totals()))]
+            unmasked = max(t - m * (1 + CPU_ALLOCATOR_OVERHEAD) for t, m in zip(plan.totals(), mask, strict=True))
+            rows.append({"T": T, "predicted_peak_mb": plan.peak_bytes / 2**20, "peak_at": plan.peak_instant,
+                         "predicted_without_packed_mask_mb": unmasked / 2**20})
     return rows
 
 
