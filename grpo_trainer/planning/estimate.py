@@ -204,8 +204,8 @@ def _residual_bytes(settings: PlanSettings) -> int:
 def _mask_bytes_per_row(settings: PlanSettings) -> int:
     """The `[N, N]` attention mask each layer's SDPA call converts to the query's dtype and keeps (padding). None
     under flash-attention (no dense mask), nor in a packed forward, whose masks are their own item
-    (`_packed_attention`)."""
-    if settings.packed or settings.varlen_attention:
+    (`_packed_attention`; its bound covers a micro-batch that packs no cheaper and runs padded)."""
+    if settings.packs or settings.varlen_attention:
         return 0
     return settings.compute_bytes * settings.sequence_length ** 2
 
@@ -545,7 +545,7 @@ def packed_mask_elements(s: PlanSettings, m: ModelShape) -> int:
 def _packed_attention(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     """Decision 7: a packed forward under SDPA or eager attention masks each packed row densely, unless no row holds
     two sequences (`modeling.packing`: causal, no mask), which one row per micro-batch guarantees."""
-    if not s.packed or s.varlen_attention or s.micro_batch == 1:
+    if not s.packs or s.varlen_attention or s.micro_batch == 1:
         return
     elements = packed_mask_elements(s, m)
     mask, bias = elements, elements * s.compute_bytes  # bool [R, 1, W, W]; each attention call's additive copy

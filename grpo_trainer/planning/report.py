@@ -41,7 +41,7 @@ def format_plan(plan: MemoryPlan, device: DeviceMemory | None = None, title: str
                  + (f", autocast {s.mixed_precision}" if s.mixed_precision else "")
                  + f", checkpointing {'on' if s.checkpointing else 'off'}; rollout: {s.rollout.describe()}"
                  + (f"; {s.rounds.ahead} round(s) sampled ahead" if s.rounds.ahead else "")
-                 + (f"; packed ({'varlen attention' if s.varlen_attention else 'dense masks'})" if s.packed else "")
+                 + (f"; packed ({'varlen attention' if s.varlen_attention else 'dense masks'})" if s.packs else "")
                  + (f"; up to {s.resample_rounds} resampled round(s)" if s.resample_rounds else ""))
     header = "".join(f"{h + ('*' if k == peak else ''):>{_COLUMN_WIDTH}}" for k, h in enumerate(_HEADERS))
     lines.append(f"{'GiB':<{_NAME_WIDTH}}{header}  note")

@@ -160,6 +160,12 @@ class PlanSettings:
         return self.zero_stage == 3 or self.fsdp
 
     @property
+    def packs(self) -> bool:
+        """The log-prob forwards run packed: `padding_free`, but not under ZeRO-3 / FSDP, which score padded by rule
+        (`modeling.forwards`: the LM head runs inside the forward)."""
+        return self.packed and not self.shards_weights
+
+    @property
     def shards_gradients(self) -> bool:
         return self.zero_stage >= 2 or self.fsdp
 

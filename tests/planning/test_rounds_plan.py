@@ -115,6 +115,11 @@ def test_a_packed_forward_with_dense_masks(checkpointing):
     # one row per micro-batch: a row never holds two sequences, so the packed forward runs causal, unmasked
     alone = plan_memory(dataclasses.replace(packed, micro_batch=1, accumulation_steps=4), SHAPE)
     assert item(alone, "packed attention mask") is None
+    # ZeRO-3 and FSDP score padded by rule: their padded masks are in the layers (as padding_free=False), not here
+    for sharded in ({"zero_stage": 3}, {"fsdp": True}):
+        two = dataclasses.replace(packed, processes=2, processes_per_node=2, **sharded)
+        assert item(plan_memory(two, SHAPE), "packed attention mask") is None
+        assert plan_memory(two, SHAPE).totals() == plan_memory(dataclasses.replace(two, packed=False), SHAPE).totals()
     assert plan_memory(packed, SHAPE).peak_bytes > padded.peak_bytes
 
 
