@@ -52,7 +52,6 @@ Decisions:
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
@@ -534,10 +533,8 @@ def packed_mask_elements(s: PlanSettings, m: ModelShape) -> int:
     B, N = s.micro_batch, s.sequence_length
     c = m.layer_parameters // (2 * m.heads * m.head_dim)
     K = B * N * (N + c)
-    x = (math.isqrt(c * c + 4 * K) - c) // 2  # the largest integer x with x^2 + c x <= K (x is R W: an integer)
-    while x * x + c * x > K:
-        x -= 1
-    while (x + 1) ** 2 + c * (x + 1) <= K:
+    x = (math.isqrt(c * c + 4 * K) - c) // 2  # at most the root (isqrt floors); x is R W, an integer
+    while (x + 1) ** 2 + c * (x + 1) <= K:  # up to the largest integer with x^2 + c x <= K
         x += 1
     return max(x * x, K - c * (x + 1))  # at x + 1, e <= K - c x binds
 
