@@ -35,7 +35,7 @@ import torch  # noqa: E402
 G = 2  # tests.helpers.TRAINER_DEFAULTS: 4 rows per process (2 groups of G = 2), 2 steps
 STEPS = 2
 VLM_FAMILY = "qwen2_5_vl"
-VLLM_VLM_FAMILY = "idefics3"  # the family vLLM's CPU build loads (tests/vllm_integration/test_vllm_images.py)
+VLLM_VLM_FAMILY = "idefics3"  # the family vLLM's CPU build loads; served by tests/vllm_integration/conftest.py
 NOT_LOADED = "matrix-refusal/never-loaded"  # a Hub id not in the cache: a refusal cell must stop before reading it
 
 

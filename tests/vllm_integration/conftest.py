@@ -14,12 +14,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.matrix.cell_run import VLLM_VLM_FAMILY as VLM_FAMILY  # the family vLLM's CPU build loads
 from tests.vllm_integration.vllm_helpers import (
     HAS_VLLM,
     requires_vllm,
     served,
     vllm_tiny_model,
+    vllm_tiny_vlm,
 )
 
 
@@ -51,3 +54,39 @@ def vllm_server(served_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     with served(served_model, log, "--gpu_memory_utilization", "0.2") as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def vlm_folder(tmp_path_factory) -> Path:
+    """The tiny Idefics3 and its processor, saved (float32): what the image server serves."""
+    folder = tmp_path_factory.mktemp("vllm_served_vlm")
+    model, processor = vllm_tiny_vlm(VLM_FAMILY)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def shared_vlm_server(vlm_folder):
+    """`grpo-train vllm-serve` serving `vlm_folder`, started once for the session (each start of vLLM costs
+    ~100-150 s of the stage on 2 cores); use it through `vlm_server`, which hands it back holding these weights."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
+    with served(vlm_folder, vlm_folder / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def vlm_server(shared_vlm_server, vlm_folder):
+    """(URL, folder) of the session's image server for one module. Trainers push their trained weights to it and
+    take the server to hold their starting weights until their first push: on leaving the module, the saved
+    weights go back (float32 files, so exactly)."""
+    yield shared_vlm_server, vlm_folder
+    from transformers import AutoModelForImageTextToText
+
+    from grpo_trainer.rollout.vllm.server import ServerClient, ServerWeights
+    from tests.vllm_integration.vllm_helpers import free_port
+
+    client = ServerClient(shared_vlm_server, timeout=60, group_port=free_port())
+    ServerWeights(client, client.transfer).push(AutoModelForImageTextToText.from_pretrained(vlm_folder,
+                                                                                            dtype=torch.float32))

@@ -7,9 +7,9 @@ equal to the straight run, the packed run equal to its padded twin, async stalen
 that kept informative groups. The refused rows (a server with several training processes and async_rollouts)
 must stop before the model loads, naming both settings. Text rows start from the tiny model the session's server
 serves, and their server rows use that server, which gets the served weights back after the module (they push
-trained weights to it); image rows start from the tiny Idefics3 (TRL's placeholder format), served by a server of
-their own. A server samples from one unseeded random state, so a
-server row's resumed run and padded twin replay the straight run's rollouts (`cell_run._sampled`)."""
+trained weights to it); image rows start from the tiny Idefics3 (TRL's placeholder format), served by the session's
+image server (conftest.py), which gets its weights back the same way. A server samples from one unseeded random
+state, so a server row's resumed run and padded twin replay the straight run's rollouts (`cell_run._sampled`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import pytest
 
 from tests.matrix import cell_run, factors
 from tests.matrix.checks import check_refused, check_trained, launch
-from tests.vllm_integration.vllm_helpers import served
 
 pytestmark = pytest.mark.matrix
 
@@ -44,16 +43,10 @@ def text_server(served_model, vllm_server):
 
 
 @pytest.fixture(scope="module")
-def image_server(tmp_path_factory):
-    """`grpo-train vllm-serve` serving the tiny Idefics3 the image rows start from (float32)."""
-    from tests.vllm_integration.vllm_helpers import vllm_tiny_vlm
-
-    folder = tmp_path_factory.mktemp("matrix_vlm")
-    model, processor = vllm_tiny_vlm(cell_run.VLLM_VLM_FAMILY)
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    with served(folder, folder / "server.log") as url:
-        yield url
+def image_server(vlm_server):
+    """The session's image server (tests/vllm_integration/conftest.py: the tiny Idefics3, TRL's placeholder format),
+    holding its served weights again after the module."""
+    return vlm_server[0]
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,15 @@ from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
 from grpo_trainer.rollout.vllm import checks
+from tests.matrix.cell_run import VLLM_VLM_FAMILY
 from tests.trainer.test_vlm import image_dataset, varied_reward
 from tests.vllm_integration.test_vllm_colocate import LOGP_ATOL
 from tests.vllm_integration.vllm_helpers import (
-    served,
     trainer_args,
     vllm_tiny_vlm,
 )
 
-FAMILY = "idefics3"
+FAMILY = VLLM_VLM_FAMILY
 
 
 def _trainer(tmp_path, **overrides):
@@ -77,17 +77,6 @@ def test_greedy_image_completions_equal_generates(tmp_path):
     reference = generate_rollout(trainer.model, batch, config)
     assert torch.equal(out.completion_ids, reference.completion_ids)
     assert len({tuple(r.tolist()) for r in out.completion_ids}) > 1  # the images make the completions differ
-
-
-@pytest.fixture(scope="module")
-def vlm_server(tmp_path_factory):
-    """`grpo-train vllm-serve` serving the tiny Idefics3 (float32)."""
-    folder = tmp_path_factory.mktemp("vlm")
-    model, processor = vllm_tiny_vlm(FAMILY)
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    with served(folder, folder / "server.log") as url:
-        yield url, folder
 
 
 def test_a_vllm_server_samples_image_rounds(tmp_path, vlm_server):
