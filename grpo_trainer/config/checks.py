@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
 from grpo_trainer.config import choices as kinds
 from grpo_trainer.config.choices import choices
@@ -81,6 +83,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
         (not isinstance(args.mlp_tile_tokens, int) or args.mlp_tile_tokens < 0,
          f"mlp_tile_tokens must be an integer >= 0 (got {args.mlp_tile_tokens!r}); 0 turns the tiled MLP off."),
+        (args.activation_offloading and _trains_on_cpu(args),
+         "activation_offloading=True moves the backward's saved tensors from an accelerator to host memory, and this "
+         "run trains on CPU, where they already are; set activation_offloading=False (on CPU, longer completions "
+         f"fit with {_LONG_COMPLETION_LEVERS})."),
         (not isinstance(args.padding_free, bool),
          f"padding_free must be True or False (got {args.padding_free!r})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
@@ -151,6 +157,12 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
     ]
 
 
+def _trains_on_cpu(args: Any) -> bool:
+    """No accelerator for this run: `use_cpu`, or none in the machine (what TRL's offloading helper needs)."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return bool(getattr(args, "use_cpu", False)) or accelerator is None
+
+
 def _skip_changes_gradient(args: Any) -> str | None:
     """The setting under which a completion with advantage 0 still has a loss gradient (None: there is none)."""
     if args.beta != 0:
@@ -186,6 +198,7 @@ def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
         (args.routing_replay == "on", "routing_replay='on' (the sharded forward does not replay routes)",
          "set routing_replay='off'"),
         (args.async_rollouts > 0, f"async_rollouts={args.async_rollouts} (untested)", "set async_rollouts=0"),
+        (args.activation_offloading, "activation_offloading=True (untested)", "set activation_offloading=False"),
         (getattr(args, "deepspeed", None) is not None or bool(getattr(args, "fsdp", None)),
          "DeepSpeed or FSDP (only DDP is wired)", "launch with accelerate_configs/cpu/ddp_sp.yaml"),
     ]

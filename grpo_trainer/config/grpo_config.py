@@ -252,6 +252,12 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "computes this many tokens at a time, so its [tokens, intermediate] activations never exist for the whole "
         "micro-batch; exact (the same values, gradients within float32 rounding), at the price of recomputing the MLP "
         "in the backward. 0: off. For long completions: docs/MEMORY.md, 'How long can I go?'.")
+    activation_offloading: bool = _opt(
+        False, "Move the tensors the loss forward saves for the backward to host memory (pinned, copied on a side "
+        "stream) and bring them back in the backward (TRL's SFT/DPO option of the same name, through TRL's own "
+        "`get_act_offloading_ctx_manager`). Under gradient checkpointing these are each layer's input, the term that "
+        "grows with layers x completion length; exact. Needs an accelerator (GPU): refused on CPU, where they "
+        "already are in host memory. docs/MEMORY.md, 'How long can I go?'.")
     padding_free: bool = _opt(
         True, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
         "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_trainer.modeling.recompute import transient_saves
+
 __all__ = ["replayed_layers"]
 
 
@@ -46,7 +48,7 @@ class _Replayed(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[None, Tensor | None, None]:
         (hidden,) = ctx.saved_tensors
         x = hidden.detach().requires_grad_(ctx.needs_input_grad[1])
-        with torch.enable_grad():
+        with torch.enable_grad(), transient_saves():  # the layer's saves: this backward's own (`modeling.recompute`)
             out = ctx.layer(x)
         out = out[0] if isinstance(out, tuple) else out
         torch.autograd.backward(out, grad_output)

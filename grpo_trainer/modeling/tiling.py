@@ -6,7 +6,8 @@ Decisions:
 
 1. An autograd function (`TiledMLP`) saves only the MLP's input `[N, E]`. Its forward runs the module's own
    forward tile by tile without a graph; its backward recomputes each tile with a graph and takes the gradients of
-   that tile's input and of the module's trainable parameters (`torch.autograd.grad`), summing the parameters' over
+   that tile's input and of the module's trainable parameters (`torch.autograd.grad`; the tile's saved tensors
+   kept as they are, `modeling.recompute`), summing the parameters' over
    tiles and returning them as the function's own: autograd accumulates them once into `.grad`, so DDP and
    DeepSpeed gradient hooks fire once per parameter as without tiling. Exact: every token's values are the
    untiled ones (the MLP is per token); the parameters' gradients are the same sums in another order (float32
@@ -30,6 +31,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+
+from grpo_trainer.modeling.recompute import transient_saves
 
 __all__ = ["TiledMLP", "tiled_mlp", "tiled_mlps"]
 
@@ -59,7 +62,7 @@ class TiledMLP(torch.autograd.Function):
         for tile, tile_grad in zip(flat.split(ctx.tokens), grads.split(ctx.tokens), strict=True):
             tile = tile.detach().requires_grad_(x_grad is not None)
             device, enabled, dtype = ctx.autocast
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), transient_saves():
                 out = ctx.forward(tile)
             wrt = ([tile] if x_grad is not None else []) + parameters
             found = torch.autograd.grad(out, wrt, tile_grad, allow_unused=True) if wrt else ()

@@ -375,6 +375,22 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
     return saved, tiles, f"{per_token} B per token and layer, {rows} rows x {N} tokens"
 
 
+# TRL's `OffloadActivations` keeps the last `max_fwd_stash_size` (5) offloaded tensors on the device until their
+# copies are done; in the backward it holds the tensor in use and the next one it brings back.
+OFFLOAD_STASH = 5
+
+
+def offload_stash(s: PlanSettings, m: ModelShape, saved: int) -> tuple[int, int]:
+    """Device bytes activation offloading leaves in flight (forward's end, backward): `OFFLOAD_STASH` and 2 of the
+    largest tensors the loss forward saves, at most the `saved` bytes themselves. Under checkpointing each is a
+    layer's input `[rows, N, E]`; without it the largest is an MLP intermediate `[rows, N, I]` (tiled: not saved)."""
+    rows, N = s.micro_batch, s.sequence_length
+    widest = m.hidden * _residual_bytes(s)
+    if not s.checkpointing and not s.mlp_tile_tokens:
+        widest = max(widest, m.intermediate * s.compute_bytes)
+    return min(OFFLOAD_STASH * rows * N * widest, saved), min(2 * rows * N * widest, saved)
+
+
 def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int, int, int]:
     """LM-head buffers (`modeling.logprobs`): float32 logits of `chunk_rows` rows at a time in the loss forward,
     in its backward, and in a gradient-free scoring forward."""
@@ -416,7 +432,13 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
                         _BE: full, _O: full},
           f"{m.trainable / 1e6:.1f}M x {element} B" + (f", 1/{s.processes} (sharded)" if s.shards_gradients
                                                         and s.processes > 1 else "") + "; the LM head's first")
-    b.add("activations", {_F: saved, _BS: saved}, note)
+    if s.activation_offloading and s.device == "cuda":
+        b.add("activations", {_F: saved, _BS: saved}, note + "; offloaded (activation_offloading)", host=True)
+        forward_stash, backward_stash = offload_stash(s, m, saved)
+        b.add("offloading stash", {_F: forward_stash, _BS: backward_stash, _BE: backward_stash},
+              f"saved tensors in flight: {OFFLOAD_STASH} at the forward's end, 2 in the backward")
+    else:
+        b.add("activations", {_F: saved, _BS: saved}, note)
     copies = _autocast_copies(s, m, layers_saved=not s.checkpointing)
     b.add("autocast weight copies", {_F: copies, _BS: copies if s.shards_weights else 0},
           f"{s.mixed_precision} casts of the weights at the forward's end (the LM head's"

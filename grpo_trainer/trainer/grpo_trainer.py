@@ -188,6 +188,7 @@ class GRPOTrainer(Trainer):
             self.add_callback(callback)
         self.run_parts = lifecycle.RunParts(self.source, self.rounds.resampler)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
+        self.offloading = parts.activation_offloading(args, self.model)  # docs/MEMORY.md, "How long can I go?"
         self.step_time, self._saving_stuck = StepTime(self.metrics), False
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -322,7 +323,7 @@ class GRPOTrainer(Trainer):
         """The Trainer's step, then `NonFiniteGuard`: a non-finite loss or gradient drops this step's gradients.
         `inputs`: the dataloader's batch (this round's rows), which the Trainer's step turns into the micro-batch's
         `Round` through `_prepare_inputs` (TRL's seam, `test_prepare_input_called_with_correct_data`)."""
-        with self.step_time.micro_step(self.current_gradient_accumulation_steps):
+        with self.step_time.micro_step(self.current_gradient_accumulation_steps), self.offloading:
             try:
                 loss = super().training_step(model, inputs, num_items_in_batch)  # left unscaled: loss_is_scaled_for_ga
             finally:

@@ -144,6 +144,18 @@ def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, round
                        signal_stop)
 
 
+def activation_offloading(args: GRPOConfig, model: nn.Module) -> contextlib.AbstractContextManager:
+    """The context the training step runs in: TRL's activation offloading (`activation_offloading`, the saved
+    tensors of the loss forward to pinned host memory on a side stream and back in the backward), or nothing. A
+    context for the whole step, forward and backward, as TRL's SFT trainer uses it: its manager pairs each saved
+    tensor's copy with its return, and leaving the context waits for both streams."""
+    if not args.activation_offloading:
+        return contextlib.nullcontext()
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    return get_act_offloading_ctx_manager(model)
+
+
 def prepare_auxiliary(module: nn.Module, accelerator: Accelerator, deepspeed: bool, fsdp: bool,
                       shard_under_fsdp: bool = False) -> nn.Module:
     """A reference or reward model put where the policy is: a DeepSpeed engine under DeepSpeed, sharded under FSDP

@@ -4,11 +4,13 @@ loaded or any token generated."""
 import contextlib
 
 import pytest
+import torch
 from datasets import Dataset
 from transformers import TrainingArguments
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_reward
+from grpo_trainer.config import checks
 
 BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
 
@@ -53,6 +55,9 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
                                                "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
     ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
+    ({"activation_offloading": True}, "activation_offloading=True moves the backward's saved tensors from an "
+                                      "accelerator to host memory, and this run trains on CPU, where they already "
+                                      "are; set activation_offloading=False"),
     ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),
     ({"zero_variance_groups": "drop"}, "unknown zero_variance_groups 'drop'; choose one of ('train', 'skip', "
                                        "'resample')"),
@@ -219,12 +224,25 @@ def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_
             (2, {"loss_type": "bnpo"}, "loss_type='bnpo'", "use loss_type='dapo' or 'grpo'"),
             (2, {"async_rollouts": 1}, "async_rollouts=1 (untested)", "set async_rollouts=0"),
             (2, {"top_k": 5}, "truncated sampling", "set top_k=0, top_p=1.0, min_p=None"),
-            (2, {"mlp_tile_tokens": 64}, "mlp_tile_tokens=64", "set mlp_tile_tokens=0")]:
+            (2, {"mlp_tile_tokens": 64}, "mlp_tile_tokens=64", "set mlp_tile_tokens=0"),
+            (2, {"activation_offloading": True}, "activation_offloading=True (untested)",
+             "set activation_offloading=False")]:
+        monkeypatch.setattr(checks, "_trains_on_cpu", lambda args: False)  # as on a GPU: the CPU rule is not first
         with pytest.raises(ValueError) as error:
             config(processes, **overrides)
         message = str(error.value)
         assert "parallelism_config sp_size=2 (DeepSpeed Ulysses sequence parallelism" in message
         assert f"does not combine with {what}" in message and fix in message, message
+
+
+def test_activation_offloading_is_accepted_with_an_accelerator_and_refused_without(monkeypatch):
+    """The CPU refusal (in the table above) reads the machine: with an accelerator the option is accepted, and
+    `use_cpu=True` is refused even where one exists."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert GRPOConfig(**BASE, activation_offloading=True).activation_offloading is True
+    with pytest.raises(ValueError, match="this run trains on CPU, where they already are; set "
+                                         "activation_offloading=False"):
+        GRPOConfig(**BASE, activation_offloading=True, use_cpu=True)
 
 
 def test_sequence_parallelism_refuses_multi_turn_before_loading(args, tokenizer, monkeypatch):
