@@ -6,25 +6,38 @@ Decisions:
 1. The same objective means the same global batch, the same generation rounds and the same algorithm: a
    micro-batch of `micro_batch / k` rows with `k` times the gradient-accumulation steps and `k` times the micro-steps
    per round (so `generation_batch_size` is unchanged and a round is generated exactly as before), activation
-   checkpointing (which recomputes, never changes, a value), and a smaller vLLM memory fraction (which only bounds
-   its KV cache: a round that does not fit at once is queued). Splitting micro-batches changes nothing only where
+   checkpointing (which recomputes, never changes, a value), the sequence-tiled MLP (`mlp_tile_tokens`: the same
+   values, gradients within float32 rounding), on a GPU activation offloading (the same tensors back from host
+   memory), and a smaller vLLM memory fraction (which only bounds its KV cache: a round that does not fit at once
+   is queued). Splitting micro-batches changes nothing only where
    the loss's aggregation sums micro-batches to the whole window's value (`SPLIT_EXACT`): every aggregation but
    `bnpo` (a token mean per micro-batch), and not with `top_entropy_quantile < 1` (a quantile per micro-batch).
 2. LoRA fits where full training does not, but trains other parameters: it is listed, never applied.
-3. Candidates are tried cheapest first: fewer micro-steps, then checkpointing (one more forward per layer), then a
-   lower vLLM fraction; the first that fits is `auto_find_batch_size`'s choice.
+3. Candidates are tried cheapest first by their step-time costs (`CHECKPOINTING_COST`, `TILED_MLP_COST`,
+   `OFFLOADING_COST`, multiplied, times the micro-steps; a lower vLLM fraction adds a constant); the first that
+   fits is `auto_find_batch_size`'s choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from grpo_trainer.algorithms.losses import LOSS_TYPES
 from grpo_trainer.planning.estimate import MemoryPlan, plan_memory
+from grpo_trainer.planning.longest import LONGER_MLP_TILE
 from grpo_trainer.planning.settings import DeviceMemory, ModelShape, PlanSettings
 
 __all__ = ["SPLIT_EXACT", "Fit", "fitting", "split_is_exact"]
+
+# Decision 3's costs, in step time relative to the run as asked (only their order matters). Checkpointing: one more
+# forward of every layer. The tiled MLP: 1.24x / 1.42x the layers' forward and backward at 2k / 4k tokens (benchmarks/
+# RESULTS.md, "The sequence-tiled MLP's price"). Offloading: its copies run on a side stream beside the
+# compute; not measured (no GPU yet), ranked after checkpointing and before a 2-way split.
+CHECKPOINTING_COST = 1.33
+TILED_MLP_COST = 1.4
+OFFLOADING_COST = 1.5
 
 # aggregation -> whether summing a window's micro-batches gives the same loss however the rows are split
 # (tests/planning/test_fit.py checks that every aggregation in `losses.AGGREGATIONS` is classified here)
@@ -72,18 +85,21 @@ def _candidates(settings: PlanSettings, split_exact: bool) -> list[PlanSettings]
     splits = [k for k in range(1, settings.micro_batch + 1) if settings.micro_batch % k == 0] if split_exact else [1]
     checkpointing = [settings.checkpointing] + ([] if settings.checkpointing else [True])
     fractions = [settings.vllm_memory_fraction] + _lower_fractions(settings)
+    tiles = [settings.mlp_tile_tokens] + ([] if settings.mlp_tile_tokens else [LONGER_MLP_TILE])
+    offloading = [settings.activation_offloading] + \
+        ([True] if settings.device == "cuda" and not settings.activation_offloading else [])
     scored = []
-    for k in splits:
-        for ckpt in checkpointing:
-            for fraction in fractions:
-                cost = k * (1.33 if ckpt != settings.checkpointing else 1.0) \
-                    + (fraction != settings.vllm_memory_fraction) * 0.5
-                candidate = dataclasses.replace(
-                    settings, micro_batch=settings.micro_batch // k, accumulation_steps=settings.accumulation_steps * k,
-                    steps_per_generation=settings.steps_per_generation * k, checkpointing=ckpt,
-                    vllm_memory_fraction=fraction)
-                if candidate != settings:
-                    scored.append((cost, len(scored), candidate))
+    for k, ckpt, fraction, tile, offload in itertools.product(splits, checkpointing, fractions, tiles, offloading):
+        cost = k * (CHECKPOINTING_COST if ckpt != settings.checkpointing else 1.0) \
+            * (TILED_MLP_COST if tile != settings.mlp_tile_tokens else 1.0) \
+            * (OFFLOADING_COST if offload != settings.activation_offloading else 1.0) \
+            + (fraction != settings.vllm_memory_fraction) * 0.5
+        candidate = dataclasses.replace(
+            settings, micro_batch=settings.micro_batch // k, accumulation_steps=settings.accumulation_steps * k,
+            steps_per_generation=settings.steps_per_generation * k, checkpointing=ckpt,
+            vllm_memory_fraction=fraction, mlp_tile_tokens=tile, activation_offloading=offload)
+        if candidate != settings:
+            scored.append((cost, len(scored), candidate))
     return [candidate for _, _, candidate in sorted(scored)]
 
 
@@ -99,6 +115,7 @@ def _changes(settings: PlanSettings, candidate: PlanSettings) -> dict:
     """The GRPOConfig fields that turn `settings` into `candidate`."""
     names = {"micro_batch": "per_device_train_batch_size", "accumulation_steps": "gradient_accumulation_steps",
              "steps_per_generation": "steps_per_generation", "checkpointing": "gradient_checkpointing",
-             "vllm_memory_fraction": "vllm_gpu_memory_utilization"}
+             "vllm_memory_fraction": "vllm_gpu_memory_utilization", "mlp_tile_tokens": "mlp_tile_tokens",
+             "activation_offloading": "activation_offloading"}
     return {field: getattr(candidate, name) for name, field in names.items()
             if getattr(candidate, name) != getattr(settings, name)}

@@ -58,3 +58,30 @@ def test_lora_is_listed_never_as_the_same_objective():
     lora = plan_memory(SETTINGS, adapter)
     fits = fitting(SETTINGS, SHAPE, _budget_between(lora, full), split_exact=True, lora_shape=adapter)
     assert [f.same_objective for f in fits][-1] is False and fits[-1].changes["use_peft"] is True
+
+
+def test_the_tiled_mlp_is_proposed_where_only_it_fits():
+    """One row per micro-batch (no split left), checkpointing on, 4,000 completion tokens: the tiled MLP keeps one
+    tile of the recomputed layer's MLP, and only it fits between the two plans; it trains the same objective."""
+    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000)
+    plain = plan_memory(settings, SHAPE)
+    tiled = plan_memory(dataclasses.replace(settings, mlp_tile_tokens=1024), SHAPE)
+    assert tiled.device_bytes < plain.device_bytes
+    fits = fitting(settings, SHAPE, _budget_between(tiled, plain), split_exact=True)
+    assert [f.changes for f in fits] == [{"mlp_tile_tokens": 1024}] and fits[0].same_objective
+
+
+def test_on_a_gpu_activation_offloading_is_proposed_and_never_on_cpu():
+    """The same run on a GPU, between the tiled plan and the tiled and offloaded one: the first fit offloads (the
+    saved layer inputs leave the device); on CPU no fit offloads."""
+    settings = dataclasses.replace(SETTINGS, device="cuda", micro_batch=1, completion_length=4_000,
+                                   mlp_tile_tokens=1024)
+    shape = dataclasses.replace(SHAPE, layers=16)  # many layers: their inputs are the largest term
+    tiled = plan_memory(settings, shape)
+    offloaded = plan_memory(dataclasses.replace(settings, activation_offloading=True), shape)
+    assert offloaded.device_bytes < tiled.device_bytes
+    budget = DeviceMemory("cuda", (offloaded.device_bytes + tiled.device_bytes) // 2, "test")
+    assert fitting(settings, shape, budget, split_exact=True)[0].changes == {"activation_offloading": True}
+    on_cpu = dataclasses.replace(settings, device="cpu")
+    assert all("activation_offloading" not in f.changes
+               for f in fitting(on_cpu, shape, DeviceMemory("cpu", 1 << 40, "test"), split_exact=True, limit=100))
