@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
 from grpo_trainer.config import choices as kinds
 from grpo_trainer.config.choices import choices
@@ -83,10 +81,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
         (not isinstance(args.mlp_tile_tokens, int) or args.mlp_tile_tokens < 0,
          f"mlp_tile_tokens must be an integer >= 0 (got {args.mlp_tile_tokens!r}); 0 turns the tiled MLP off."),
-        (args.activation_offloading and _trains_on_cpu(args),
-         "activation_offloading=True moves the backward's saved tensors from an accelerator to host memory, and this "
-         "run trains on CPU, where they already are; set activation_offloading=False (on CPU, longer completions "
-         f"fit with {_LONG_COMPLETION_LEVERS})."),
+        (not isinstance(args.activation_offloading, bool),
+         f"activation_offloading must be True or False (got {args.activation_offloading!r})."),
         (not isinstance(args.padding_free, bool),
          f"padding_free must be True or False (got {args.padding_free!r})."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
@@ -148,19 +144,13 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          "into GRPO: GRPO builds its policy, old and reference batches inside the trainer after generation, and "
          "accelerate's context parallelism (FSDP2 only) replaces the attention mask by a plain causal one, so the "
          "real tokens of GRPO's left-padded prompt+completion rows would attend to the padding. Set cp_size=1; for "
-         f"long completions use {_LONG_COMPLETION_LEVERS}."),
+         f"long completions use {LONG_COMPLETION_LEVERS}."),
         (_evaluates(args) and (args.per_device_eval_batch_size * args.world_size)
          % (args.num_generations_eval or G) != 0,
          f"the global eval batch (per_device_eval_batch_size {args.per_device_eval_batch_size} x "
          f"{args.world_size} processes) must be divisible by the evaluation's num_generations "
          f"({args.num_generations_eval or G}): each prompt's completions are scored together."),
     ]
-
-
-def _trains_on_cpu(args: Any) -> bool:
-    """No accelerator for this run: `use_cpu`, or none in the machine (what TRL's offloading helper needs)."""
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return bool(getattr(args, "use_cpu", False)) or accelerator is None
 
 
 def _skip_changes_gradient(args: Any) -> str | None:
@@ -175,7 +165,7 @@ def _skip_changes_gradient(args: Any) -> str | None:
 
 
 # What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?").
-_LONG_COMPLETION_LEVERS = ("gradient_checkpointing=True, a smaller logprob_chunk_size, mlp_tile_tokens (the "
+LONG_COMPLETION_LEVERS = ("gradient_checkpointing=True, a smaller logprob_chunk_size, mlp_tile_tokens (the "
                            "sequence-tiled MLP), and `grpo-train plan` for the longest max_completion_length that fits")
 
 

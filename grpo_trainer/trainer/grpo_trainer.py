@@ -109,6 +109,7 @@ class GRPOTrainer(Trainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
         check_config(args)  # again: scripts set fields after building the config
+        setup.check_device(args)
         for message in advisories(args):
             logger.warning(message)
         reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \

@@ -18,11 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from accelerate.utils import set_seed
 from torch import nn
 from torch.utils.data import IterableDataset
 
 from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config.checks import LONG_COMPLETION_LEVERS
 from grpo_trainer.config.settings import reward_settings, turn_settings
 from grpo_trainer.data.checks import check_dataset, check_enough_prompts, eval_datasets, prepare_for_streaming
 from grpo_trainer.modeling import unwrap
@@ -32,7 +34,7 @@ from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.runtime import models
 
-__all__ = ["Policy", "build_policy", "build_reward_sources", "check_inputs", "check_processor_setup",
+__all__ = ["Policy", "build_policy", "build_reward_sources", "check_device", "check_inputs", "check_processor_setup",
            "load_processing_class", "multi_turn_of"]
 
 
@@ -55,6 +57,17 @@ def check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset:
     if args.sync_ref_model and (peft_config is not None or unwrap.is_peft_model(model)):
         raise ValueError("sync_ref_model is not supported with PEFT: the reference is the adapter-free base "
                          "model, which never changes. Set sync_ref_model=False.")
+
+
+def check_device(args: GRPOConfig) -> None:
+    """What the machine the run trains on must have, before anything is loaded: an accelerator for
+    `activation_offloading` (TRL's manager copies from one to host memory). Not a config rule: `grpo-train plan
+    --device cuda` builds the config of a GPU run on any machine."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if args.activation_offloading and (args.use_cpu or accelerator is None):
+        raise ValueError("activation_offloading=True moves the backward's saved tensors from an accelerator to host "
+                         "memory, and this run trains on CPU, where they already are; set "
+                         f"activation_offloading=False (on CPU, longer completions fit with {LONG_COMPLETION_LEVERS}).")
 
 
 def _indexable(dataset: Any) -> bool:

@@ -10,7 +10,6 @@ from transformers import TrainingArguments
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_reward
-from grpo_trainer.config import checks
 
 BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
 
@@ -55,9 +54,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
                                                "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
     ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
-    ({"activation_offloading": True}, "activation_offloading=True moves the backward's saved tensors from an "
-                                      "accelerator to host memory, and this run trains on CPU, where they already "
-                                      "are; set activation_offloading=False"),
+    ({"activation_offloading": "yes"}, "activation_offloading must be True or False (got 'yes')"),
     ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),
     ({"zero_variance_groups": "drop"}, "unknown zero_variance_groups 'drop'; choose one of ('train', 'skip', "
                                        "'resample')"),
@@ -227,7 +224,6 @@ def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_
             (2, {"mlp_tile_tokens": 64}, "mlp_tile_tokens=64", "set mlp_tile_tokens=0"),
             (2, {"activation_offloading": True}, "activation_offloading=True (untested)",
              "set activation_offloading=False")]:
-        monkeypatch.setattr(checks, "_trains_on_cpu", lambda args: False)  # as on a GPU: the CPU rule is not first
         with pytest.raises(ValueError) as error:
             config(processes, **overrides)
         message = str(error.value)
@@ -235,14 +231,21 @@ def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_
         assert f"does not combine with {what}" in message and fix in message, message
 
 
-def test_activation_offloading_is_accepted_with_an_accelerator_and_refused_without(monkeypatch):
-    """The CPU refusal (in the table above) reads the machine: with an accelerator the option is accepted, and
-    `use_cpu=True` is refused even where one exists."""
+def test_activation_offloading_is_refused_on_cpu_before_loading(args, tokenizer, monkeypatch):
+    """The config accepts the option on any machine (`grpo-train plan --device cuda` plans a GPU run anywhere); the
+    trainer refuses it by name where the run trains on CPU, before the model (an id never downloaded) is loaded: on
+    a machine without an accelerator, and with `use_cpu=True` on one with an accelerator."""
+    args.activation_offloading = True
+    message = ("activation_offloading=True moves the backward's saved tensors from an accelerator to host memory, "
+               "and this run trains on CPU, where they already are; set activation_offloading=False")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GRPOTrainer("someorg/never-downloaded", copy_digits_reward, args=args, processing_class=tokenizer,
+                    train_dataset=Dataset.from_dict({"prompt": ["a", "b"] * 4}))
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
-    assert GRPOConfig(**BASE, activation_offloading=True).activation_offloading is True
-    with pytest.raises(ValueError, match="this run trains on CPU, where they already are; set "
-                                         "activation_offloading=False"):
-        GRPOConfig(**BASE, activation_offloading=True, use_cpu=True)
+    args.use_cpu = True
+    with pytest.raises(ValueError, match="this run trains on CPU, where they already are"):
+        GRPOTrainer("someorg/never-downloaded", copy_digits_reward, args=args, processing_class=tokenizer,
+                    train_dataset=Dataset.from_dict({"prompt": ["a", "b"] * 4}))
 
 
 def test_sequence_parallelism_refuses_multi_turn_before_loading(args, tokenizer, monkeypatch):

@@ -50,6 +50,6 @@ def test_the_stash_is_at_most_what_is_saved():
 
 @pytest.mark.parametrize("offloading", [False, True])
 def test_on_cpu_nothing_moves(offloading):
-    """On CPU the option is refused by the config (tests/config/test_validation.py); the plan is the plain one."""
+    """On CPU the trainer refuses the option (tests/config/test_validation.py); the plan is the plain one."""
     settings = dataclasses.replace(SETTINGS, activation_offloading=offloading)
     assert plan_memory(settings, EIGHT).items == plan_memory(SETTINGS, EIGHT).items

@@ -44,7 +44,7 @@ def _step(model_dir, tokenizer, args, offloading=None):
     trainer = GRPOTrainer(str(model_dir), copy_digits_reward, args=args,
                           train_dataset=copy_digits_dataset(num_prompts=16), processing_class=tokenizer)
     if offloading is not None:
-        trainer.offloading = offloading  # what `activation_offloading=True` sets on a GPU (`parts.activation_offloading`)
+        trainer.offloading = offloading  # what activation_offloading=True sets on a GPU (parts.activation_offloading)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
