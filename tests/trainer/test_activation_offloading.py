@@ -5,7 +5,7 @@ single-stream mode without pinned memory (CPU-only torch has neither side stream
 of the loss forward goes through the manager's copy-out and copy-back, and one SGD step moves the weights exactly as
 the run without it: with checkpointing, with the tiled MLP (whose backward runs forwards of its own,
 `modeling/recompute.py`) and with the reference model's KL term. The GPU run (side stream, pinned memory, bytes on
-the device) is tests/gpu/test_activation_offloading.py."""
+the device) is tests/gpu/test_offloading_cuda.py."""
 
 import pytest
 import torch

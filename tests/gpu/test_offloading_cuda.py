@@ -4,7 +4,7 @@ fewer bytes allocated, by about what the plan moves to the host. Skipped, with t
 option is refused (tests/config/test_validation.py), the plan is tested by hand (tests/planning/
 test_offloading_plan.py) and the backward's transients are kept out of the hook (tests/modeling/test_recompute.py).
 
-    python -m pytest -q tests/gpu/test_activation_offloading.py
+    python -m pytest -q tests/gpu/test_offloading_cuda.py
 """
 
 from __future__ import annotations
