@@ -166,7 +166,7 @@ def _skip_changes_gradient(args: Any) -> str | None:
 
 # What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?").
 LONG_COMPLETION_LEVERS = ("gradient_checkpointing=True, a smaller logprob_chunk_size, mlp_tile_tokens (the "
-                           "sequence-tiled MLP), and `grpo-train plan` for the longest max_completion_length that fits")
+                          "sequence-tiled MLP), and `grpo-train plan` for the longest max_completion_length that fits")
 
 
 def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
