@@ -39,12 +39,13 @@ def random_completions(tokenizer, vocab: int, T: int):
     return rollout_func
 
 
-def training_args(config_class, output: str, T: int, steps: int, **options):
+def training_args(config_class, output: str, T: int, steps: int, device: str = "cpu", **options):
     """The same run settings in either trainer's config class: 2 rows (one prompt, G = 2), completions of T tokens,
-    float32 on CPU, each trainer's defaults otherwise (`options`: settings of one trainer's own, given by name)."""
+    float32 on CPU or bfloat16 mixed precision on a GPU (`device` "cuda"), each trainer's defaults otherwise
+    (`options`: settings of one trainer's own, given by name)."""
     return config_class(output_dir=output, per_device_train_batch_size=2, num_generations=2, max_completion_length=T,
-                        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-                        bf16=False, learning_rate=1e-6, seed=0, **options)
+                        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
+                        use_cpu=device == "cpu", bf16=device == "cuda", learning_rate=1e-6, seed=0, **options)
 
 
 def prompts():

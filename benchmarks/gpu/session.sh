@@ -3,7 +3,8 @@
 # under $OUT (default benchmarks/results/gpu_session). Meant for the device tool's one short call:
 #   bash benchmarks/gpu/session.sh             # BUDGET=540 seconds in all, by default (later steps skip past it)
 # It installs the wheels this project was tested with into /tmp/site when `.whl/` holds them (the GPU image has no
-# internet), then: tests/gpu (test_static_decode.py: CUDA graphs); decode_bench.py (generation tokens/s of
+# internet), then: tests/gpu (CUDA graphs, bf16, activation offloading); long_completions.py (issue 41: the longest
+# completion each trainer trains at Qwen2.5-0.5B, T doubling, ours vs TRL with its fused LM head); decode_bench.py (generation tokens/s of
 # generate, TRL's static cache and paged generation, our decoder eager/compact/graphs, the bandwidth bound);
 # bench_gpu.py ours (graphs, default) vs TRL (generate, static cache, paged) at the Qwen2.5-0.5B shape with varied
 # completion lengths;
@@ -33,6 +34,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" \
     >> "$OUT/device.csv" 2>&1
 step gpu_tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
+step long_completions 150 python benchmarks/long_completions.py --device cuda --shape qwen2.5-0.5b --budget-gib 139 \
+    --lengths 8192,16384,32768,65536 --steps 1 --out "$OUT/long_completions.json"
 step decode_bench 150 python benchmarks/gpu/decode_bench.py --shape qwen2.5-0.5b --rows 16 --length 256 \
     --length-spread 64,0.8 --timeout 40 --json-out "$OUT/decode_bench.json"
 step bench_gpu 220 python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --lengths 256 \
