@@ -3,9 +3,9 @@
 # under $OUT (default benchmarks/results/gpu_session). Meant for the device tool's one short call:
 #   bash benchmarks/gpu/session.sh             # BUDGET=540 seconds in all, by default (later steps skip past it)
 # It installs the wheels this project was tested with into /tmp/site when `.whl/` holds them (the GPU image has no
-# internet), then: tests/gpu (CUDA graphs, bf16, activation offloading); long_completions.py (issue 41: the longest
-# completion each trainer trains at Qwen2.5-0.5B, T doubling, ours vs TRL with its fused LM head); decode_bench.py (generation tokens/s of
-# generate, TRL's static cache and paged generation, our decoder eager/compact/graphs, the bandwidth bound);
+# internet), then: tests/gpu (CUDA graphs, bf16, activation offloading); long_completions.py (issue 41: the
+# longest completion each trainer trains at Qwen2.5-0.5B, T doubling, ours vs TRL with its fused LM head);
+# decode_bench.py (generation tokens/s of generate, TRL's static cache and paged generation, our decoder eager/compact/graphs, the bandwidth bound);
 # bench_gpu.py ours (graphs, default) vs TRL (generate, static cache, paged) at the Qwen2.5-0.5B shape with varied
 # completion lengths;
 # memory_grid.py (the planner against torch.cuda's peaks); packing_gpu.py (packed vs padded forward + backward).
