@@ -147,23 +147,6 @@ AGGREGATIONS: dict[str, Aggregation] = {
     "dr_grpo": _constant_length,
     "dapo": _global_token_mean,
 }
-# Sequence parallelism (`modeling.sequence_parallel`): every process of a group of `sp` computes the loss of the
-# group's rows (each process's micro-batch, concatenated) and back-propagates through its own positions; DDP then
-# averages the processes' gradients, so their sum (the gradient of that loss) arrives divided by `sp`. The
-# unsharded DDP run averages `sp` per-process losses. An aggregation that is a mean over rows (`grpo`, `luspo`,
-# `dr_grpo`) of the group's rows equals that average, so the loss is multiplied by `sp`; `dapo`'s normaliser is
-# the window's tokens per process (global), so the group's loss is already the SUM of the per-process losses and
-# DDP's division makes the average: factor 1. `bnpo`'s token mean over the local micro-batch has no such relation:
-# refused (`config.checks`).
-SEQUENCE_PARALLEL_SCALE: dict[str, Callable[[int], float]] = {
-    "grpo": float, "luspo": float, "dr_grpo": float, "dapo": lambda sp: 1.0}
-
-
-def sequence_parallel_scale(loss_type: str, sp_size: int) -> float:
-    """The factor on a sequence-parallel group's loss that makes DDP's gradient the unsharded run's (above)."""
-    return SEQUENCE_PARALLEL_SCALE[LOSS_TYPES[loss_type][1]](sp_size)
-
-
 # loss_type -> (surrogate, aggregation), the two axes TRL's single name packs together.
 LOSS_TYPES: dict[str, tuple[str, str]] = {
     "grpo": ("clip", "grpo"),

@@ -175,16 +175,17 @@ def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
     return [
         (args.world_size != sp, f"{args.world_size} processes (only one group, of all processes, is wired)",
          f"launch {sp} processes or set sp_size={args.world_size}"),
-        (args.loss_type == "bnpo", "loss_type='bnpo' (its per-process token mean does not split over a group)",
-         "use loss_type='dapo' or 'grpo'"),
+        (args.loss_type == "bnpo", "loss_type='bnpo' (untested: its token mean over each process's micro-batch "
+         "needs a 2-process DDP run as the reference)", "use loss_type='dapo' or 'grpo'"),
+        (args.top_entropy_quantile < 1.0,
+         f"top_entropy_quantile={args.top_entropy_quantile} (its quantile pools every process's tokens at once; the "
+         "group trains one process's rows at a time)", "set top_entropy_quantile=1.0"),
         (args.padding_free, "padding_free=True (the sharded forward runs the padded, left-aligned layout)",
          "set padding_free=False"),
         (args.use_vllm, "use_vllm=True (untested)", "set use_vllm=False"),
         (args.top_k > 0 or args.top_p < 1.0 or args.min_p is not None,
          "truncated sampling (top_k / top_p / min_p: the sharded forward scores over the full softmax, not the "
          "kept supports)", "set top_k=0, top_p=1.0, min_p=None"),
-        (args.mlp_tile_tokens > 0, f"mlp_tile_tokens={args.mlp_tile_tokens} (the sharded forward does not tile)",
-         "set mlp_tile_tokens=0"),
         (args.routing_replay == "on", "routing_replay='on' (the sharded forward does not replay routes)",
          "set routing_replay='off'"),
         (args.async_rollouts > 0, f"async_rollouts={args.async_rollouts} (untested)", "set async_rollouts=0"),

@@ -53,7 +53,7 @@ from grpo_trainer.modeling.unwrap import causal_lm, output_head
 logger = logging.getLogger(__name__)
 
 __all__ = ["LOGITS_CHUNK_BYTES", "Float32Head", "Known", "LogProbs", "ScoringHead", "chunk_rows", "chunked_scores",
-           "completion_logprobs", "head_runs_inside_forward", "scoring_head",
+           "completion_logprobs", "head_runs_inside_forward", "logits_scores", "scoring_head",
            "token_logprobs"]
 
 # Values computed under the loss's weights before its forward (the rollout's, on-policy), for the N scored rows:
@@ -151,6 +151,14 @@ def chunked_scores(score: Callable[..., tuple[Tensor, ...]], rows: Tensor, token
         for collected, value in zip(outputs, values):
             collected.append(value)
     return tuple(torch.cat(collected) for collected in outputs)
+
+
+def logits_scores(logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies `[N]` float32 of `tokens` `[N]` under a model's own `logits` `[N, V]` (any dtype),
+    `chunk_rows` rows at a time, so one float32 chunk is alive at a time (recomputed in the backward)."""
+    logps, entropies, _, _ = chunked_scores(_supported_scores, logits, tokens, temperature,
+                                            chunk_rows(chunk_size, logits.shape[-1]))
+    return logps, entropies
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:

@@ -13,7 +13,7 @@ heads for positions and runs plain causal attention), so a real token would atte
    positions (`SequenceShard.of`): `[B, W / sp]` token ids, positions and next-token labels. The labels are
    shifted BEFORE slicing, so the last position of one slice is scored against the first token of the next (as
    DeepSpeed's `UlyssesSPDataLoaderAdapter` does).
-3. Each process gets the log-prob of its positions' next tokens `[B, W / sp]`; `gather_positions` joins the
+3. Each process gets the log-prob of its positions' next tokens `[B, W / sp]` (through the chunked LM head); `gather_positions` joins the
    group's slices into `[B, W]` (differentiably), and `completion_columns` picks the completion tokens' `[B, T]`
    back: completion token `j` of row `b` sits at column `p_b + j` after step 1 (`p_b` its real prompt length), so it
    is predicted at column `p_b + j - 1`.
@@ -32,6 +32,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
+
+from grpo_trainer.modeling import logprobs, tiling
+from grpo_trainer.modeling.unwrap import causal_lm
 
 __all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width",
            "ShardedScores", "activate", "deactivate", "install", "sharded_forwards", "sharded_scores"]
@@ -186,21 +189,46 @@ class ShardedScores(NamedTuple):
 
 
 def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-                   group=None, temperature: float = 1.0, pad_token_id: int = 0) -> ShardedScores:
+                   group=None, temperature: float = 1.0, pad_token_id: int = 0, chunk_size: int = 1024,
+                   mlp_tile_tokens: int = 0) -> ShardedScores:
     """Log-probs and entropies `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`
     (left-padded prompts, right-padded completions), the forward split along positions over `group` with Ulysses
     attention (`install` first). Every process of the group must call it with the same rows; each gets the same
     result, differentiable through its own positions (`gather_positions`). The attention stays sharded until
     `deactivate` (its backward may recompute it). Values at padding positions are not meaningful (a loss masks
-    them)."""
+    them).
+
+    The slice's positions are scored through the chunked LM head (`logprobs.ScoringHead`, `chunk_size` rows at a
+    time) as the unsharded forward's are: `[B, W / sp, V]` float32 logits, their softmax and its product would be
+    three times 4.9 GB at 8k positions of a 152k vocabulary. A model whose logits are not its head's output is
+    scored from its own logits, chunk by chunk, when every process of the group finds so (a second forward: each
+    forward is a collective under Ulysses, so the group takes one path). `mlp_tile_tokens`: each decoder layer's MLP
+    computes that many of the slice's positions at a time (`modeling.tiling`, as ALST pairs Ulysses with TiledMLP)."""
     rank, size = torch_dist.get_rank(group), torch_dist.get_world_size(group)
     shard = SequenceShard.of(input_ids, attention_mask, input_ids.shape[1] - completion_length, rank, size,
                              pad_token_id)
     activate(group if group is not None else torch_dist.group.WORLD)
     _state["forwards"] += 1
-    logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False).logits
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, W / sp, V]
-    logps = logp_all.gather(-1, shard.labels.unsqueeze(-1)).squeeze(-1)  # [B, W / sp]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, W / sp]
+    inputs = {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "use_cache": False}
+    with tiling.tiled_mlps(causal_lm(model), mlp_tile_tokens):
+        out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+    head = logprobs.scoring_head(model, out, chunk_size)
+    labels = shard.labels.reshape(-1)  # [B * W / sp]
+    if _all_agree(head is not None, group, input_ids.device):
+        hidden = out.hidden_states[-1]  # [B, W / sp, H]
+        logps, entropy = head.score(hidden.reshape(-1, hidden.shape[-1]), labels, temperature, with_entropy=True)[:2]
+    else:
+        del out
+        with tiling.tiled_mlps(causal_lm(model), mlp_tile_tokens):
+            logits = model(**inputs).logits  # [B, W / sp, V]
+        logps, entropy = logprobs.logits_scores(logits.reshape(-1, logits.shape[-1]), labels, temperature, chunk_size)
+    logps, entropy = logps.view(shard.labels.shape), entropy.view(shard.labels.shape)  # [B, W / sp]
     return ShardedScores(shard.completion(gather_positions(logps, group)),
                          shard.completion(gather_positions(entropy, group)))
+
+
+def _all_agree(value: bool, group, device: torch.device) -> bool:
+    """True when `value` is True on every process of `group` (`device`: where its backend reduces)."""
+    flag = torch.tensor([int(value)], device=device)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -316,8 +316,12 @@ class GRPOTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:
-        loss = self.objective(model, inputs, "train" if model.training else "eval", self.accelerator.sync_gradients)
-        loss = self.sequence.loss(loss) if model.training else loss
+        if not model.training:
+            loss = self.objective(model, inputs, "eval")
+        else:  # a sequence-parallel group runs the backward of all but the last share itself (`SequenceGroup.loss`)
+            sync = self.accelerator.sync_gradients
+            loss = self.sequence.loss(lambda share, last: self.objective(model, share, "train", sync and last),
+                                      inputs, model, self.accelerator.backward)
         return (loss, None) if return_outputs else loss
 
     def training_step(self, model: nn.Module, inputs: list[dict], num_items_in_batch: Any = None) -> Tensor:

@@ -106,7 +106,8 @@ class PolicyScorer:
         width = inputs.completion_ids.shape[1]
         if policy and self.sp_group is not None and model.training:  # every process its slice of positions
             scores = sequence_parallel.sharded_scores(model, input_ids, attention_mask, width, self.sp_group,
-                                                      self.settings.temperature)
+                                                      self.settings.temperature, chunk_size=self.settings.chunk_size,
+                                                      mlp_tile_tokens=self.settings.mlp_tile_tokens)
             return LogProbs(scores.logps, scores.entropy)
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         known = inputs.sampler.stand_ins if policy else (None,) * 3

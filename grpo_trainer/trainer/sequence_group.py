@@ -3,10 +3,14 @@ per layout behind one interface, so the trainer never tests `sp_size`:
 
 - `Unsharded`: every run without `parallelism_config.sp_size > 1`; each method is the identity.
 - `UlyssesGroup`: every process of the run is one group. Each process samples its own rows as under DDP; each
-  micro-batch (with its old and reference log-probs, computed unsharded) is then gathered over the group, so every
-  process holds the group's rows and runs the policy forward on its slice of their positions through DeepSpeed's
-  Ulysses attention (`modeling.sequence_parallel`). The loss is scaled so that DDP's mean of the processes'
-  gradients is the unsharded run's (`algorithms.losses.sequence_parallel_scale`), and the logged loss divided back.
+  micro-batch (with its old and reference log-probs, computed unsharded) is then gathered over the group, and the
+  group trains on one process's rows at a time, as ALST does (arXiv:2506.13996): every process runs the policy
+  forward of that share on its slice of the positions through DeepSpeed's Ulysses attention
+  (`modeling.sequence_parallel`), computes that share's loss (the loss its own process computes under DDP) and
+  back-propagates through its positions, DDP's all-reduce held back (`no_sync`) until the last share. A process
+  then holds one share's activations at `1 / sp_size` of their positions: `per_device_train_batch_size` rows of
+  `N / sp_size` tokens, where DDP holds them at `N`. The gradients summed over shares and averaged by DDP over the
+  group are DDP's mean of the per-process losses' gradients, for every aggregation: no factor on the loss.
 
 Accelerate and the Trainer must not see `sp_size` (`hidden_from_accelerate`): their Ulysses path wants a DeepSpeed
 engine and re-shards the prompt data loader, while GRPO's sequences exist only after generation.
@@ -15,20 +19,31 @@ engine and re-shards the prompt data loader, while GRPO's sequences exist only a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from grpo_trainer.algorithms import losses
 from grpo_trainer.modeling import routing, sequence_parallel
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.scoring import PolicyScorer
 
-__all__ = ["SequenceGroup", "UlyssesGroup", "Unsharded", "sequence_group"]
+__all__ = ["SequenceGroup", "Shares", "UlyssesGroup", "Unsharded", "sequence_group"]
+
+
+# objective(share, last): the loss of one micro-batch; `last` is False for a share whose backward is followed by
+# another's in the same micro-step (the optimizer-step bookkeeping, such as adaptive entropy control, waits for it).
+Objective = Callable[[Round, bool], Tensor]
+
+
+@dataclass(frozen=True)
+class Shares:
+    """A sequence-parallel group's micro-batches, one per process in rank order (every process holds them all)."""
+
+    rounds: tuple[Round, ...]
 
 
 class SequenceGroup:
@@ -42,13 +57,14 @@ class SequenceGroup:
     def attach(self, model: nn.Module, scorer: PolicyScorer) -> None:
         """Make `scorer`'s training forwards of `model` sharded (after the model is prepared)."""
 
-    def rows(self, micro: Round, pad_token_id: int) -> Round:
-        """The micro-batch this process trains on."""
+    def rows(self, micro: Round, pad_token_id: int) -> Round | Shares:
+        """What this process's micro-step trains on."""
         return micro
 
-    def loss(self, loss: Tensor) -> Tensor:
-        """The training loss to back-propagate."""
-        return loss
+    def loss(self, objective: Objective, inputs: Round | Shares, model: nn.Module,
+             backward: Callable[[Tensor], None]) -> Tensor:
+        """The training loss the Trainer back-propagates; a group runs `backward` itself for what comes before."""
+        return objective(inputs, True)
 
     def logged(self, loss: Tensor) -> Tensor:
         """The loss `training_step` reports (the unsharded run's)."""
@@ -63,8 +79,9 @@ class Unsharded(SequenceGroup):
 
 
 class UlyssesGroup(SequenceGroup):
-    def __init__(self, size: int, loss_type: str) -> None:
-        self.size, self.scale = size, losses.sequence_parallel_scale(loss_type, size)
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._earlier: list[Tensor] = []  # this micro-step's shares' losses before the last (detached)
 
     @contextlib.contextmanager
     def hidden_from_accelerate(self, args: Any) -> Iterator[None]:
@@ -85,18 +102,29 @@ class UlyssesGroup(SequenceGroup):
         sequence_parallel.install(model)
         scorer.sp_group = torch.distributed.group.WORLD
 
-    def rows(self, micro: Round, pad_token_id: int) -> Round:
+    def rows(self, micro: Round, pad_token_id: int) -> Shares:
         parts: list[Round | None] = [None] * self.size
         torch.distributed.all_gather_object(parts, micro)
-        return dataclasses.replace(Round.concat(parts, pad_token_id), window_tokens=micro.window_tokens)
+        return Shares(tuple(parts))
 
-    def loss(self, loss: Tensor) -> Tensor:
-        return loss * self.scale  # DDP's mean over the group against the rows' aggregation
+    def loss(self, objective: Objective, inputs: Shares, model: nn.Module,
+             backward: Callable[[Tensor], None]) -> Tensor:
+        # DDP decides at the forward whether the next backward all-reduces: each share before the last runs its
+        # forward and backward under no_sync, its gradients accumulating locally; the last one's backward (the
+        # Trainer's) all-reduces the sum
+        self._earlier = []
+        for share in inputs.rounds[:-1]:
+            with model.no_sync():
+                loss = objective(share, False)
+                backward(loss)
+            self._earlier.append(loss.detach())
+        return objective(inputs.rounds[-1], True)
 
     def logged(self, loss: Tensor) -> Tensor:
-        # After `loss`'s scale the group's loss is `size` times the mean of the unsharded processes' losses, for
-        # every aggregation (algorithms.losses): the logged value is that mean
-        return loss / self.size
+        # Every process computed every share's loss: their mean is DDP's mean of the processes' losses
+        total = loss + sum(self._earlier)
+        self._earlier = []
+        return total / self.size
 
     def step_done(self) -> None:
         sequence_parallel.deactivate()
@@ -105,4 +133,4 @@ class UlyssesGroup(SequenceGroup):
 def sequence_group(args: Any) -> SequenceGroup:
     """The layout `args.parallelism_config` asks for (config.checks refuses what does not combine with it)."""
     size = getattr(args.parallelism_config, "sp_size", None) or 1
-    return UlyssesGroup(size, args.loss_type) if size > 1 else Unsharded()
+    return UlyssesGroup(size) if size > 1 else Unsharded()

@@ -19,7 +19,6 @@ from grpo_trainer.algorithms.losses import (
     nanmax,
     nanmin,
     policy_loss,
-    sequence_parallel_scale,
 )
 from tests.algorithms.numeric import F64, close, t
 
@@ -464,17 +463,3 @@ def test_engine_ratio_weights_the_surrogate_not_the_kl():
     out = policy_loss(logps, t([1.0, -1.0]), mask, LossNorm(), loss_type="grpo", engine_ratio=weights)
     (grad,) = torch.autograd.grad(out.loss, logps)
     close(grad, [[-0.125, -0.375], [0.5, 0.0]])
-
-
-def test_sequence_parallel_scale_by_hand():
-    # A group of sp = 2 processes with micro-batches R0, R1 of B rows each; every process computes the loss of
-    # their union U and DDP halves the sum of the two processes' gradients. Unsharded DDP: (L(R0) + L(R1)) / 2.
-    # grpo (mean over rows): L(U) = (L(R0) + L(R1)) / 2, so the group's loss is multiplied by 2 (DDP's 1/2 undone);
-    # e.g. row means 1, 3 (R0) and 5, 7 (R1): L(U) = 4, DDP-unsharded mean = (2 + 6) / 2 = 4, sharded gradient sum
-    # arrives as 4/2 without the factor. dapo (token sum over the window's tokens per process N): L(U) =
-    # (S0 + S1) / N = L(R0) + L(R1), which DDP's 1/2 turns into the mean: factor 1.
-    assert sequence_parallel_scale("grpo", 2) == 2.0 and sequence_parallel_scale("sapo", 4) == 4.0
-    assert sequence_parallel_scale("dr_grpo", 2) == 2.0 and sequence_parallel_scale("luspo", 2) == 2.0
-    assert sequence_parallel_scale("dapo", 2) == 1.0 and sequence_parallel_scale("cispo", 2) == 1.0
-    with pytest.raises(KeyError):  # bnpo's local token mean: refused by the config (config.checks)
-        sequence_parallel_scale("bnpo", 2)

@@ -215,13 +215,15 @@ def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_
                              **overrides})
 
     assert config(2).parallelism_config.sp_size == 2
+    assert config(2, mlp_tile_tokens=64).mlp_tile_tokens == 64  # the sharded forward tiles (tests/distributed)
     for processes, overrides, what, fix in [
             (1, {}, "1 processes (only one group, of all processes, is wired)", "launch 2 processes"),
             (2, {"padding_free": True}, "padding_free=True", "set padding_free=False"),
-            (2, {"loss_type": "bnpo"}, "loss_type='bnpo'", "use loss_type='dapo' or 'grpo'"),
+            (2, {"loss_type": "bnpo"}, "loss_type='bnpo' (untested", "use loss_type='dapo' or 'grpo'"),
+            (2, {"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5 (its quantile pools",
+             "set top_entropy_quantile=1.0"),
             (2, {"async_rollouts": 1}, "async_rollouts=1 (untested)", "set async_rollouts=0"),
             (2, {"top_k": 5}, "truncated sampling", "set top_k=0, top_p=1.0, min_p=None"),
-            (2, {"mlp_tile_tokens": 64}, "mlp_tile_tokens=64", "set mlp_tile_tokens=0"),
             (2, {"activation_offloading": True}, "activation_offloading=True (untested)",
              "set activation_offloading=False")]:
         with pytest.raises(ValueError) as error:

@@ -54,7 +54,7 @@ MODES = {
     "fsdp2": Mode("fsdp2.yaml", "FSDP", "FSDPModule", env=CPU),
     "lora_ddp": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--lora",), env=CPU, lora=True),
     # padding_free: packed log-prob forwards (the 1-process reference runs padded).
-    # Sequence parallelism: each process scores half of every sequence's positions of both processes' rows.
+    # Sequence parallelism: each process scores half of the positions of each process's rows in turn (ALST's loop).
     "ddp_sp": Mode("ddp_sp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--sequence-parallel",), env=CPU),
     "ddp_packed": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", ("--padding-free",), env=CPU),
     "zero2_packed": Mode("deepspeed_zero2.yaml", "DEEPSPEED", "DeepSpeedEngine",

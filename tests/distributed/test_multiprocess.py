@@ -116,7 +116,7 @@ def test_logged_metrics_are_global(name, run_mode, run_reference):
         for key in ("entropy", "kl"):
             assert log[key] == pytest.approx((local0[key] + local1[key]) / 2, abs=1e-6), key
     pairs = list(zip(rank0["local_metrics"], rank1["local_metrics"]))
-    if name == "ddp_sp":  # both processes score the group's rows (each its half of the positions): same metrics
+    if name == "ddp_sp":  # both processes score every share (each its half of the positions): same metrics
         assert all(a["entropy"] == pytest.approx(b["entropy"], abs=1e-6) for a, b in pairs)
     else:
         assert any(a["entropy"] != b["entropy"] for a, b in pairs)
@@ -206,20 +206,20 @@ def test_packed_modes_ran_packed_forwards_on_every_process(name, run_mode):
 
 
 def test_sequence_parallel_mode_sharded_every_policy_forward(run_mode):
-    """sp_size=2: every micro-step's policy forward (3 steps x 2 micro-steps) ran sharded on both processes, each
-    scoring its half of the positions of both processes' rows (gathered), while the weights match the unsharded
-    1-process run (test_weights_match_single_process_run[ddp_sp]); the other modes ran none."""
+    """sp_size=2: every micro-step (3 steps x 2 micro-steps) ran one sharded policy forward per process's rows (ALST's
+    loop: 2 shares), on both processes, each scoring its half of the share's positions, while the weights match the
+    unsharded 1-process run (test_weights_match_single_process_run[ddp_sp]); the other modes ran none."""
     result, _ = run_mode("ddp_sp")
-    assert [rank["sharded_forwards"] for rank in result["ranks"]] == [3 * 2, 3 * 2]
+    assert [rank["sharded_forwards"] for rank in result["ranks"]] == [3 * 2 * 2, 3 * 2 * 2]
     assert [rank["sharded_forwards"] for rank in run_mode("ddp")[0]["ranks"]] == [0, 0]
 
 
 def test_sequence_parallel_grpo_loss_matches_the_unsharded_run(run_mode, run_reference, model_dir):
-    """loss_type='grpo' (a mean over rows, so the group's loss is multiplied by sp_size against DDP's mean:
-    `algorithms.losses.sequence_parallel_scale`): under SGD, where a gradient's scale shows in the weights (without
-    the factor each step would move them half as far), the weights after 3 steps with sp_size=2 equal the
-    1-process run's over the same global batch (DDP's average of the two processes' means is that run's mean:
-    test_weights_match_single_process_run[ddp]), and training moved them."""
+    """loss_type='grpo' (a mean over rows): each share's loss is its process's DDP loss, unscaled, so under SGD,
+    where a gradient's scale shows in the weights (the gathered layout this loop replaced needed a factor of
+    sp_size on the loss; a wrong factor moves them 2x or 0.5x as far each step), the weights after 3 steps with
+    sp_size=2 equal the 1-process run's over the same global batch (DDP's average of the two processes' means is
+    that run's mean: test_weights_match_single_process_run[ddp]), and training moved them."""
     sp = _params(run_mode("ddp_sp_grpo")[1])
     unsharded = _params(run_reference(False, loss_type="grpo", sgd=True)[1])
     assert _max_diff(sp, unsharded) < PARAM_TOL

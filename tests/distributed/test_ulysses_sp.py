@@ -54,9 +54,16 @@ def test_ulysses_attention_on_two_cpu_processes_equals_the_unsharded_model(tmp_p
         assert (layout["width"], layout["real_tokens"]) == (12, 12)
         assert layout["logp_diff"] <= 1e-5 and layout["logp_scale"] > 1.0
         assert layout["grad_diff"] <= 1e-5 and layout["grad_scale"] > 0.1
-    # The scoring call the trainer would use (sharded_completion_logps: Ulysses only around the forward) gives the
-    # same for the 2-row micro-batch, and for a 1-row one after it (an instance per row count); the plain attention
-    # is back afterwards (the 1-row reference was computed between the calls, with the mask).
+    # The scoring call the trainer uses (sharded_scores: Ulysses only around the forward) gives the same for the
+    # 2-row micro-batch, and for a 1-row one after it (an instance per row count); the plain attention is back
+    # afterwards (the 1-row reference was computed between the calls, with the mask). Through the chunked LM head
+    # (one forward), in several chunks too, from the model's own logits when one process's head check fails (both
+    # processes then ran a second forward, else the group would hang), and with the sequence-tiled MLP.
     for r in ranks:
-        assert r["scorer"]["logp_diff"] <= 1e-5 and r["scorer"]["grad_diff"] <= 1e-5
-        assert r["scorer"]["one_row_logp_diff"] <= 1e-5
+        scorer = r["scorer"]
+        for case in ("two_rows", "chunked", "own_logits", "tiled"):
+            assert scorer[case]["logp_diff"] <= 1e-5 and scorer[case]["grad_diff"] <= 1e-5, case
+        assert scorer["one_row"]["logp_diff"] <= 1e-5
+        assert [scorer[case]["forwards"] for case in ("two_rows", "chunked", "own_logits")] == [1, 1, 2]
+        # the MLP saw the slice's 6 positions of each row at once ([2, 6, I]), and tiled: the 12 tokens 4 at a time
+        assert scorer["two_rows"]["mlp_rows"] == [6] and scorer["tiled"]["mlp_rows"] == [4]

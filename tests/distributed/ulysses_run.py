@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from deepspeed_cpu import skip_shm_op_build  # beside this script, on sys.path when it is launched
 from teardown import leave_cleanly
 
+from grpo_trainer.modeling import logprobs
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.modeling.sequence_parallel import SequenceShard, deactivate, gather_positions, install, sharded_scores
 
@@ -105,24 +106,49 @@ def main() -> None:
     alone_diff = (alone - reference_logps[:, local]).abs().max().item()
 
     # The trainer's scoring call (sharded_scores): Ulysses installed only around the forward, over the
-    # whole world group, for the 2-row micro-batch and then a 1-row one (row counts vary between micro-batches).
+    # whole world group, for the 2-row micro-batch and then a 1-row one (row counts vary between micro-batches);
+    # then the 2-row one again through the LM head in chunks of 5 positions (3 chunks of this process's 12), and
+    # with rank 1's head check failing (`scoring_head` None there), where the group must agree on scoring the
+    # model's own logits (a second forward on both processes, or they would wait on each other).
     scorer = {}
     install(model)
-    for rows in (slice(0, 2), slice(1, 2)):
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    # And with the sequence-tiled MLP, 4 of the process's 6 positions at a time (2 tiles), under gradient
+    # checkpointing (the trainer's default), where the tiled MLP is recomputed inside the layer's recomputation.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tile_calls = []
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_hook(lambda module, args, output: tile_calls.append(args[0].shape[-2]))
+    for case, rows, chunk, head_fails, tile in (("two_rows", slice(0, 2), 1024, False, 0),
+                                                ("one_row", slice(1, 2), 1024, False, 0),
+                                                ("chunked", slice(0, 2), 5, False, 0),
+                                                ("own_logits", slice(0, 2), 1024, rank == 1, 0),
+                                                ("tiled", slice(0, 2), 1024, False, 4)):
         model.zero_grad(set_to_none=True)
-        scored = sharded_scores(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD).logps
+        forwards.clear()
+        original = logprobs.scoring_head
+        if head_fails:
+            logprobs.scoring_head = lambda *args: None
+        try:
+            tile_calls.clear()
+            scored = sharded_scores(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD,
+                                    chunk_size=chunk, mlp_tile_tokens=tile).logps
+        finally:
+            logprobs.scoring_head = original
         (scored * grpo_weights[rows]).sum().backward()
         deactivate()
         for parameter in model.parameters():
             torch_dist.all_reduce(parameter.grad)
         if rows.start == 0:
-            scorer = {"logp_diff": (scored - reference_grpo).abs().max().item(),
-                      "grad_diff": max((p.grad - reference_grpo_grads[n]).abs().max().item()
-                                       for n, p in model.named_parameters())}
+            scorer[case] = {"logp_diff": (scored - reference_grpo).abs().max().item(),
+                            "grad_diff": max((p.grad - reference_grpo_grads[n]).abs().max().item()
+                                             for n, p in model.named_parameters()),
+                            "forwards": len(forwards), "mlp_rows": sorted(set(tile_calls))}
         else:
             with torch.no_grad():
                 plain_row = completion_logprobs(model, grpo_ids[rows], grpo_mask[rows], completion_length=6).logps
-            scorer["one_row_logp_diff"] = (scored - plain_row).abs().max().item()
+            scorer[case] = {"logp_diff": (scored - plain_row).abs().max().item()}
     model.zero_grad(set_to_none=True)
 
     mpu = UlyssesSPAttentionHF.register_with_transformers(
