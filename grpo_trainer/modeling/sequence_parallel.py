@@ -13,10 +13,10 @@ heads for positions and runs plain causal attention), so a real token would atte
    positions (`SequenceShard.of`): `[B, W / sp]` token ids, positions and next-token labels. The labels are
    shifted BEFORE slicing, so the last position of one slice is scored against the first token of the next (as
    DeepSpeed's `UlyssesSPDataLoaderAdapter` does).
-3. Each process gets the log-prob of its positions' next tokens `[B, W / sp]` (through the chunked LM head); `gather_positions` joins the
-   group's slices into `[B, W]` (differentiably), and `completion_columns` picks the completion tokens' `[B, T]`
-   back: completion token `j` of row `b` sits at column `p_b + j` after step 1 (`p_b` its real prompt length), so it
-   is predicted at column `p_b + j - 1`.
+3. Each process gets the log-prob of its positions' next tokens `[B, W / sp]` (through the chunked LM head);
+   `gather_positions` joins the group's slices into `[B, W]` (differentiably), and `completion_columns` picks the
+   completion tokens' `[B, T]` back: completion token `j` of row `b` sits at column `p_b + j` after step 1 (`p_b`
+   its real prompt length), so it is predicted at column `p_b + j - 1`.
 
 Every process of the group then holds the same `[B, T]` log-probs and computes the same loss from them; the
 gradient reaching a process's slice is that process's share (see `gather_positions`).
