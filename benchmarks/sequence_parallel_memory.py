@@ -15,11 +15,13 @@ the trainer's scoring call and the backward of a weighted sum of the completion 
   and back-propagated before the next (`trainer.sequence_group.UlyssesGroup`'s loop; DDP's no_sync has nothing to
   hold back without a DDP wrapper, so each share's gradient is all-reduced by hand after both).
 
-Per process: resident memory after the model is built, the peak (VmHWM) after the step, and the step's CPU seconds.
-Weights and their gradients (166M float32 parameters: 633 MiB each) are in every figure; the activations are the
-difference. The trainer's other forwards (old and reference log-probs) run unsharded and without a graph.
+Per process: resident memory after the model is built, the peak (VmHWM) after the step, and the step's CPU seconds,
+with glibc's heap held to the live tensors as the trainer holds it on CPU (`runtime.host_memory`). Weights and their
+gradients (166M float32 parameters: 633 MiB each), the tied embedding's dense gradient and the accumulation of a
+second backward are in every figure and do not grow with T: run a short T (256) beside the long one and compare
+what grows. The trainer's other forwards (old and reference log-probs) are sharded the same way, without a graph.
 
-    PYTHONPATH=. python benchmarks/sequence_parallel_memory.py --lengths 4096,8192 \
+    PYTHONPATH=. python benchmarks/sequence_parallel_memory.py --lengths 256,8192 \
         --out benchmarks/results/sequence_parallel_memory_cpu_<date>.json
 """
 
@@ -56,8 +58,10 @@ def child(mode: str, rank: int, world: int, T: int, rows: int, shape: str) -> di
     from shapes import build_real_model, load_tokenizer
 
     from grpo_trainer.modeling import forwards, sequence_parallel
+    from grpo_trainer.runtime.host_memory import hold_heap_to_live_tensors
 
     torch.set_num_threads(1)
+    hold_heap_to_live_tensors()  # as the trainer does on CPU: resident memory follows the live tensors
     if world > 1:
         import deepspeed.ops
 

@@ -79,7 +79,8 @@ class PolicyScorer:
 
     def __init__(self, settings: ScoringSettings, schedule: Schedule, ref_model: nn.Module | None) -> None:
         self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
-        self.sp_group = None  # a sequence-parallel group: the policy's training forward is sharded over it
+        self.sp_group = None  # a sequence-parallel group: the training forwards are sharded over it (`prepare`)
+        self._shard_no_grad = False  # within `prepare` under a group: the no-grad forwards are sharded too
         self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
                                                 settings.pad_to_multiple_of, settings.mlp_tile_tokens)
 
@@ -104,7 +105,7 @@ class PolicyScorer:
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
         attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
         width = inputs.completion_ids.shape[1]
-        if policy and self.sp_group is not None and model.training:  # every process its slice of positions
+        if self.sp_group is not None and (self._shard_no_grad or policy and model.training):  # a slice each
             scores = sequence_parallel.sharded_scores(model, input_ids, attention_mask, width, self.sp_group,
                                                       self.settings.temperature, chunk_size=self.settings.chunk_size,
                                                       mlp_tile_tokens=self.settings.mlp_tile_tokens)
@@ -141,8 +142,23 @@ class PolicyScorer:
                         sampling_mask=joined([p.sampling_mask for p in pieces]))
 
     def prepare(self, part: Round, mode: str, model: nn.Module) -> Round:
-        """`part` trimmed once, with the old and reference log-probs its loss needs (decision 1)."""
-        part = part.trimmed()
+        """`part` trimmed once, with the old and reference log-probs its loss needs (decision 1). Under a
+        sequence-parallel group (training) every process calls this for its micro-batch in the same order: the
+        group's micro-batches are gathered and each is prepared in turn by every process, its no-grad forwards
+        sharded along positions (`modeling.sequence_parallel`), and this process keeps its own."""
+        if self.sp_group is None or mode != "train":
+            return self._prepare(part.trimmed(), mode, model)
+        shares: list[Round | None] = [None] * torch.distributed.get_world_size(self.sp_group)
+        torch.distributed.all_gather_object(shares, part.trimmed(), group=self.sp_group)
+        self._shard_no_grad = True
+        try:
+            prepared = [self._prepare(share, mode, model) for share in shares]
+        finally:
+            self._shard_no_grad = False
+            sequence_parallel.deactivate()
+        return prepared[torch.distributed.get_rank(self.sp_group)]
+
+    def _prepare(self, part: Round, mode: str, model: nn.Module) -> Round:
         old = ref = None
         with torch.no_grad():
             if not self.schedule.on_policy(mode):

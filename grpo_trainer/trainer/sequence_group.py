@@ -3,10 +3,10 @@ per layout behind one interface, so the trainer never tests `sp_size`:
 
 - `Unsharded`: every run without `parallelism_config.sp_size > 1`; each method is the identity.
 - `UlyssesGroup`: every process of the run is one group. Each process samples its own rows as under DDP; each
-  micro-batch (with its old and reference log-probs, computed unsharded) is then gathered over the group, and the
-  group trains on one process's rows at a time, as ALST does (arXiv:2506.13996): every process runs the policy
-  forward of that share on its slice of the positions through DeepSpeed's Ulysses attention
-  (`modeling.sequence_parallel`), computes that share's loss (the loss its own process computes under DDP) and
+  micro-batch (with its old and reference log-probs, computed by sharded forwards: `PolicyScorer.prepare`) is then
+  gathered over the group, and the group trains on one process's rows at a time, as ALST does (arXiv:2506.13996):
+  every process runs the policy forward of that share on its slice of the positions through DeepSpeed's Ulysses
+  attention (`modeling.sequence_parallel`), computes that share's loss (the loss its own process computes under DDP) and
   back-propagates through its positions, DDP's all-reduce held back (`no_sync`) until the last share. A process
   then holds one share's activations at `1 / sp_size` of their positions: `per_device_train_batch_size` rows of
   `N / sp_size` tokens, where DDP holds them at `N`. The gradients summed over shares and averaged by DDP over the

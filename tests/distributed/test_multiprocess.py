@@ -205,12 +205,15 @@ def test_packed_modes_ran_packed_forwards_on_every_process(name, run_mode):
         assert all(count >= 2 * 2 + 2 for count in counts), counts
 
 
-def test_sequence_parallel_mode_sharded_every_policy_forward(run_mode):
+def test_sequence_parallel_mode_sharded_every_policy_and_reference_forward(run_mode):
     """sp_size=2: every micro-step (3 steps x 2 micro-steps) ran one sharded policy forward per process's rows (ALST's
-    loop: 2 shares), on both processes, each scoring its half of the share's positions, while the weights match the
-    unsharded 1-process run (test_weights_match_single_process_run[ddp_sp]); the other modes ran none."""
+    loop: 2 shares) and, when its micro-batch was prepared, one sharded reference forward per share (beta=0.04; one
+    forward each: a share's rows are `rows_per_forward`), on both processes, each scoring its half of the share's
+    positions, while the weights match the unsharded 1-process run (test_weights_match_single_process_run[ddp_sp]);
+    the other modes ran none."""
     result, _ = run_mode("ddp_sp")
-    assert [rank["sharded_forwards"] for rank in result["ranks"]] == [3 * 2 * 2, 3 * 2 * 2]
+    policy = reference = 3 * 2 * 2
+    assert [rank["sharded_forwards"] for rank in result["ranks"]] == [policy + reference] * 2
     assert [rank["sharded_forwards"] for rank in run_mode("ddp")[0]["ranks"]] == [0, 0]
 
 
