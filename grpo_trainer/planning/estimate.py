@@ -189,7 +189,7 @@ def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) ->
     up and down, 3 x E x I; an adapter's are small and not counted) before autograd accumulates them."""
     if not settings.mlp_tile_tokens:
         return 0
-    tile = min(settings.mlp_tile_tokens, rows * settings.sequence_length)
+    tile = min(settings.mlp_tile_tokens, rows * settings.forward_length)
     sums = 0 if shape.adapter_parameters else 3 * shape.hidden * shape.intermediate * _grad_element_bytes(settings,
                                                                                                           shape)
     return tile * _mlp_inputs_bytes(settings, shape) + sums
@@ -203,8 +203,9 @@ def _residual_bytes(settings: PlanSettings) -> int:
 def _mask_bytes_per_row(settings: PlanSettings) -> int:
     """The `[N, N]` attention mask each layer's SDPA call converts to the query's dtype and keeps (padding). None
     under flash-attention (no dense mask), nor in a packed forward, whose masks are their own item
-    (`_packed_attention`; its bound covers a micro-batch that packs no cheaper and runs padded)."""
-    if settings.packs or settings.varlen_attention:
+    (`_packed_attention`; its bound covers a micro-batch that packs no cheaper and runs padded), nor under sequence
+    parallelism (Ulysses attention runs unmasked on left-aligned rows)."""
+    if settings.packs or settings.varlen_attention or settings.sequence_parallel > 1:
         return 0
     return settings.compute_bytes * settings.sequence_length ** 2
 
@@ -213,7 +214,7 @@ def _layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
     """One decoder layer's saved tensors for `rows` rows, with autocast's low-precision weight copies."""
     weight_copies = shape.layer_parameters * settings.compute_bytes if settings.mixed_precision else 0
     per_token = activation_bytes_per_token(settings, shape) - tiled_mlp_saving_per_token(settings, shape)
-    return rows * (settings.sequence_length * per_token + _mask_bytes_per_row(settings)) + weight_copies
+    return rows * (settings.forward_length * per_token + _mask_bytes_per_row(settings)) + weight_copies
 
 
 def _weights_bytes(settings: PlanSettings, shape: ModelShape) -> int:
@@ -363,7 +364,7 @@ def _gradient_sizes(b: _Builder, s: PlanSettings, m: ModelShape) -> tuple[int, i
 
 def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
     """(tensors the loss forward leaves for the backward, one layer's recomputation, a note)."""
-    rows, N, r = s.micro_batch, s.sequence_length, _residual_bytes(s)
+    rows, N, r = s.micro_batch, s.forward_length, _residual_bytes(s)
     ends = rows * N * m.hidden * r * 2  # the embedding's output and the final norm's
     tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
     if s.checkpointing:
@@ -384,7 +385,7 @@ def offload_stash(s: PlanSettings, m: ModelShape, saved: int) -> tuple[int, int]
     """Device bytes activation offloading leaves in flight (forward's end, backward): `OFFLOAD_STASH` and 2 of the
     largest tensors the loss forward saves, at most the `saved` bytes themselves. Under checkpointing each is a
     layer's input `[rows, N, E]`; without it the largest is an MLP intermediate `[rows, N, I]` (tiled: not saved)."""
-    rows, N = s.micro_batch, s.sequence_length
+    rows, N = s.micro_batch, s.forward_length
     widest = m.hidden * _residual_bytes(s)
     if not s.checkpointing and not s.mlp_tile_tokens:
         widest = max(widest, m.intermediate * s.compute_bytes)
@@ -396,7 +397,8 @@ def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int
     in its backward, and in a gradient-free scoring forward."""
     chunk = _chunk_bytes(s, m)
     plain = not s.shards_weights  # a ZeRO-3 / FSDP head goes through the checkpointed per-chunk path
-    known = s.on_policy and s.temperature_matches and s.rollout.sampling_logps
+    # the rollout's values stand in for the loss forward's on-policy; the sequence-sharded forward recomputes them
+    known = s.on_policy and s.temperature_matches and s.rollout.sampling_logps and s.sequence_parallel == 1
     forward = 0 if plain and known else (2 if plain else 3) * chunk
     if not plain:
         backward = 5 * chunk
@@ -425,7 +427,7 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
     tied = m.head_parameters * _grad_element_bytes(s, m) / (s.processes if s.shards_gradients else 1) \
         if m.tied_head and not m.adapter_parameters else 0
     be_embedding = tied >= recompute
-    grad_hidden = 2 * s.micro_batch * s.sequence_length * m.hidden * _residual_bytes(s)
+    grad_hidden = 2 * s.micro_batch * s.forward_length * m.hidden * _residual_bytes(s)
     mid_window = _cases(s)[0].accumulated
     element = _grad_element_bytes(s, m)
     b.add("gradients", {_R: full * mid_window, _S: full * mid_window, _F: full * case.accumulated, _BS: grads,
@@ -510,7 +512,7 @@ def _vllm(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
 
 
 def _scoring(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
-    b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.sequence_length, tiled=True)
+    b.add("scoring forward", {_S: _no_grad_layer_bytes(s, m, s.micro_batch, s.forward_length, tiled=True)
                               + _autocast_copies(s, m)},
           "one layer at a time, no gradients" + (" (and autocast's weight copies)" if s.mixed_precision else ""))
     if s.shards_weights:  # the head inside the forward here too (`modeling.logprobs.head_runs_inside_forward`)

@@ -124,11 +124,20 @@ class PlanSettings:
     packed: bool = False  # `padding_free`: the loss and scoring forwards packed (`modeling.packing`)
     varlen_attention: bool = False  # flash-attention: attention per sequence, no [W, W] mask (`modeling.forwards`)
     resample_rounds: int = 0  # `zero_variance_groups='resample'`: `max_resample_rounds` extra rounds at most
+    # parallelism_config's sp_size: the loss, old and reference forwards hold 1/sp of each row's positions, one
+    # process's micro-batch at a time (ALST's loop, `trainer.sequence_group`), unmasked (Ulysses attention)
+    sequence_parallel: int = 1
 
     @property
     def sequence_length(self) -> int:
-        """N = S + T: tokens per row in the loss forward."""
+        """N = S + T: tokens per row of a round (and of a forward without sequence parallelism)."""
         return self.prompt_length + self.completion_length
+
+    @property
+    def forward_length(self) -> int:
+        """Tokens per row in this process's log-prob forwards: N, or its slice `ceil(N / sp)` under sequence
+        parallelism (rows padded to a multiple of sp: `modeling.sequence_parallel.padded_width`)."""
+        return -(-self.sequence_length // self.sequence_parallel)
 
     @property
     def round_rows(self) -> int:

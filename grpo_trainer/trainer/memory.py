@@ -135,7 +135,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         rounds=source_type(args).held(args), packed=args.padding_free,
         varlen_attention=is_varlen(attention),
         resample_rounds=args.max_resample_rounds if args.zero_variance_groups == "resample" else 0,
-        **_distribution(args))
+        sequence_parallel=getattr(args.parallelism_config, "sp_size", None) or 1, **_distribution(args))
 
 
 def prompt_length(args: GRPOConfig, dataset: Any, processing_class: Any) -> int:
