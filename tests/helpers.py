@@ -339,3 +339,30 @@ def fast_path_blocker(model, config, prompt_length: int) -> str | None:
         return reason
     lm = causal_lm(model)
     return decoder_blocker(lm, prompt_length + max_new_tokens(resolved(lm, config), prompt_length))
+
+
+def sgd_step_args(output_dir, **overrides):
+    """One SGD step (lr 1, no clipping) on the copy-digits task with checkpointing and a KL term: the settings under
+    which an exact option (the tiled MLP, activation offloading) must move the weights as the plain run does."""
+    from grpo_trainer import GRPOConfig
+
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=12, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, max_steps=1,
+                    report_to="none", save_strategy="no", logging_steps=1, seed=0, gradient_checkpointing=True,
+                    loss_type="dapo", disable_dropout=True, beta=0.04)
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def sgd_step_deltas(model_dir, tokenizer, args, offloading=None) -> dict:
+    """{name: weight change} of training the model saved at `model_dir` with `args`; `offloading`: a context manager
+    around each training step (what `activation_offloading=True` installs on a GPU)."""
+    from grpo_trainer import GRPOTrainer
+    from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
+
+    trainer = GRPOTrainer(str(model_dir), copy_digits_reward, args=args,
+                          train_dataset=copy_digits_dataset(num_prompts=16), processing_class=tokenizer)
+    if offloading is not None:
+        trainer.offloading = offloading  # what activation_offloading=True sets (trainer.parts.activation_offloading)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}

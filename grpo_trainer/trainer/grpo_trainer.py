@@ -312,7 +312,7 @@ class GRPOTrainer(Trainer):
             with self._signal_stop.between_steps():  # a stuck rollout or reward can still be checkpointed
                 return self.source.training_round(self.buffer.micro_step, generation_batch, self.model, self.state)
 
-        return self.sequence.rows(self.buffer.next(make_round), self._tokenizer.pad_token_id)
+        return self.sequence.rows(self.buffer.next(make_round))
 
     def compute_loss(self, model: nn.Module, inputs: Round, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Tensor:

@@ -57,7 +57,7 @@ class SequenceGroup:
     def attach(self, model: nn.Module, scorer: PolicyScorer) -> None:
         """Make `scorer`'s training forwards of `model` sharded (after the model is prepared)."""
 
-    def rows(self, micro: Round, pad_token_id: int) -> Round | Shares:
+    def rows(self, micro: Round) -> Round | Shares:
         """What this process's micro-step trains on."""
         return micro
 
@@ -102,7 +102,7 @@ class UlyssesGroup(SequenceGroup):
         sequence_parallel.install(model)
         scorer.sp_group = torch.distributed.group.WORLD
 
-    def rows(self, micro: Round, pad_token_id: int) -> Shares:
+    def rows(self, micro: Round) -> Shares:
         parts: list[Round | None] = [None] * self.size
         torch.distributed.all_gather_object(parts, micro)
         return Shares(tuple(parts))

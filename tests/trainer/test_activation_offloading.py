@@ -10,16 +10,8 @@ the device) is tests/gpu/test_offloading_cuda.py."""
 import pytest
 import torch
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
-
-
-def _args(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                    max_completion_length=12, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, max_steps=1,
-                    report_to="none", save_strategy="no", logging_steps=1, seed=0, gradient_checkpointing=True,
-                    loss_type="dapo", disable_dropout=True, beta=0.04)
-    return GRPOConfig(**{**settings, **overrides})
+from grpo_trainer.cli.toy import make_tiny_model
+from tests.helpers import sgd_step_args, sgd_step_deltas
 
 
 def _cpu_offloading(monkeypatch):
@@ -40,24 +32,15 @@ def _cpu_offloading(monkeypatch):
     return manager, copied
 
 
-def _step(model_dir, tokenizer, args, offloading=None):
-    trainer = GRPOTrainer(str(model_dir), copy_digits_reward, args=args,
-                          train_dataset=copy_digits_dataset(num_prompts=16), processing_class=tokenizer)
-    if offloading is not None:
-        trainer.offloading = offloading  # what activation_offloading=True sets on a GPU (parts.activation_offloading)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
-
-
 @pytest.mark.parametrize("tile", [0, 5], ids=["untiled", "tiled"])
 def test_an_offloaded_step_equals_the_plain_one(tmp_path, tokenizer, monkeypatch, tile):
     path = tmp_path / "model"
     make_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    plain = _step(path, tokenizer, _args(tmp_path / "plain", mlp_tile_tokens=tile))
+    plain = sgd_step_deltas(path, tokenizer, sgd_step_args(tmp_path / "plain", mlp_tile_tokens=tile))
     manager, copied = _cpu_offloading(monkeypatch)
-    offloaded = _step(path, tokenizer, _args(tmp_path / "offloaded", mlp_tile_tokens=tile), manager)
+    offloaded = sgd_step_deltas(path, tokenizer, sgd_step_args(tmp_path / "offloaded", mlp_tile_tokens=tile),
+                                manager)
     assert copied[0] > 0  # the manager really took the forward's tensors
     assert max(plain[n].abs().max().item() for n in plain) > 1e-4  # the step moved the weights
     for name in plain:
@@ -71,10 +54,10 @@ def test_the_trainer_installs_the_manager_only_when_asked(tmp_path, tokenizer, m
 
     from grpo_trainer.trainer import parts
 
-    args = _args(tmp_path)
+    args = sgd_step_args(tmp_path)
     assert isinstance(parts.activation_offloading(args, torch.nn.Linear(2, 2)), contextlib.nullcontext)
     manager, _ = _cpu_offloading(monkeypatch)
-    args = _args(tmp_path, activation_offloading=True)  # accepted: the CPU stands in for an accelerator here
+    args = sgd_step_args(tmp_path, activation_offloading=True)  # accepted: the CPU stands in for an accelerator
     model = make_tiny_model(tokenizer)
     built = parts.activation_offloading(args, model)
     assert type(built) is type(manager)

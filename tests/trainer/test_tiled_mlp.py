@@ -5,24 +5,8 @@ name before anything is loaded."""
 import pytest
 import torch
 
-from grpo_trainer import GRPOConfig, GRPOTrainer
-from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward, make_tiny_model
-
-
-def _args(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                    max_completion_length=12, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, max_steps=1,
-                    report_to="none", save_strategy="no", logging_steps=1, seed=0, gradient_checkpointing=True,
-                    loss_type="dapo", disable_dropout=True, beta=0.04)
-    return GRPOConfig(**{**settings, **overrides})
-
-
-def _step(model_dir, tokenizer, args):
-    trainer = GRPOTrainer(str(model_dir), copy_digits_reward, args=args,
-                          train_dataset=copy_digits_dataset(num_prompts=16), processing_class=tokenizer)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
+from grpo_trainer.cli.toy import make_tiny_model
+from tests.helpers import sgd_step_args, sgd_step_deltas
 
 
 def test_a_tiled_step_equals_the_untiled_one(tmp_path, tokenizer, monkeypatch):
@@ -35,9 +19,10 @@ def test_a_tiled_step_equals_the_untiled_one(tmp_path, tokenizer, monkeypatch):
     path = tmp_path / "model"
     make_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    untiled = _step(path, tokenizer, _args(tmp_path / "untiled"))
+    untiled = sgd_step_deltas(path, tokenizer, sgd_step_args(tmp_path / "untiled"))
     assert tiles == []
-    tiled = _step(path, tokenizer, _args(tmp_path / "tiled", mlp_tile_tokens=5))  # tiles of 5 tokens: many, uneven
+    # tiles of 5 tokens: many, uneven
+    tiled = sgd_step_deltas(path, tokenizer, sgd_step_args(tmp_path / "tiled", mlp_tile_tokens=5))
     assert tiles and set(tiles) == {5}  # the tiled MLP's backward ran (each layer, each micro-batch)
     mlp = [n for n in untiled if "mlp" in n]
     assert mlp and max(untiled[n].abs().max().item() for n in mlp) > 1e-4  # the MLP's weights moved
@@ -48,4 +33,4 @@ def test_a_tiled_step_equals_the_untiled_one(tmp_path, tokenizer, monkeypatch):
 @pytest.mark.parametrize("value", [-1, 2.5])
 def test_a_bad_tile_is_refused_by_name(tmp_path, value):
     with pytest.raises(ValueError, match="mlp_tile_tokens must be an integer >= 0"):
-        _args(tmp_path, mlp_tile_tokens=value)
+        sgd_step_args(tmp_path, mlp_tile_tokens=value)
