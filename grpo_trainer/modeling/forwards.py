@@ -61,6 +61,7 @@ from grpo_trainer.modeling import replay, routing, tiling
 from grpo_trainer.modeling.logprobs import LogProbs, completion_logprobs, head_runs_inside_forward, scoring_head
 from grpo_trainer.modeling.packing import PackedBatch, PackingCost, PackingSettings, plan_of
 from grpo_trainer.modeling.support import KeptSupport
+from grpo_trainer.modeling.tied_embedding import tied_lookup
 from grpo_trainer.modeling.unwrap import causal_lm
 
 logger = logging.getLogger(__name__)
@@ -273,9 +274,17 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
         replay.replayed_layers(lm.get_decoder().layers, layer_outputs, packed.sources)
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(lm, routes, packed.sources, routing_stats)
-    with replayed, rerouted, tiling.tiled_mlps(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
-        out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                    logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
+    with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
+        with replayed, rerouted, tiling.tiled_mlps(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
+            out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                        logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
+        return _score_packed(model, out, packed, settings, with_entropy, known, support)
+
+
+def _score_packed(model: nn.Module, out: Any, packed: PackedBatch, settings: ForwardSettings, with_entropy: bool,
+                  known: tuple[Tensor | None, Tensor | None, Tensor | None], support: KeptSupport | None) -> LogProbs:
+    """`packed_logprobs`'s scoring of the packed forward's output `out` through the model's LM head."""
+    lm = causal_lm(model)
     _no_cache(model, out)
     scorer = scoring_head(model, out, settings.chunk_size)
     if scorer is None:  # found by the self-check, which then scores this model padded
@@ -451,7 +460,8 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
         replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(causal_lm(model), routes, stats=routing_stats)
-    with replayed, rerouted, tiling.tiled_mlps(causal_lm(model), settings.mlp_tile_tokens):  # decision 5
+    lm = causal_lm(model)
+    with replayed, rerouted, tiling.tiled_mlps(lm, settings.mlp_tile_tokens), tied_lookup(lm):  # decision 5
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

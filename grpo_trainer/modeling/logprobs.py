@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from grpo_trainer.algorithms.truncation import pack
-from grpo_trainer.modeling import kernels
+from grpo_trainer.modeling import kernels, tied_embedding
 from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.modeling.unwrap import causal_lm, output_head
 
@@ -193,6 +193,8 @@ class _HeadLogProbs(torch.autograd.Function):
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         N = tokens.shape[0]
         ctx.temperature, ctx.chunk_size, ctx.support = temperature, chunk_size, support
+        # a tied input embedding's lookup adds its rows into this weight gradient (`modeling.tied_embedding`)
+        ctx.link = tied_embedding.claim(weight) if ctx.needs_input_grad[1] else None
         ctx.probs_index = None if known is None else known[3]
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         masses, packed = hidden.new_empty(0, dtype=torch.float32), tokens.new_empty(0, dtype=torch.uint8)
@@ -276,6 +278,8 @@ class _HeadLogProbs(torch.autograd.Function):
                 row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]
                 grad_bias.addmv_(dense.T, row_weights, alpha=-1).index_add_(0, token, scale[:, 0])
             del probs, log_probs, dense  # before the next chunk's softmax, as in the forward
+        if ctx.link is not None and grad_weight is not None:
+            ctx.link.give(grad_weight)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 

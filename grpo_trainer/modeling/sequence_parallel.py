@@ -34,6 +34,7 @@ import torch.distributed as torch_dist
 from torch import Tensor, nn
 
 from grpo_trainer.modeling import logprobs, tiling
+from grpo_trainer.modeling.tied_embedding import tied_lookup
 from grpo_trainer.modeling.unwrap import causal_lm
 
 __all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width",
@@ -210,16 +211,20 @@ def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     activate(group if group is not None else torch_dist.group.WORLD)
     _state["forwards"] += 1
     inputs = {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "use_cache": False}
-    with tiling.tiled_mlps(causal_lm(model), mlp_tile_tokens):
-        out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
-    head = logprobs.scoring_head(model, out, chunk_size)
+    lm = causal_lm(model)
     labels = shard.labels.reshape(-1)  # [B * W / sp]
-    if _all_agree(head is not None, group, input_ids.device):
-        hidden = out.hidden_states[-1]  # [B, W / sp, H]
-        logps, entropy = head.score(hidden.reshape(-1, hidden.shape[-1]), labels, temperature, with_entropy=True)[:2]
-    else:
+    with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
+        with tiling.tiled_mlps(lm, mlp_tile_tokens):
+            out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+        head = logprobs.scoring_head(model, out, chunk_size)
+        agreed = _all_agree(head is not None, group, input_ids.device)
+        if agreed:
+            hidden = out.hidden_states[-1]  # [B, W / sp, H]
+            logps, entropy = head.score(hidden.reshape(-1, hidden.shape[-1]), labels, temperature,
+                                        with_entropy=True)[:2]
+    if not agreed:
         del out
-        with tiling.tiled_mlps(causal_lm(model), mlp_tile_tokens):
+        with tiling.tiled_mlps(lm, mlp_tile_tokens):
             logits = model(**inputs).logits  # [B, W / sp, V]
         logps, entropy = logprobs.logits_scores(logits.reshape(-1, logits.shape[-1]), labels, temperature, chunk_size)
     logps, entropy = logps.view(shard.labels.shape), entropy.view(shard.labels.shape)  # [B, W / sp]

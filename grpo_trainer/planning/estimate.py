@@ -412,7 +412,8 @@ def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int
 def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: tuple[int, int]) -> None:
     """The loss forward and the backward's two peaks. Backward start: the LM head's backward (its chunks, the
     current micro-batch's kept softmax), or the last layer's recomputation after it, whichever is larger. Backward
-    end: the input embedding's backward (a tied embedding's own V x E gradient before it joins the head's), or the
+    end: the input embedding's backward (a tied embedding's rows' gradient, added into the head's by
+    `modeling.tied_embedding`, or under ZeRO-3 / FSDP and for other lookups its own V x E gradient), or the
     first layer's recomputation before it. The trainer drops the micro-batch (`del inputs`) before the backward,
     so its kept layer outputs are gone by then; the softmax lives until the head's backward has used it."""
     full, head_grad = _gradient_sizes(b, s, m)
@@ -424,10 +425,15 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
     grads = max(full * case.accumulated, head_grad)
     head_moment = backward_chunks + probs * current
     bs_head = head_moment >= recompute
-    tied = m.head_parameters * _grad_element_bytes(s, m) / (s.processes if s.shards_gradients else 1) \
-        if m.tied_head and not m.adapter_parameters else 0
-    be_embedding = tied >= recompute
     grad_hidden = 2 * s.micro_batch * s.forward_length * m.hidden * _residual_bytes(s)
+    tied, tied_note = 0, ""
+    if m.tied_head and not m.adapter_parameters and m.plain_lookup and not s.shards_weights:
+        # `modeling.tied_embedding`: the lookup adds its rows into the head's gradient (their masked copy here)
+        tied, tied_note = grad_hidden // 2, "the lookup's rows' gradient, added into the head's (tied)"
+    elif m.tied_head and not m.adapter_parameters:
+        tied = m.head_parameters * _grad_element_bytes(s, m) / (s.processes if s.shards_gradients else 1)
+        tied_note = "the input embedding's own V x E gradient, before it joins the head's (tied)"
+    be_embedding = tied >= recompute
     mid_window = _cases(s)[0].accumulated
     element = _grad_element_bytes(s, m)
     b.add("gradients", {_R: full * mid_window, _S: full * mid_window, _F: full * case.accumulated, _BS: grads,
@@ -453,7 +459,7 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
           f"{_chunk_rows(s, m)} rows x V={m.vocab} float32 per chunk")
     b.add("layer recomputation", {_BS: recompute * (not bs_head), _BE: recompute * (not be_embedding)},
           "one layer's saved tensors, rebuilt in the backward")
-    b.add("tied embedding gradient", {_BE: tied * be_embedding}, "the input embedding's own V x E gradient")
+    b.add("tied embedding gradient", {_BE: tied * be_embedding}, tied_note)
     b.add("hidden-state gradients", {_BS: grad_hidden, _BE: grad_hidden}, "flowing between layers")
     total = outputs + probs
     if total:

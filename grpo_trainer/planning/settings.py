@@ -49,6 +49,9 @@ class ModelShape:
     mlp_inputs_kept: int = 2  # of gate/up (1 for a fused gate|up projection)
     down_input_kept: bool = True  # down_proj
     norms_trained: bool = True
+    # The input embedding is a plain `nn.Embedding` lookup: tied, its rows' gradient goes into the head's
+    # (`modeling.tied_embedding`) instead of a V x E matrix of its own
+    plain_lookup: bool = True
     # A Mixture-of-Experts model's routers (`modeling.routing`): MoE layers, experts each token is sent to, experts
     # per layer; 0 for a dense model
     routed_layers: int = 0

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo_trainer.modeling import routing
+from grpo_trainer.modeling import routing, tied_embedding
 from grpo_trainer.planning.settings import ModelShape
 
 __all__ = ["model_shape"]
@@ -56,6 +56,7 @@ def shape_of(model: nn.Module, text_config: Any, adapter_config: Any = None) -> 
         kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
         tied_head=bool(getattr(text_config, "tie_word_embeddings", False)),
+        plain_lookup=_plain_lookup(model),
         parameters=sum(p.numel() for p in base_parameters.values()),
         layer_parameters=layer_parameters,
         linear_parameters=linear,
@@ -66,6 +67,11 @@ def shape_of(model: nn.Module, text_config: Any, adapter_config: Any = None) -> 
         routed_layers=len(routers), routed_top_k=max((r.top_k for r in routers), default=0),
         experts=max((r.experts for r in routers), default=0),
     )
+
+
+def _plain_lookup(model: nn.Module) -> bool:
+    """Whether the input embedding is a plain `nn.Embedding` lookup (`modeling.tied_embedding`, decision 4)."""
+    return tied_embedding.plain_lookup(model.get_input_embeddings())
 
 
 def _routers(model: nn.Module) -> list:
