@@ -14,7 +14,8 @@ Decisions:
    in place (`index_add_`, the sum the dense backward does) and returns none for the matrix: autograd accumulates
    the head's gradient, now holding both, into `.grad` as before, so clipping, the optimizer, DDP's and
    DeepSpeed's gradient hooks see what they always saw (equal within float32 rounding: the same sums in another
-   order). The head (`logprobs._HeadLogProbs`) hands its gradient over through a `Link` that the lookup registered
+   order; on CUDA `index_add_` sums a repeated token's rows with atomics, in a fixed order under torch's
+   deterministic mode, `full_determinism`). The head (`logprobs._HeadLogProbs`) hands its gradient over through a `Link` that the lookup registered
    for the matrix during the forward (`claim`). Autograd orders the two: the lookup's backward needs the first
    layer's input gradient, which needs the head's backward; the leaf's accumulation waits for both. A `sparse=True`
    lookup would not do: autograd adds a sparse gradient to a custom function's returned one out of place (a new
