@@ -17,8 +17,9 @@ the trainer's scoring call and the backward of a weighted sum of the completion 
 
 Per process: resident memory after the model is built, the peak (VmHWM) after the step, and the step's CPU seconds,
 with glibc's heap held to the live tensors as the trainer holds it on CPU (`runtime.host_memory`). Weights and their
-gradients (166M float32 parameters: 633 MiB each) and the accumulation of a second backward are in every figure
-and do not grow with T: run a short T (256) beside the long one and compare what grows. The trainer's other forwards (old and reference log-probs) are sharded the same way, without a graph.
+gradients (166M float32 parameters: 633 MiB each) and the accumulation of a second backward are in every figure and
+do not grow with T: run a short T (256) beside the long one and compare what grows. The trainer's other forwards (old
+and reference log-probs) are sharded the same way, without a graph.
 
     PYTHONPATH=. python benchmarks/sequence_parallel_memory.py --lengths 256,8192 \
         --out benchmarks/results/sequence_parallel_memory_cpu_<date>.json

@@ -10,16 +10,16 @@ Decisions:
    vocabulary's size at the backward's end, beside the head's gradient and the optimizer state. Once activations
    are bounded (checkpointed, tiled) that transient is where a step's memory peaks (per-phase trace in
    `benchmarks/RESULTS.md`: 519 MiB at the 2-layer Qwen2.5-0.5B proxy's 151,936 x 896 float32 matrix).
-2. The lookup runs as `TiedLookup`, whose backward adds the `n` rows' gradients into the head's `[V, E]` gradient
-   in place (`index_add_`, the sum the dense backward does) and returns none for the matrix: autograd accumulates
-   the head's gradient, now holding both, into `.grad` as before, so clipping, the optimizer, DDP's and
-   DeepSpeed's gradient hooks see what they always saw (equal within float32 rounding: the same sums in another
-   order; on CUDA `index_add_` sums a repeated token's rows with atomics, in a fixed order under torch's
-   deterministic mode, `full_determinism`). The head (`logprobs._HeadLogProbs`) hands its gradient over through a `Link` that the lookup registered
-   for the matrix during the forward (`claim`). Autograd orders the two: the lookup's backward needs the first
-   layer's input gradient, which needs the head's backward; the leaf's accumulation waits for both. A `sparse=True`
-   lookup would not do: autograd adds a sparse gradient to a custom function's returned one out of place (a new
-   `[V, E]` tensor: measured, tests/modeling/test_tied_embedding.py).
+2. The lookup runs as `TiedLookup`, whose backward adds the `n` rows' gradients into the head's `[V, E]` gradient in
+   place (`index_add_`, the sum the dense backward does) and returns none for the matrix: autograd accumulates the
+   head's gradient, now holding both, into `.grad` as before, so clipping, the optimizer, DDP's and DeepSpeed's
+   gradient hooks see what they always saw (equal within float32 rounding: the same sums in another order; on CUDA
+   `index_add_` sums a repeated token's rows with atomics, in a fixed order under torch's deterministic mode,
+   `full_determinism`). The head (`logprobs._HeadLogProbs`) hands its gradient over through a `Link` that the lookup
+   registered for the matrix during the forward (`claim`). Autograd orders the two: the lookup's backward needs the
+   first layer's input gradient, which needs the head's backward; the leaf's accumulation waits for both. A
+   `sparse=True` lookup would not do: autograd adds a sparse gradient to a custom function's returned one out of
+   place (a new `[V, E]` tensor: with it the backward's peak did not move, measured while building this).
 3. Where the head's gradient was not handed over (the model's own logits scored, a head that does not train), the
    lookup's backward returns the dense gradient as `nn.Embedding`'s does.
 4. Only where this is certain to be the same sum: the embedding is a plain `nn.Embedding` lookup (no `max_norm`,

@@ -86,13 +86,13 @@ def test_tied_gradient_equals_dense_without_its_buffer(tokenizer, padding_free, 
     for name in grads:
         torch.testing.assert_close(grads[name], dense[name], atol=1e-6, rtol=1e-5, msg=name)
     # The dense lookup's backward builds one more V x E float32 matrix at the backward's end (its peak here: the
-    # activations of 3 x 22 tokens are far smaller); the rows' sparse gradient is 3 x 22 x E floats.
+    # activations of 3 x 22 tokens are far smaller); the lookup's rows' gradient is 3 x 22 x E floats.
     matrix = embedding.weight.numel() * 4  # V x E x 4 B = 16,384 x 224 x 4 = 14.7 MB
     assert dense_peak - peak > 0.9 * matrix, (dense_peak, peak, matrix)
 
 
 def test_left_dense_where_the_sum_could_not_be(tokenizer):
-    """Untied (the lookup's gradient would reach `.grad` sparse), frozen (a LoRA run's embedding), or the head
+    """Untied (no head gradient of the same matrix to add into), frozen (a LoRA run's embedding), or the head
     replaced by a float32 copy (`cast_lm_head_to_fp32`): the lookup as loaded; a tied model's flag is restored."""
     from grpo_trainer.modeling.logprobs import Float32Head
 
@@ -114,7 +114,7 @@ def test_left_dense_where_the_sum_could_not_be(tokenizer):
 
 
 def test_untied_model_trains_dense(tokenizer):
-    """An untied model's embedding gradient stays dense through `forwards.score` (AdamW refuses sparse ones)."""
+    """An untied model's embedding gradient is the lookup's own dense one through `forwards.score`, and trains."""
     model = model_of_kind("llama3", tokenizer, tie_word_embeddings=False).train()
     ids, mask, T = _batch(tokenizer)
     out = forwards.score(model, ids, mask, T, forwards.ForwardSettings(padding_free=True))
