@@ -48,6 +48,7 @@ def test_replayed_layer_outputs_give_the_checkpointed_forwards_gradients(tokeniz
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 
+        torch.manual_seed(2)  # the adapter's random initialisation, fixed (not what earlier tests left the RNG at)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
                                                  init_lora_weights=False))
         model.enable_input_require_grads()
