@@ -39,6 +39,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from grpo_trainer.modeling import tiling
+
 __all__ = ["Link", "TiedLookup", "claim", "plain_lookup", "lookup_applies", "tied_lookup"]
 
 # id(matrix) -> the link of its lookup in the open context (decision 5); the context holds the matrix meanwhile.
@@ -125,9 +127,9 @@ def tied_lookup(lm: nn.Module) -> Iterator[None]:
     def lookup(ids: Tensor) -> Tensor:
         return TiedLookup.apply(ids, weight, embedding.padding_idx, link)
 
-    embedding.forward, _open[id(weight)] = lookup, link
+    _open[id(weight)] = link
     try:
-        yield
+        with tiling.installed(embedding, lookup):
+            yield
     finally:
-        del embedding.forward
         _open.pop(id(weight), None)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from grpo_trainer.modeling.recompute import transient_saves
 
-__all__ = ["TiledMLP", "tiled_mlp", "tiled_mlps"]
+__all__ = ["TiledMLP", "installed", "tiled_mlp", "tiled_mlps"]
 
 
 class TiledMLP(torch.autograd.Function):
@@ -96,16 +96,16 @@ def _per_token(mlp: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _installed(mlp: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[None]:
-    """`mlp.forward` is `forward` within this context (nested: the outer one's stays)."""
-    if "forward" in mlp.__dict__:
+def installed(module: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """`module.forward` is `forward` within this context (nested: the outer one's stays)."""
+    if "forward" in module.__dict__:
         yield
         return
-    mlp.forward = forward
+    module.forward = forward
     try:
         yield
     finally:
-        del mlp.forward
+        del module.forward
 
 
 def _checkpointed(checkpoint: Callable[..., object], mlp: nn.Module, forward: Callable[[Tensor], Tensor]
@@ -115,7 +115,7 @@ def _checkpointed(checkpoint: Callable[..., object], mlp: nn.Module, forward: Ca
 
     def run(function: Callable[..., object], *args: object, **kwargs: object) -> object:
         def tiled(*inner_args: object, **inner_kwargs: object) -> object:
-            with _installed(mlp, forward):
+            with installed(mlp, forward):
                 return function(*inner_args, **inner_kwargs)
 
         return checkpoint(tiled, *args, **kwargs)
@@ -138,7 +138,7 @@ def tiled_mlps(lm: nn.Module, tokens: int) -> Iterator[None]:
             if mlp is None or not _per_token(mlp) or "forward" in mlp.__dict__:
                 continue
             forward = tiled_mlp(mlp, mlp.forward, tokens)
-            stack.enter_context(_installed(mlp, forward))
+            stack.enter_context(installed(mlp, forward))
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
             if checkpoint is not None:
                 layer._gradient_checkpointing_func = _checkpointed(checkpoint, mlp, forward)
