@@ -106,7 +106,8 @@ def main() -> None:
     sizes = np.array(sizes)  # [events, 1 + categories]
     at = int(sizes.sum(1).argmax())
     print("peak live MiB", sizes[at].sum() / 2**20)
-    for name, value in zip(["unknown"] + [c.name for c in Category], sizes[at], strict=True):
+    names = ["unknown"] + [c.name for c in Category]  # torch's columns: unknown, then the categories it records
+    for name, value in zip(names + [f"column {i}" for i in range(len(names), len(sizes[at]))], sizes[at]):
         if value:
             print(f"  {name:20s} {value / 2**20:9.1f}")
     best, live = live_at_peak(profiler)

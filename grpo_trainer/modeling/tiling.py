@@ -11,7 +11,17 @@ Decisions:
    tiles and returning them as the function's own: autograd accumulates them once into `.grad`, so DDP and
    DeepSpeed gradient hooks fire once per parameter as without tiling. Exact: every token's values are the
    untiled ones (the MLP is per token); the parameters' gradients are the same sums in another order (float32
-   rounding; tests/modeling/test_tiling.py).
+   rounding; tests/modeling/test_tiling.py). The parameters are read at each call, not when tiling is installed:
+   FSDP2 swaps the sharded parameters the module holds between forwards for unsharded ones during the layer's
+   forward and backward, and those are the ones the tiles compute with (the sharded ones would get no gradient).
+   Under ZeRO-3 (partitioned parameters, `_partitioned`) two things differ, as in DeepSpeed's own TiledMLP
+   (`deepspeed.runtime.sequence_parallel.ulysses_sp`): each tile's call of the MLP's submodules gathers their
+   parameters and is recorded in a module order that ZeRO-3 requires to be the same on every process, so the
+   processes agree on one number of tiles (`_agreed_count`: enough for the largest micro-batch; the others' tiles
+   are smaller, never larger); and a parameter is partitioned (shape [0]) when the function is applied, so it
+   cannot take a full gradient as the function's input: the backward accumulates each tile's gradient into
+   `.grad` itself, telling ZeRO to reduce it only after the last tile (`ds_grad_is_ready`). tests/distributed
+   (`test_tiled_mlp_weights_match_the_untiled_runs`) trains with both, as the untiled run.
 2. The module's own forward is what each tile runs (LoRA adapters, quantised layers, any activation), so any
    per-token MLP tiles; a Mixture-of-Experts block (routing with a capacity or an auxiliary loss over the whole
    sequence) is not per token, and is left alone (`_per_token`).
@@ -38,54 +48,89 @@ __all__ = ["TiledMLP", "installed", "tiled_mlp", "tiled_mlps"]
 
 
 class TiledMLP(torch.autograd.Function):
-    """`forward(x)` of a per-token module, `tokens` rows of `x.view(-1, E)` at a time (decision 1)."""
+    """`forward(x)` of a per-token module, `tokens` rows of `x.view(-1, E)` at a time, or in `count` tiles of at
+    most that many where the processes agreed on one (ZeRO-3). The gradients of `parameters` are returned, those of
+    `accumulated` (ZeRO-3's partitioned ones) accumulated into `.grad` by the backward (decision 1)."""
 
     @staticmethod
-    def forward(ctx, forward: Callable[[Tensor], Tensor], tokens: int, x: Tensor, *parameters: Tensor) -> Tensor:
-        ctx.forward, ctx.tokens, ctx.parameters = forward, tokens, parameters  # parameters: leaves, kept as is
+    def forward(ctx, forward: Callable[[Tensor], Tensor], tokens: int, count: int | None,
+                accumulated: tuple[Tensor, ...], x: Tensor, *parameters: Tensor) -> Tensor:
+        ctx.forward, ctx.tokens, ctx.count = forward, tokens, count
+        ctx.parameters, ctx.accumulated = parameters, accumulated  # leaves, kept as is
         device = x.device.type  # the backward recomputes under the forward's autocast, as checkpointing does
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])  # [B*N, E]
         with torch.no_grad():
-            out = torch.cat([forward(tile) for tile in flat.split(tokens)])  # [B*N, E']
+            out = torch.cat([forward(tile) for tile in _tiles(flat, tokens, count)])  # [B*N, E']
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        parameters = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[3:], strict=True) if needed]
+        parameters = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[5:], strict=True) if needed]
         flat, grads = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        x_grad = torch.empty_like(flat) if ctx.needs_input_grad[2] else None
+        x_grad = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
         sums: list[Tensor | None] = [None] * len(parameters)
+        tiles = _tiles(flat, ctx.tokens, ctx.count)
         start = 0
-        for tile, tile_grad in zip(flat.split(ctx.tokens), grads.split(ctx.tokens), strict=True):
+        for i, (tile, tile_grad) in enumerate(zip(tiles, _tiles(grads, ctx.tokens, ctx.count), strict=True)):
             tile = tile.detach().requires_grad_(x_grad is not None)
             device, enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), transient_saves():
                 out = ctx.forward(tile)
             wrt = ([tile] if x_grad is not None else []) + parameters
-            found = torch.autograd.grad(out, wrt, tile_grad, allow_unused=True) if wrt else ()
+            if ctx.accumulated:  # ZeRO-3: ZeRO's hook reduces a gradient when told it is complete, at the last tile
+                for p in ctx.accumulated:
+                    p.ds_grad_is_ready = i == len(tiles) - 1
+                torch.autograd.backward(out, tile_grad, inputs=[*wrt, *ctx.accumulated])
+                found = tuple(t.grad for t in wrt)  # no parameters here: all of them are `accumulated`
+            else:
+                found = torch.autograd.grad(out, wrt, tile_grad, allow_unused=True) if wrt else ()
             if x_grad is not None:
                 x_grad[start:start + len(tile)] = found[0]
                 found = found[1:]
             sums = [s if g is None else (g if s is None else s.add_(g)) for s, g in zip(sums, found, strict=True)]
             start += len(tile)
         it = iter(sums)
-        parameter_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[3:]]
-        return (None, None, None if x_grad is None else x_grad.view_as(x), *parameter_grads)
+        parameter_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[5:]]
+        return (None, None, None, None, None if x_grad is None else x_grad.view_as(x), *parameter_grads)
+
+
+def _tiles(flat: Tensor, tokens: int, count: int | None) -> tuple[Tensor, ...]:
+    """`flat`'s rows in tiles of at most `tokens`: as many as it takes, or `count` (some possibly empty)."""
+    return flat.split(tokens) if count is None else flat.tensor_split(count)
+
+
+def _partitioned(module: nn.Module) -> list[Tensor]:
+    """The module's ZeRO-3 partitioned parameters (DeepSpeed gives each a `ds_id`), trained or not."""
+    return [p for p in module.parameters() if hasattr(p, "ds_id")]
+
+
+def _agreed_count(rows: int, tokens: int, partitioned: list[Tensor], device: torch.device) -> int:
+    """The number of tiles every process of the ZeRO-3 partition group runs for this call: enough tiles of at most
+    `tokens` rows for the largest of their micro-batches (`rows` here), so that each process calls the MLP's
+    submodules, which gather their parameters, as often as the others (decision 1)."""
+    count = torch.tensor([-(-rows // tokens)], device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=partitioned[0].ds_process_group)
+    return int(count.item())
 
 
 def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: int) -> Callable[[Tensor], Tensor]:
     """A forward for `module` that runs `forward` (its own) through `TiledMLP`, `tokens` tokens per tile."""
-    parameters = tuple(p for p in module.parameters() if p.requires_grad)
 
     def run(x: Tensor) -> Tensor:
+        # Read at each call: under FSDP2 the unsharded parameters the forward computes with (decision 1).
+        parameters = tuple(p for p in module.parameters() if p.requires_grad)
+        partitioned = _partitioned(module)
+        rows = x.numel() // x.shape[-1]
+        count = _agreed_count(rows, tokens, partitioned, x.device) if partitioned else None
         if not torch.is_grad_enabled():  # no graph to keep: tiles bound the transient all the same
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch.cat([forward(tile) for tile in flat.split(tokens)])
+            out = torch.cat([forward(tile) for tile in _tiles(x.reshape(rows, x.shape[-1]), tokens, count)])
             return out.view(*x.shape[:-1], out.shape[-1])
-        return TiledMLP.apply(forward, tokens, x, *parameters)
+        if partitioned:  # every trained parameter's gradient accumulated by the backward itself (decision 1)
+            return TiledMLP.apply(forward, tokens, count, parameters, x)
+        return TiledMLP.apply(forward, tokens, None, (), x, *parameters)
 
     return run
 

@@ -63,11 +63,19 @@ MODES = {
                          ("--ddp-backend", "gloo", "--no-ds3-gather", "--padding-free")),
 }
 
+MLP_TILE = 4  # tokens per tile of the *_tiled modes: fewer than any row's
+
 # Launched only by the test that names it (not in the tests parametrized over MODES): loss_type='grpo' under SGD
 # (lr 0.1) with sequence parallelism, compared with the 1-process run of the same settings (`run_reference`).
 EXTRA_MODES = {
     "ddp_sp_grpo": Mode("ddp_sp.yaml", "MULTI_CPU", "DistributedDataParallel",
                         ("--loss-type", "grpo", "--sgd", "--sequence-parallel"), env=CPU),
+    # The sequence-tiled MLP (`mlp_tile_tokens`) over partitioned / sharded parameters, compared with the untiled
+    # 1-process run: tiles of MLP_TILE tokens split every row (a 9-token prompt and 1-10 completion tokens), and the
+    # processes' micro-batches differ in length, so their own numbers of tiles differ (ZeRO-3 agrees on the largest).
+    "zero3_tiled": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
+                        ("--ddp-backend", "gloo", "--no-ds3-gather", "--mlp-tile-tokens", str(MLP_TILE))),
+    "fsdp2_tiled": Mode("fsdp2.yaml", "FSDP", "FSDPModule", ("--mlp-tile-tokens", str(MLP_TILE)), env=CPU),
 }
 
 

@@ -16,6 +16,7 @@ the processes finish generating at different times (ZeRO-3 and FSDP2 must keep s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -204,6 +205,34 @@ def _count_packed_forwards() -> list[int]:
     return count
 
 
+@contextlib.contextmanager
+def _counting_tiled_backwards(counts: dict):
+    """Within: counts this process's sequence-tiled MLP backwards (`mlp_tile_tokens`) into counts["backwards"] and
+    the tiles they recomputed (calls of the MLP's forward inside them) into counts["tiles"]: more tiles than
+    backwards means a tile really split a micro-batch. Restored after, as the 1-process reference runs in pytest."""
+    from grpo_trainer.modeling import tiling
+
+    counts.update(backwards=0, tiles=0)
+    backward = tiling.TiledMLP.backward
+
+    def counted(ctx, *grads):
+        counts["backwards"] += 1
+        forward = ctx.forward
+
+        def tile(*args, **kwargs):
+            counts["tiles"] += 1
+            return forward(*args, **kwargs)
+
+        ctx.forward = tile
+        return backward(ctx, *grads)
+
+    tiling.TiledMLP.backward = staticmethod(counted)
+    try:
+        yield
+    finally:
+        tiling.TiledMLP.backward = staticmethod(backward)
+
+
 def _sequence_parallel(processes: int) -> dict:
     """Every process one slice of each sequence's positions (DeepSpeed Ulysses), the group being all processes."""
     from accelerate.parallelism_config import ParallelismConfig
@@ -214,7 +243,7 @@ def _sequence_parallel(processes: int) -> dict:
 def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
         ds3_gather: bool = True, per_device_batch: int | None = None, padding_free: bool = False,
         logprob_chunk_size: int = 1024, sequence_parallel: bool = False, loss_type: str = "dapo",
-        sgd: bool = False) -> dict:
+        sgd: bool = False, mlp_tile_tokens: int = 0) -> dict:
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from transformers import set_seed
@@ -236,6 +265,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
         seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
+        mlp_tile_tokens=mlp_tile_tokens,
         # RowSeededSampling stands in for generate_rollout (model.generate)
         generation_backend="generate", padding_free=padding_free, logprob_chunk_size=logprob_chunk_size,
         loss_type=loss_type, **_sequence_parallel(processes) if sequence_parallel else {},
@@ -262,9 +292,10 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
 
     trainer.log = log_and_record
     packed_forwards = _count_packed_forwards()
+    tiled: dict = {}
 
     start = time.perf_counter()
-    with RowSeededSampling():
+    with RowSeededSampling(), _counting_tiled_backwards(tiled):
         trainer.train()
     train_seconds = time.perf_counter() - start
 
@@ -278,7 +309,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     reward_model = trainer.reward_funcs[1].model
     mine = {"rank": state.process_index, "rounds": recorder.rounds, "flushes": flushes, "local_metrics": local_metrics,
             "digest": parameter_digest(params), "sharding": sharding, "probe": probe,
-            "packed_forwards": packed_forwards[0], "sharded_forwards": sharded_forwards()}
+            "packed_forwards": packed_forwards[0], "sharded_forwards": sharded_forwards(), "tiled_mlp": tiled}
     every = gather_object([mine])
     if state.is_main_process:
         torch.save(params, out_dir / "params.pt")
@@ -313,11 +344,13 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--sgd", action="store_true")
+    parser.add_argument("--mlp-tile-tokens", type=int, default=0)
     cli = parser.parse_args()
     skip_shm_op_build()  # ZeRO and Ulysses launches start a group through deepspeed.comm
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
         per_device_batch=cli.per_device_batch, padding_free=cli.padding_free, logprob_chunk_size=cli.logprob_chunk_size,
-        sequence_parallel=cli.sequence_parallel, loss_type=cli.loss_type, sgd=cli.sgd)
+        sequence_parallel=cli.sequence_parallel, loss_type=cli.loss_type, sgd=cli.sgd,
+        mlp_tile_tokens=cli.mlp_tile_tokens)
     leave_cleanly()
 
 
