@@ -275,7 +275,7 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(lm, routes, packed.sources, routing_stats)
     with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
-        with replayed, rerouted, tiling.tiled_mlps(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
+        with replayed, rerouted, tiling.tiled_layers(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
             out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                         logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
         return _score_packed(model, out, packed, settings, with_entropy, known, support)
@@ -461,7 +461,7 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(causal_lm(model), routes, stats=routing_stats)
     lm = causal_lm(model)
-    with replayed, rerouted, tiling.tiled_mlps(lm, settings.mlp_tile_tokens), tied_lookup(lm):  # decision 5
+    with replayed, rerouted, tiling.tiled_layers(lm, settings.mlp_tile_tokens), tied_lookup(lm):  # decision 5
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

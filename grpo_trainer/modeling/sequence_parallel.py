@@ -214,7 +214,7 @@ def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     lm = causal_lm(model)
     labels = shard.labels.reshape(-1)  # [B * W / sp]
     with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
-        with tiling.tiled_mlps(lm, mlp_tile_tokens):
+        with tiling.tiled_layers(lm, mlp_tile_tokens):
             out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
         head = logprobs.scoring_head(model, out, chunk_size)
         agreed = _all_agree(head is not None, group, input_ids.device)
@@ -224,7 +224,7 @@ def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
                                         with_entropy=True)[:2]
     if not agreed:
         del out
-        with tiling.tiled_mlps(lm, mlp_tile_tokens):
+        with tiling.tiled_layers(lm, mlp_tile_tokens):
             logits = model(**inputs).logits  # [B, W / sp, V]
         logps, entropy = logprobs.logits_scores(logits.reshape(-1, logits.shape[-1]), labels, temperature, chunk_size)
     logps, entropy = logps.view(shard.labels.shape), entropy.view(shard.labels.shape)  # [B, W / sp]

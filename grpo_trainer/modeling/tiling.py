@@ -1,6 +1,6 @@
 """The sequence-tiled MLP (ALST / Arctic's TiledMLP): a decoder layer's MLP computed a tile of tokens at a time, so
 its `[N, I]` intermediate activations (gate, up, their product: 3 x I per token, 2-8x the hidden size) never exist for
-the whole sequence, in the forward or the backward.
+the whole sequence, in the forward or the backward; and the layer's norms through the same function (decision 5).
 
 Decisions:
 
@@ -25,13 +25,23 @@ Decisions:
 2. The module's own forward is what each tile runs (LoRA adapters, quantised layers, any activation), so any
    per-token MLP tiles; a Mixture-of-Experts block (routing with a capacity or an auxiliary loss over the whole
    sequence) is not per token, and is left alone (`_per_token`).
-3. Tiling is installed around each log-prob forward (`tiled_mlps`, from `modeling.forwards`, inside replay's
+3. Tiling is installed around each log-prob forward (`tiled_layers`, from `modeling.forwards`, inside replay's
    context so that replay's recomputation is tiled too) and removed after it, so generation and the fast decoder
    see the plain model; the backward, which runs after the context has
    closed, reads the forward it needs from the function's saved context. Under activation checkpointing the layer's
-   recomputation runs inside the backward, where the tiled forward is already gone: `tiled_mlps` therefore also
+   recomputation runs inside the backward, where the tiled forward is already gone: `tiled_layers` therefore also
    keeps the replacement installed on the checkpointed layers' recompute (`_checkpointed`), by wrapping the
    layer's checkpoint function for the duration of the forward and the closures it created.
+4. Each tile's output is written into the whole output as it comes (`_joined`), so the forward holds one tile's
+   output beside it, not every tile's and then their concatenation.
+5. A norm over the last dimension (RMSNorm, LayerNorm) is per token too, and autograd keeps more for it than its
+   input: transformers' RMSNorm saves the normalised input `x * rstd` `[N, E]` for its weight's gradient (and
+   under a bfloat16 model a float32 copy of the input as well); the next module keeps the norm's output besides.
+   Through `TiledMLP` a norm keeps only its input (the layer's input or the residual sum, which the checkpoint or
+   the next norm keeps anyway) and recomputes the rest, a tile at a time, in the backward: one `[N, E]` less per
+   norm and layer for a few element-wise operations. `tiled_layers` tiles each decoder layer's norms (its own and
+   its attention's per-head q/k norms) and the final norm with the MLP, under the same `mlp_tile_tokens`; a norm
+   whose parameters ZeRO-3 partitions is left alone, as its own forward would not gather them (`_is_norm`).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from torch import Tensor, nn
 
 from grpo_trainer.modeling.recompute import transient_saves
 
-__all__ = ["TiledMLP", "installed", "tiled_mlp", "tiled_mlps"]
+__all__ = ["TiledMLP", "installed", "tiled_layers", "tiled_mlp"]
 
 
 class TiledMLP(torch.autograd.Function):
@@ -62,7 +72,7 @@ class TiledMLP(torch.autograd.Function):
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])  # [B*N, E]
         with torch.no_grad():
-            out = torch.cat([forward(tile) for tile in _tiles(flat, tokens, count)])  # [B*N, E']
+            out = _joined(forward, _tiles(flat, tokens, count), len(flat))  # [B*N, E']
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -102,6 +112,20 @@ def _tiles(flat: Tensor, tokens: int, count: int | None) -> tuple[Tensor, ...]:
     return flat.split(tokens) if count is None else flat.tensor_split(count)
 
 
+def _joined(forward: Callable[[Tensor], Tensor], tiles: tuple[Tensor, ...], rows: int) -> Tensor:
+    """`forward` of each tile written into one `[rows, E']` output as it comes: one tile's output beside the whole,
+    not every tile's and then their concatenation (a second copy of the output)."""
+    out, start = None, 0
+    for tile in tiles:
+        y = forward(tile)
+        if out is None:
+            out = y.new_empty((rows, y.shape[-1]))
+        out[start:start + len(tile)] = y
+        start += len(tile)
+    assert out is not None and start == rows
+    return out
+
+
 def _partitioned(module: nn.Module) -> list[Tensor]:
     """The module's ZeRO-3 partitioned parameters (DeepSpeed gives each a `ds_id`), trained or not."""
     return [p for p in module.parameters() if hasattr(p, "ds_id")]
@@ -126,7 +150,7 @@ def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: in
         rows = x.numel() // x.shape[-1]
         count = _agreed_count(rows, tokens, partitioned, x.device) if partitioned else None
         if not torch.is_grad_enabled():  # no graph to keep: tiles bound the transient all the same
-            out = torch.cat([forward(tile) for tile in _tiles(x.reshape(rows, x.shape[-1]), tokens, count)])
+            out = _joined(forward, _tiles(x.reshape(rows, x.shape[-1]), tokens, count), rows)
             return out.view(*x.shape[:-1], out.shape[-1])
         if partitioned:  # every trained parameter's gradient accumulated by the backward itself (decision 1)
             return TiledMLP.apply(forward, tokens, count, parameters, x)
@@ -138,6 +162,27 @@ def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: in
 def _per_token(mlp: nn.Module) -> bool:
     """Decision 2: a dense MLP (no router, no experts)."""
     return not any(hasattr(mlp, name) for name in ("router", "gate_network", "experts", "num_experts"))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """Decision 6: a normalisation over the last dimension (`nn.LayerNorm`, a model's `...RMSNorm`) with nothing
+    inside it, whose parameters are not ZeRO-3 partitioned (its own forward, called without its module's hooks,
+    would not gather them)."""
+    norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+    return norm and not any(True for _ in module.children()) and not _partitioned(module)
+
+
+def _norms(layer: nn.Module) -> list[nn.Module]:
+    """Decision 6: a decoder layer's norms: its own children's, and its attention's (per-head q/k norms)."""
+    attention = getattr(layer, "self_attn", None)
+    children = [*layer.children(), *(attention.children() if attention is not None else ())]
+    return [module for module in children if _is_norm(module)]
+
+
+def _tiled_modules(layer: nn.Module) -> list[nn.Module]:
+    """What `tiled_layers` tiles in a decoder layer: its per-token MLP (decisions 1-2) and its norms (decision 5)."""
+    mlp = getattr(layer, "mlp", None)
+    return ([mlp] if mlp is not None and _per_token(mlp) else []) + _norms(layer)
 
 
 @contextlib.contextmanager
@@ -153,14 +198,16 @@ def installed(module: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterato
         del module.forward
 
 
-def _checkpointed(checkpoint: Callable[..., object], mlp: nn.Module, forward: Callable[[Tensor], Tensor]
+def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Module, Callable[[Tensor], Tensor]]]
                   ) -> Callable[..., object]:
     """A layer's `_gradient_checkpointing_func` whose checkpointed function (run in the forward, and again in the
-    backward's recomputation) computes with the tiled MLP (decision 3)."""
+    backward's recomputation) computes with the `replaced` modules' tiled forwards (decision 3)."""
 
     def run(function: Callable[..., object], *args: object, **kwargs: object) -> object:
         def tiled(*inner_args: object, **inner_kwargs: object) -> object:
-            with installed(mlp, forward):
+            with contextlib.ExitStack() as stack:
+                for module, forward in replaced:
+                    stack.enter_context(installed(module, forward))
                 return function(*inner_args, **inner_kwargs)
 
         return checkpoint(tiled, *args, **kwargs)
@@ -169,23 +216,28 @@ def _checkpointed(checkpoint: Callable[..., object], mlp: nn.Module, forward: Ca
 
 
 @contextlib.contextmanager
-def tiled_mlps(lm: nn.Module, tokens: int) -> Iterator[None]:
-    """Within this context each decoder layer's per-token MLP of the causal LM `lm` computes `tokens` tokens at a
-    time (`TiledMLP`), and a checkpointed layer recomputes it so in the backward (decision 3); 0: as is."""
+def tiled_layers(lm: nn.Module, tokens: int) -> Iterator[None]:
+    """Within this context each decoder layer's per-token MLP and norms of the causal LM `lm` (and its final norm)
+    compute `tokens` tokens at a time (`TiledMLP`), and a checkpointed layer recomputes them so in the backward
+    (decisions 3, 5); 0: as is."""
     if tokens <= 0:
         yield
         return
     decoder = lm.get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None) or ()  # Llama family; GPT-2
+    final = [m for m in (getattr(decoder, "norm", None), getattr(decoder, "ln_f", None))  # Llama family; GPT-2
+             if m is not None and _is_norm(m)]
     with contextlib.ExitStack() as stack:
+        for module in final:
+            if "forward" not in module.__dict__:
+                stack.enter_context(installed(module, tiled_mlp(module, module.forward, tokens)))
         for layer in layers:
-            mlp = getattr(layer, "mlp", None)
-            if mlp is None or not _per_token(mlp) or "forward" in mlp.__dict__:
-                continue
-            forward = tiled_mlp(mlp, mlp.forward, tokens)
-            stack.enter_context(installed(mlp, forward))
+            replaced = [(m, tiled_mlp(m, m.forward, tokens)) for m in _tiled_modules(layer)
+                        if "forward" not in m.__dict__]
+            for module, forward in replaced:
+                stack.enter_context(installed(module, forward))
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-            if checkpoint is not None:
-                layer._gradient_checkpointing_func = _checkpointed(checkpoint, mlp, forward)
+            if checkpoint is not None and replaced:
+                layer._gradient_checkpointing_func = _checkpointed(checkpoint, replaced)
                 stack.callback(setattr, layer, "_gradient_checkpointing_func", checkpoint)
         yield

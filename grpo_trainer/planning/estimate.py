@@ -65,7 +65,7 @@ from grpo_trainer.rollout.fast.decoder import FUSE_MAX_PARAMETERS
 
 __all__ = ["CPU_ALLOCATOR_OVERHEAD", "CPU_RUNTIME_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_RESERVED_RATIO", "INSTANTS",
            "Item", "MemoryPlan", "activation_bytes_per_token", "packed_mask_elements", "plan_memory", "round_bytes",
-           "tiled_mlp_saving_per_token", "tiled_mlp_transient"]
+           "tiling_saving_per_token", "tiled_mlp_transient"]
 
 INSTANTS = ("rollout", "scoring", "loss forward", "backward start", "backward end", "optimizer step")
 _R, _S, _F, _BS, _BE, _O = range(len(INSTANTS))
@@ -175,12 +175,16 @@ def _mlp_inputs_bytes(settings: PlanSettings, shape: ModelShape) -> int:
     return inputs + (3 + shape.down_input_kept) * shape.intermediate * c
 
 
-def tiled_mlp_saving_per_token(settings: PlanSettings, shape: ModelShape) -> int:
-    """Bytes per token and layer the sequence-tiled MLP (`modeling.tiling`) does not keep: the MLP's inputs and
-    intermediates (`_mlp_inputs_bytes`), less the one input it keeps, the norm's output (residual dtype)."""
+def tiling_saving_per_token(settings: PlanSettings, shape: ModelShape) -> int:
+    """Bytes per token and layer the sequence tiling (`modeling.tiling`) does not keep: the MLP's inputs and
+    intermediates (`_mlp_inputs_bytes`), less the one input it keeps, the norm's output (residual dtype); and each
+    of the 2 norms' normalised input where the norm's weight trains (it keeps its input alone; not under ZeRO-3,
+    whose partitioned norms are not tiled)."""
     if not settings.mlp_tile_tokens:
         return 0
-    return _mlp_inputs_bytes(settings, shape) - shape.hidden * _residual_bytes(settings)
+    r = _residual_bytes(settings)
+    norms = 2 * shape.hidden * r if shape.norms_trained and settings.zero_stage != 3 else 0
+    return _mlp_inputs_bytes(settings, shape) - shape.hidden * r + norms
 
 
 def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
@@ -213,7 +217,7 @@ def _mask_bytes_per_row(settings: PlanSettings) -> int:
 def _layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
     """One decoder layer's saved tensors for `rows` rows, with autocast's low-precision weight copies."""
     weight_copies = shape.layer_parameters * settings.compute_bytes if settings.mixed_precision else 0
-    per_token = activation_bytes_per_token(settings, shape) - tiled_mlp_saving_per_token(settings, shape)
+    per_token = activation_bytes_per_token(settings, shape) - tiling_saving_per_token(settings, shape)
     return rows * (settings.forward_length * per_token + _mask_bytes_per_row(settings)) + weight_copies
 
 
@@ -372,7 +376,7 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
         return saved, _layer_bytes(s, m, rows) + tiles, \
             f"each layer's input, {rows} rows x {N} tokens (checkpointing)"
     saved = m.layers * _layer_bytes(s, m, rows) + ends
-    per_token = activation_bytes_per_token(s, m) - tiled_mlp_saving_per_token(s, m)
+    per_token = activation_bytes_per_token(s, m) - tiling_saving_per_token(s, m)
     return saved, tiles, f"{per_token} B per token and layer, {rows} rows x {N} tokens"
 
 

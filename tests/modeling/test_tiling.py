@@ -81,16 +81,18 @@ def _saved_bytes(model, ids, mask, T, settings) -> int:
     return sum(storages.values())
 
 
-def test_tiling_keeps_the_mlp_input_only(tokenizer):
+def test_tiling_keeps_the_mlp_and_norm_inputs_only(tokenizer):
     """Without checkpointing each of the 2 layers' MLPs keeps gate, up, act(gate) and act(gate) * up
     (4 x 96 float32 per token) untiled; tiled it keeps its input, already kept as the norm's output: 2 x 4 x 96 x 4 B
-    = 3,072 B per token less, 3 x 46 = 138 tokens: 423,936 B (the SiLU's input is gate itself)."""
+    = 3,072 B per token less (the SiLU's input is gate itself). Each of the 5 RMSNorms (2 per layer, the final one)
+    keeps its normalised input (64 float32) and its rstd (1 float32) untiled, its input alone tiled: 5 x 65 x 4 B
+    = 1,300 B per token less. 3 x 46 = 138 tokens: (3,072 + 1,300) x 138 = 603,336 B."""
     model = _model(tokenizer, lora=False, checkpointing=False)
     ids, mask, T = _batch(tokenizer)
     plain = forwards.ForwardSettings(padding_free=False)
     untiled = _saved_bytes(model, ids, mask, T, plain)
     tiled = _saved_bytes(model, ids, mask, T, dataclasses.replace(plain, mlp_tile_tokens=7))
-    assert untiled - tiled == 2 * 4 * 96 * 4 * 3 * 46
+    assert untiled - tiled == (2 * 4 * 96 * 4 + 5 * 65 * 4) * 3 * 46
 
 
 def test_tiled_mlp_alone_by_hand():
@@ -122,3 +124,29 @@ def test_the_backward_recomputes_under_the_forwards_autocast():
     y.float().sum().backward()
     assert dtypes == [torch.bfloat16] * 6  # 3 tiles forward, 3 recomputed
     assert linear.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gpt2_no_dropout", "mixtral", "phi3"])
+def test_every_norm_tiles_and_the_gradients_stay_equal(tokenizer, kind, monkeypatch):
+    """Per family, with checkpointing: every norm module (Qwen3's per-head q/k norms, Gemma 2's four per layer and
+    its (1 + w) scale, GPT-2's biased LayerNorms, the final norm) and each dense MLP runs through `TiledMLP` (a
+    Mixtral block's experts do not: not per token), and log-probs and every gradient equal the untiled run's."""
+    model = model_of_kind(kind, tokenizer)
+    compat.enable_checkpointing(model)
+    model.train()
+    ran = set()
+    forward = tiling.TiledMLP.forward
+    monkeypatch.setattr(tiling.TiledMLP, "forward", staticmethod(
+        lambda ctx, function, *args: ran.add(function.__self__) or forward(ctx, function, *args)))
+    ids, mask, T = _batch(tokenizer, T=20)
+    plain = forwards.ForwardSettings(padding_free=False)
+    logps, grads = _logps_and_grads(model, ids, mask, T, plain)
+    assert not ran
+    tiled_logps, tiled_grads = _logps_and_grads(model, ids, mask, T, dataclasses.replace(plain, mlp_tile_tokens=7))
+    norms = {m for m in model.modules() if isinstance(m, torch.nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")}
+    assert norms and norms <= ran
+    assert any("MLP" in type(m).__name__ for m in ran) == (kind != "mixtral")
+    torch.testing.assert_close(tiled_logps, logps, atol=ATOL, rtol=0)
+    assert grads.keys() == tiled_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(tiled_grads[name], grads[name], atol=ATOL, rtol=1e-4, msg=name)

@@ -21,8 +21,9 @@ def _budget_between(smaller, larger):
 
 
 def test_a_smaller_micro_batch_keeps_the_global_batch_and_the_round():
+    # checkpointing and the tiling already on: a split is what is left
     settings = dataclasses.replace(SETTINGS, micro_batch=8, checkpointing=True, accumulation_steps=2,
-                                   steps_per_generation=2, completion_length=200)
+                                   steps_per_generation=2, completion_length=2000, mlp_tile_tokens=64)
     full = plan_memory(settings, SHAPE)
     half = plan_memory(dataclasses.replace(settings, micro_batch=4, accumulation_steps=4, steps_per_generation=4),
                        SHAPE)

@@ -1,10 +1,11 @@
-"""The planner's sequence-tiled MLP (`mlp_tile_tokens`), by hand on the small shape: E 64, I 128, float32, 4 rows of
+"""The planner's sequence tiling (`mlp_tile_tokens`), by hand on the small shape: E 64, I 128, float32, 4 rows of
 16 tokens, full training.
 
 Per token and layer the MLP keeps (`activation_bytes_per_token`) its input, the norm's output shared by gate and up
 (64 x 4 = 256 B), and gate, up, act(gate) x up and down's input ((3 + 1) x 128 x 4 = 2,048 B): 2,304 B. Tiled it keeps
-the input only: 2,048 B less per token, 4 x 16 = 64 tokens: 131,072 B less per layer. Its backward holds one tile's
-2,304 B per token (8 tokens: 18,432 B) and the sums of gate/up/down's gradients (3 x 64 x 128 x 4 = 98,304 B)."""
+the input only: 2,048 B less; each of the 2 norms keeps its input and not its normalised input (64 x 4 = 256 B):
+512 B less; 2,560 B less per token, 4 x 16 = 64 tokens: 163,840 B less per layer. The MLP's backward holds one
+tile's 2,304 B per token (8 tokens: 18,432 B) and the sums of gate/up/down's gradients (3 x 64 x 128 x 4 = 98,304 B)."""
 
 import dataclasses
 
@@ -15,8 +16,12 @@ TILED = dataclasses.replace(SETTINGS, mlp_tile_tokens=8)
 
 
 def test_the_saving_and_the_transient_by_hand():
-    assert estimate.tiled_mlp_saving_per_token(SETTINGS, SHAPE) == 0  # off
-    assert estimate.tiled_mlp_saving_per_token(TILED, SHAPE) == 2_048
+    assert estimate.tiling_saving_per_token(SETTINGS, SHAPE) == 0  # off
+    assert estimate.tiling_saving_per_token(TILED, SHAPE) == 2_560
+    # ZeRO-3 partitions the norms' weights: they are not tiled (`modeling.tiling._is_norm`), the MLP is
+    assert estimate.tiling_saving_per_token(dataclasses.replace(TILED, zero_stage=3), SHAPE) == 2_048
+    # frozen norms (an adapter) keep no normalised input untiled: nothing more to save
+    assert estimate.tiling_saving_per_token(TILED, dataclasses.replace(SHAPE, norms_trained=False)) == 2_048
     assert estimate.tiled_mlp_transient(TILED, SHAPE, rows=4) == 8 * 2_304 + 98_304
     lora = dataclasses.replace(SHAPE, adapter_parameters=1_000)  # adapter gradients are not counted
     assert estimate.tiled_mlp_transient(TILED, lora, rows=4) == 8 * 2_304
@@ -26,19 +31,19 @@ def test_the_saving_and_the_transient_by_hand():
 
 
 def test_checkpointed_recomputation_holds_one_tile_of_the_mlp():
-    """Checkpointing: the recomputed layer keeps 131,072 B less and the tile's 116,736 B more: 14,336 B less; the
+    """Checkpointing: the recomputed layer keeps 163,840 B less and the tile's 116,736 B more: 47,104 B less; the
     checkpointed inputs are unchanged."""
     saved, recompute, _ = estimate._saved_activations(SETTINGS, SHAPE)
     tiled_saved, tiled_recompute, _ = estimate._saved_activations(TILED, SHAPE)
-    assert tiled_saved == saved and recompute - tiled_recompute == 131_072 - 116_736
+    assert tiled_saved == saved and recompute - tiled_recompute == 163_840 - 116_736
 
 
 def test_without_checkpointing_every_layer_keeps_less():
-    """2 layers x 131,072 B less saved; the backward's recomputation is the tile: 116,736 B."""
+    """2 layers x 163,840 B less saved; the backward's recomputation is the tile: 116,736 B."""
     plain = dataclasses.replace(SETTINGS, checkpointing=False)
     saved, recompute, _ = estimate._saved_activations(plain, SHAPE)
     tiled_saved, tiled_recompute, _ = estimate._saved_activations(dataclasses.replace(plain, mlp_tile_tokens=8), SHAPE)
-    assert saved - tiled_saved == 2 * 131_072 and recompute == 0 and tiled_recompute == 116_736
+    assert saved - tiled_saved == 2 * 163_840 and recompute == 0 and tiled_recompute == 116_736
 
 
 def test_the_scoring_forward_holds_one_tile_of_gate_up_and_product():
