@@ -250,8 +250,9 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     mlp_tile_tokens: int = _opt(
         0, "Sequence-tiled MLP in the log-prob forwards and their backward (ALST's TiledMLP): each decoder layer's MLP "
         "computes this many tokens at a time, so its [tokens, intermediate] activations never exist for the whole "
-        "micro-batch; exact (the same values, gradients within float32 rounding), at the price of recomputing the MLP "
-        "in the backward. 0: off. For long completions: docs/MEMORY.md, 'How long can I go?'.")
+        "micro-batch, and the layers' norms keep only their input; exact (the same values, gradients within float32 "
+        "rounding), at the price of recomputing the MLP and the norms in the backward. 0: off. For long completions: "
+        "docs/MEMORY.md, 'How long can I go?'.")
     activation_offloading: bool = _opt(
         False, "Move the tensors the loss forward saves for the backward to host memory (pinned, copied on a side "
         "stream) and bring them back in the backward (TRL's SFT/DPO option of the same name, through TRL's own "

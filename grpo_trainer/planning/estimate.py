@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -366,18 +367,28 @@ def _gradient_sizes(b: _Builder, s: PlanSettings, m: ModelShape) -> tuple[int, i
     return int(full), int(head)
 
 
-def _saved_activations(s: PlanSettings, m: ModelShape) -> tuple[int, int, str]:
-    """(tensors the loss forward leaves for the backward, one layer's recomputation, a note)."""
+class _Saved(NamedTuple):
+    """What the loss forward leaves for the backward, and the backward's recomputation."""
+
+    saved: int  # every tensor the loss forward keeps
+    recompute: int  # one layer's tensors rebuilt in the backward (checkpointing), or a tile of the MLP
+    note: str
+    ends: int  # of `saved`: the final norm's input and output, released once the final norm's backward has run
+    layer_input: int  # one layer's input `[rows, N, E]` (checkpointing keeps it; its recomputation reads it)
+
+
+def _saved_activations(s: PlanSettings, m: ModelShape) -> _Saved:
     rows, N, r = s.micro_batch, s.forward_length, _residual_bytes(s)
-    ends = rows * N * m.hidden * r * 2  # the embedding's output and the final norm's
+    layer_input = rows * N * m.hidden * r
+    ends = 2 * layer_input  # the final norm's input (the last layer's output) and output (the LM head's input)
     tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
     if s.checkpointing:
-        saved = rows * N * m.hidden * r * m.layers + ends
-        return saved, _layer_bytes(s, m, rows) + tiles, \
-            f"each layer's input, {rows} rows x {N} tokens (checkpointing)"
-    saved = m.layers * _layer_bytes(s, m, rows) + ends
+        # the recomputed layer's first norm reads the layer's input, which the checkpoint keeps: counted once
+        return _Saved(layer_input * m.layers + ends, _layer_bytes(s, m, rows) - layer_input + tiles,
+                      f"each layer's input, {rows} rows x {N} tokens (checkpointing)", ends, layer_input)
     per_token = activation_bytes_per_token(s, m) - tiling_saving_per_token(s, m)
-    return saved, tiles, f"{per_token} B per token and layer, {rows} rows x {N} tokens"
+    return _Saved(m.layers * _layer_bytes(s, m, rows) + ends, tiles,
+                  f"{per_token} B per token and layer, {rows} rows x {N} tokens", ends, 0)
 
 
 # TRL's `OffloadActivations` keeps the last `max_fwd_stash_size` (5) offloaded tensors on the device until their
@@ -415,20 +426,21 @@ def _head_chunks(s: PlanSettings, m: ModelShape, replay_probs: int) -> tuple[int
 
 def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: tuple[int, int]) -> None:
     """The loss forward and the backward's two peaks. Backward start: the LM head's backward (its chunks, the
-    current micro-batch's kept softmax), or the last layer's recomputation after it, whichever is larger. Backward
-    end: the input embedding's backward (a tied embedding's rows' gradient, added into the head's by
-    `modeling.tied_embedding`, or under ZeRO-3 / FSDP and for other lookups its own V x E gradient), or the
-    first layer's recomputation before it. The trainer drops the micro-batch (`del inputs`) before the backward,
-    so its kept layer outputs are gone by then; the softmax lives until the head's backward has used it."""
+    current micro-batch's kept softmax), or the last layer's recomputation after it (the final norm's input and
+    output released by then), whichever is larger. Backward end: the input embedding's backward (a tied
+    embedding's rows' gradient, added into the head's by `modeling.tied_embedding`, or under ZeRO-3 / FSDP and for
+    other lookups its own V x E gradient), or the first layer's recomputation before it (with that layer's
+    checkpointed input). The trainer drops the micro-batch (`del inputs`) before the backward, so its kept layer
+    outputs are gone by then; the softmax lives until the head's backward has used it."""
     full, head_grad = _gradient_sizes(b, s, m)
-    saved, recompute, note = _saved_activations(s, m)
+    saved, recompute, note, ends, layer_input = _saved_activations(s, m)
     forward_chunks, backward_chunks, _ = _head_chunks(s, m, replay[1])
     outputs, probs = replay
     current = 1 / s.steps_per_generation  # this micro-batch's share of the round
     others = max(0.0, case.replay_left - current)
     grads = max(full * case.accumulated, head_grad)
     head_moment = backward_chunks + probs * current
-    bs_head = head_moment >= recompute
+    bs_head = head_moment >= recompute - ends  # the final norm's tensors are gone by the last layer's recomputation
     grad_hidden = 2 * s.micro_batch * s.forward_length * m.hidden * _residual_bytes(s)
     tied, tied_note = 0, ""
     if m.tied_head and not m.adapter_parameters and m.plain_lookup and not s.shards_weights:
@@ -437,7 +449,7 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
     elif m.tied_head and not m.adapter_parameters:
         tied = m.head_parameters * _grad_element_bytes(s, m) / (s.processes if s.shards_gradients else 1)
         tied_note = "the input embedding's own V x E gradient, before it joins the head's (tied)"
-    be_embedding = tied >= recompute
+    be_embedding = tied >= recompute + layer_input  # the first layer's input lives through its recomputation
     mid_window = _cases(s)[0].accumulated
     element = _grad_element_bytes(s, m)
     b.add("gradients", {_R: full * mid_window, _S: full * mid_window, _F: full * case.accumulated, _BS: grads,
@@ -450,7 +462,8 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
         b.add("offloading stash", {_F: forward_stash, _BS: backward_stash, _BE: backward_stash},
               f"saved tensors in flight: {OFFLOAD_STASH} at the forward's end, 2 in the backward")
     else:
-        b.add("activations", {_F: saved, _BS: saved}, note)
+        b.add("activations", {_F: saved, _BS: saved - ends * (not bs_head), _BE: layer_input * (not be_embedding)},
+              note)
     copies = _autocast_copies(s, m, layers_saved=not s.checkpointing)
     b.add("autocast weight copies", {_F: copies, _BS: copies if s.shards_weights else 0},
           f"{s.mixed_precision} casts of the weights at the forward's end (the LM head's"

@@ -115,6 +115,19 @@ def test_activations_with_and_without_checkpointing():
     assert item(full, "activations")["loss forward"] == 2 * layer + rows * tokens * 64 * 4 * 2
 
 
+def test_what_the_checkpointed_backward_holds_beside_the_recomputed_layer():
+    """Rows of 6 + 250 = 256 tokens, 4 rows: one layer's input is 4 x 256 x 64 x 4 B = 262,144 B. The loss forward
+    keeps the 2 layers' inputs and the final norm's input and output: 4 x 262,144. At the last layer's recomputation
+    (the backward's start here) the final norm's backward has run: the 2 layers' inputs are left; at the first
+    layer's recomputation (its end) only that layer's input. The recomputed layer itself does not count its input
+    again: 4,624 - 256 = 4,368 B per token (and each row's [256, 256] float32 mask)."""
+    plan = plan_memory(dataclasses.replace(SETTINGS, completion_length=250), SHAPE)
+    activations, recomputed = item(plan, "activations"), item(plan, "layer recomputation")
+    assert activations["loss forward"] == 4 * 262_144
+    assert recomputed["backward start"] == recomputed["backward end"] == 4 * (256 * 4_368 + 4 * 256 * 256)
+    assert activations["backward start"] == 2 * 262_144 and activations["backward end"] == 262_144
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_the_padded_attention_mask_is_counted_only_where_a_padded_sdpa_forward_makes_it(checkpointing):
     """The `[N, N]` float32 mask per row (4 rows x 4 B x 16 x 16 = 4,096 B per layer) is in each layer's saved
