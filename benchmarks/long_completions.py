@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TRAINERS = ("ours", "trl")
 
 
-def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0, device: str = "cpu") -> list[dict]:
+def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0, device: str = "cpu",
+          recompute: bool = False) -> list[dict]:
     """grpo_trainer's memory plan for each length (`trainer.memory.plan_run`, what the trainer checks before it
     loads the weights): its predicted peak in MiB and the instant it occurs at, and its peak without the packed
     attention mask (with its allocator share): the bound for rows of mixed lengths, which rows of exactly T tokens
@@ -55,7 +56,7 @@ def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0, device:
     rows = []
     with tempfile.TemporaryDirectory() as output:
         for T in lengths:
-            plan = plan_run(model_dir, training_args(GRPOConfig, output, T, steps, device, mlp_tile_tokens=tile),
+            plan = plan_run(model_dir, training_args(GRPOConfig, output, T, steps, device, **_ours(tile, recompute)),
                             prompts(), tokenizer, device=device, with_device=False).plan
             mask = [sum(i.bytes[k] for i in plan.items if i.name == "packed attention mask")
                     for k in range(len(plan.totals()))]
@@ -65,7 +66,8 @@ def plans(lengths: list[int], steps: int, model_dir: str, tile: int = 0, device:
     return rows
 
 
-def child(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0, device: str = "cpu") -> dict:
+def child(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0, device: str = "cpu",
+          recompute: bool = False) -> dict:
     import torch
     from fed_completions import (
         distinct_rewards,
@@ -88,7 +90,7 @@ def child(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0, 
     loaded_mb = rss_mb()
     times: list[dict] = []
     with tempfile.TemporaryDirectory() as output:
-        args = training_args(GRPOConfig, output, T, steps, device, **({"mlp_tile_tokens": tile} if tile else {}))
+        args = training_args(GRPOConfig, output, T, steps, device, **_ours(tile, recompute))
         trainer = GRPOTrainer(model, distinct_rewards, args=args, processing_class=tokenizer, train_dataset=prompts(),
                               rollout_func=random_completions(tokenizer, model.config.vocab_size, T),
                               callbacks=[step_timer(times)])
@@ -96,14 +98,22 @@ def child(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0, 
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     gpu = {"peak_gpu_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
            "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved() / 2**20} if device == "cuda" else {}
-    return {"trainer": trainer_name, "T": T, "device": device, "mlp_tile_tokens": tile, "steps": times,
+    return {"trainer": trainer_name, "T": T, "device": device, "mlp_tile_tokens": tile,
+            "recompute_attention": recompute, "steps": times,
             "loaded_rss_mb": loaded_mb, "peak_rss_mb": peak_rss_mb(), **gpu, "losses": losses}
 
 
-def run(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0, device: str = "cpu") -> dict:
+def _ours(tile: int, recompute: bool) -> dict:
+    """grpo_trainer's own options of this run (TRL's GRPOConfig has neither: its child gets none)."""
+    return {**({"mlp_tile_tokens": tile} if tile else {}), **({"recompute_attention": True} if recompute else {})}
+
+
+def run(trainer_name: str, T: int, steps: int, model_dir: str, tile: int = 0, device: str = "cpu",
+        recompute: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--mlp-tile-tokens", str(tile),
-                          "--device", device, "--child", trainer_name, str(T), model_dir],
+                          "--device", device, *(["--recompute-attention"] if recompute else []),
+                          "--child", trainer_name, str(T), model_dir],
                          env=env, capture_output=True, text=True)
     if out.returncode:
         return {"trainer": trainer_name, "T": T, "error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
@@ -119,6 +129,8 @@ def main() -> None:
     parser.add_argument("--trainers", default=",".join(TRAINERS), help="ours,trl (default) or one of them")
     parser.add_argument("--mlp-tile-tokens", type=int, default=0,
                         help="grpo_trainer's sequence-tiled MLP (mlp_tile_tokens; TRL has none); 0, its default: off")
+    parser.add_argument("--recompute-attention", action="store_true",
+                        help="grpo_trainer's recompute_attention (each attention block checkpointed; TRL has none)")
     parser.add_argument("--plans-only", action="store_true", help="only grpo_trainer's plans, no training")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: bfloat16 mixed precision on the GPU; the peak is torch.cuda's allocated bytes")
@@ -127,18 +139,20 @@ def main() -> None:
     cli = parser.parse_args()
     if cli.child:
         print(json.dumps(child(cli.child[0], int(cli.child[1]), cli.steps, cli.child[2], cli.mlp_tile_tokens,
-                               cli.device)))
+                               cli.device, cli.recompute_attention)))
         return
     from shapes import save_real_model
 
     results, stopped = [], set()
     record = {"date": time.strftime("%Y-%m-%d"), "threads": 1, "budget_gib": cli.budget_gib, "device": cli.device,
-              "mlp_tile_tokens": cli.mlp_tile_tokens, "results": results}
+              "mlp_tile_tokens": cli.mlp_tile_tokens, "recompute_attention": cli.recompute_attention,
+              "results": results}
     with tempfile.TemporaryDirectory() as model_dir:
         record["model"] = save_real_model(cli.shape, Path(model_dir), "char")
         print(record["model"], flush=True)
         lengths = list(map(int, cli.lengths.split(",")))
-        record["plans"] = plans(lengths, cli.steps, model_dir, cli.mlp_tile_tokens, cli.device)
+        record["plans"] = plans(lengths, cli.steps, model_dir, cli.mlp_tile_tokens, cli.device,
+                                cli.recompute_attention)
         print(json.dumps(record["plans"]), flush=True)
         if cli.plans_only:
             lengths = []
@@ -147,7 +161,7 @@ def main() -> None:
             for name in trainers[::-1] if i % 2 else trainers:
                 if name in stopped:
                     continue
-                result = run(name, T, cli.steps, model_dir, cli.mlp_tile_tokens, cli.device)
+                result = run(name, T, cli.steps, model_dir, cli.mlp_tile_tokens, cli.device, cli.recompute_attention)
                 print(json.dumps(result), flush=True)
                 results.append(result)
                 peak = result.get("peak_gpu_allocated_mb", result.get("peak_rss_mb", 0.0))

@@ -81,6 +81,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.logprob_chunk_size < 1, f"logprob_chunk_size must be >= 1 (got {args.logprob_chunk_size})."),
         (not isinstance(args.mlp_tile_tokens, int) or args.mlp_tile_tokens < 0,
          f"mlp_tile_tokens must be an integer >= 0 (got {args.mlp_tile_tokens!r}); 0 turns the tiled MLP off."),
+        (not isinstance(args.recompute_attention, bool),
+         f"recompute_attention must be True or False (got {args.recompute_attention!r})."),
         (not isinstance(args.activation_offloading, bool),
          f"activation_offloading must be True or False (got {args.activation_offloading!r})."),
         (not isinstance(args.padding_free, bool),
@@ -166,7 +168,8 @@ def _skip_changes_gradient(args: Any) -> str | None:
 
 # What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?").
 LONG_COMPLETION_LEVERS = ("gradient_checkpointing=True, a smaller logprob_chunk_size, mlp_tile_tokens (the "
-                          "sequence-tiled MLP), and `grpo-train plan` for the longest max_completion_length that fits")
+                          "sequence-tiled MLP), recompute_attention, and `grpo-train plan` for the longest "
+                          "max_completion_length that fits")
 
 
 def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
@@ -190,6 +193,8 @@ def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
          "set routing_replay='off'"),
         (args.async_rollouts > 0, f"async_rollouts={args.async_rollouts} (untested)", "set async_rollouts=0"),
         (args.activation_offloading, "activation_offloading=True (untested)", "set activation_offloading=False"),
+        (args.recompute_attention, "recompute_attention=True (untested: the recomputed attention's all-to-alls "
+         "would run again in the backward)", "set recompute_attention=False"),
         (getattr(args, "deepspeed", None) is not None or bool(getattr(args, "fsdp", None)),
          "DeepSpeed or FSDP (only DDP is wired)", "launch with accelerate_configs/cpu/ddp_sp.yaml"),
     ]

@@ -253,6 +253,12 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "micro-batch, and the layers' norms keep only their input; exact (the same values, gradients within float32 "
         "rounding), at the price of recomputing the MLP and the norms in the backward. 0: off. For long completions: "
         "docs/MEMORY.md, 'How long can I go?'.")
+    recompute_attention: bool = _opt(
+        False, "Each decoder layer's attention block under its own activation checkpoint in the log-prob forwards' "
+        "training forward: its queries, keys, values and attention output are recomputed in its backward instead of "
+        "kept, so under gradient_checkpointing they never sit beside the MLP's while the recomputed layer's backward "
+        "runs (without it, no layer keeps them). Exact; the price is one more attention forward per layer and step. "
+        "Not with sequence parallelism. For long completions: docs/MEMORY.md, 'How long can I go?'.")
     activation_offloading: bool = _opt(
         False, "Move the tensors the loss forward saves for the backward to host memory (pinned, copied on a side "
         "stream) and bring them back in the backward (TRL's SFT/DPO option of the same name, through TRL's own "

@@ -82,6 +82,7 @@ class ForwardSettings:
     chunk_size: int = 1024  # LM-head rows per chunk, at most (`logprobs.chunk_rows`)
     pad_to_multiple_of: int | None = None
     mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the MLP computed this many tokens at a time (`modeling.tiling`)
+    recompute_attention: bool = False  # `recompute_attention`: each attention block checkpointed (`modeling.tiling`)
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,8 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(lm, routes, packed.sources, routing_stats)
     with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
-        with replayed, rerouted, tiling.tiled_layers(lm, settings.mlp_tile_tokens):  # tiles inside replay: decision 5
+        tiled = tiling.tiled_layers(lm, settings.mlp_tile_tokens, settings.recompute_attention)
+        with replayed, rerouted, tiled:  # tiles inside replay: decision 5
             out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                         logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
         return _score_packed(model, out, packed, settings, with_entropy, known, support)
@@ -461,7 +463,8 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
     rerouted = contextlib.nullcontext() if routes is None else \
         routing.replaying(causal_lm(model), routes, stats=routing_stats)
     lm = causal_lm(model)
-    with replayed, rerouted, tiling.tiled_layers(lm, settings.mlp_tile_tokens), tied_lookup(lm):  # decision 5
+    with replayed, rerouted, tiling.tiled_layers(lm, settings.mlp_tile_tokens, settings.recompute_attention), \
+            tied_lookup(lm):  # decision 5
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

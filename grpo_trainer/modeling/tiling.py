@@ -50,6 +50,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.recompute import transient_saves
@@ -186,7 +187,7 @@ def _tiled_modules(layer: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def installed(module: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[None]:
+def installed(module: nn.Module, forward: Callable[..., object]) -> Iterator[None]:
     """`module.forward` is `forward` within this context (nested: the outer one's stays)."""
     if "forward" in module.__dict__:
         yield
@@ -198,7 +199,7 @@ def installed(module: nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterato
         del module.forward
 
 
-def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Module, Callable[[Tensor], Tensor]]]
+def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Module, Callable[..., object]]]
                   ) -> Callable[..., object]:
     """A layer's `_gradient_checkpointing_func` whose checkpointed function (run in the forward, and again in the
     backward's recomputation) computes with the `replaced` modules' tiled forwards (decision 3)."""
@@ -215,25 +216,57 @@ def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Mod
     return run
 
 
+def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Callable[[Tensor], Tensor]]]
+                ) -> Callable[..., object]:
+    """An attention block's forward under its own (non-reentrant) checkpoint (decision 6): it keeps its inputs and
+    recomputes the rest in its backward, with its tiled children (`inner`) installed there as in the forward, so
+    the recomputation saves what the forward did."""
+
+    def within(*args: object, **kwargs: object) -> object:
+        with contextlib.ExitStack() as stack:
+            for module, tiled in inner:
+                stack.enter_context(installed(module, tiled))
+            return forward(*args, **kwargs)
+
+    def run(*args: object, **kwargs: object) -> object:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(within, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _replacements(layer: nn.Module, tokens: int, recompute_attention: bool
+                  ) -> list[tuple[nn.Module, Callable[..., object]]]:
+    """A decoder layer's modules and the forwards `tiled_layers` gives them (decisions 1, 5, 6)."""
+    replaced = [(m, tiled_mlp(m, m.forward, tokens)) for m in _tiled_modules(layer) if "forward" not in m.__dict__] \
+        if tokens > 0 else []
+    attention = getattr(layer, "self_attn", None)
+    if recompute_attention and attention is not None and "forward" not in attention.__dict__:
+        children = set(attention.children())
+        replaced.append((attention, _recomputed(attention.forward, [(m, f) for m, f in replaced if m in children])))
+    return replaced
+
+
 @contextlib.contextmanager
-def tiled_layers(lm: nn.Module, tokens: int) -> Iterator[None]:
+def tiled_layers(lm: nn.Module, tokens: int, recompute_attention: bool = False) -> Iterator[None]:
     """Within this context each decoder layer's per-token MLP and norms of the causal LM `lm` (and its final norm)
-    compute `tokens` tokens at a time (`TiledMLP`), and a checkpointed layer recomputes them so in the backward
-    (decisions 3, 5); 0: as is."""
-    if tokens <= 0:
+    compute `tokens` tokens at a time (`TiledMLP`; 0: as is), with `recompute_attention` each layer's attention
+    block runs under its own checkpoint, and a checkpointed layer recomputes them so in the backward (decisions 3,
+    5, 6)."""
+    if tokens <= 0 and not recompute_attention:
         yield
         return
     decoder = lm.get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None) or ()  # Llama family; GPT-2
     final = [m for m in (getattr(decoder, "norm", None), getattr(decoder, "ln_f", None))  # Llama family; GPT-2
-             if m is not None and _is_norm(m)]
+             if m is not None and _is_norm(m)] if tokens > 0 else []
     with contextlib.ExitStack() as stack:
         for module in final:
             if "forward" not in module.__dict__:
                 stack.enter_context(installed(module, tiled_mlp(module, module.forward, tokens)))
         for layer in layers:
-            replaced = [(m, tiled_mlp(m, m.forward, tokens)) for m in _tiled_modules(layer)
-                        if "forward" not in m.__dict__]
+            replaced = _replacements(layer, tokens, recompute_attention)
             for module, forward in replaced:
                 stack.enter_context(installed(module, forward))
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None)

@@ -200,6 +200,14 @@ def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) ->
     return tile * _mlp_inputs_bytes(settings, shape) + sums
 
 
+def _attention_bytes_per_token(settings: PlanSettings, shape: ModelShape) -> int:
+    """What `activation_bytes_per_token` counts for a layer's attention block past its input: queries, keys and
+    values at H heads, the log-sum-exp, and o_proj's input where it keeps it. `recompute_attention` keeps none of it
+    (`modeling.tiling`, decision 6): its own backward rebuilds it, one layer at a time."""
+    c, HD = settings.compute_bytes, shape.heads * shape.head_dim
+    return 3 * HD * c + 4 * shape.heads + (HD * c if shape.output_input_kept else 0)
+
+
 def _residual_bytes(settings: PlanSettings) -> int:
     """The residual stream's dtype: the weights', or the compute dtype for quantised weights."""
     return settings.compute_bytes if settings.quantization else settings.weight_bytes
@@ -218,7 +226,8 @@ def _mask_bytes_per_row(settings: PlanSettings) -> int:
 def _layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
     """One decoder layer's saved tensors for `rows` rows, with autocast's low-precision weight copies."""
     weight_copies = shape.layer_parameters * settings.compute_bytes if settings.mixed_precision else 0
-    per_token = activation_bytes_per_token(settings, shape) - tiling_saving_per_token(settings, shape)
+    per_token = activation_bytes_per_token(settings, shape) - tiling_saving_per_token(settings, shape) \
+        - _attention_bytes_per_token(settings, shape) * settings.recompute_attention
     return rows * (settings.forward_length * per_token + _mask_bytes_per_row(settings)) + weight_copies
 
 
@@ -382,12 +391,15 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> _Saved:
     layer_input = rows * N * m.hidden * r
     ends = 2 * layer_input  # the final norm's input (the last layer's output) and output (the LM head's input)
     tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
+    # recompute_attention: one attention block rebuilt in its backward, beside the input it read (a norm's output)
+    attention = rows * N * (_attention_bytes_per_token(s, m) + m.hidden * r) if s.recompute_attention else 0
     if s.checkpointing:
         # the recomputed layer's first norm reads the layer's input, which the checkpoint keeps: counted once
-        return _Saved(layer_input * m.layers + ends, _layer_bytes(s, m, rows) - layer_input + tiles,
+        return _Saved(layer_input * m.layers + ends, max(_layer_bytes(s, m, rows) - layer_input + tiles, attention),
                       f"each layer's input, {rows} rows x {N} tokens (checkpointing)", ends, layer_input)
-    per_token = activation_bytes_per_token(s, m) - tiling_saving_per_token(s, m)
-    return _Saved(m.layers * _layer_bytes(s, m, rows) + ends, tiles,
+    per_token = activation_bytes_per_token(s, m) - tiling_saving_per_token(s, m) \
+        - _attention_bytes_per_token(s, m) * s.recompute_attention
+    return _Saved(m.layers * _layer_bytes(s, m, rows) + ends, max(tiles, attention),
                   f"{per_token} B per token and layer, {rows} rows x {N} tokens", ends, 0)
 
 

@@ -121,6 +121,7 @@ class PlanSettings:
     device_total_bytes: int = 0  # the GPU's memory (an engine's pool is a fraction of it); 0 when unknown
     heap_held: bool = True  # CPU: glibc's heap held to the live tensors (`runtime.host_memory`)
     mlp_tile_tokens: int = 0  # the sequence-tiled MLP's tile (`modeling.tiling`); 0: off
+    recompute_attention: bool = False  # each attention block under its own checkpoint (`modeling.tiling`)
     activation_offloading: bool = False  # the loss forward's saved tensors in host memory (GPU; TRL's manager)
     routing_replay: bool = False  # a MoE model's rounds carry their routes (`routing_replay`, in-process rollouts)
     rounds: RoundsHeld = RoundsHeld()  # the round source's (`async_rollouts`)

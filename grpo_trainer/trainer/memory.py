@@ -125,6 +125,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
         logprob_chunk_size=args.logprob_chunk_size, mlp_tile_tokens=args.mlp_tile_tokens,
+        recompute_attention=args.recompute_attention,
         activation_offloading=args.activation_offloading,
         routing_replay=args.routing_replay != "off" and rollout.in_process,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),

@@ -43,7 +43,7 @@ def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) ->
                                args.beta, args.padding_free, args.pad_to_multiple_of,
                                skip_zero_advantages=args.zero_variance_groups == "skip",
                                truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask,
-                               mlp_tile_tokens=args.mlp_tile_tokens)
+                               mlp_tile_tokens=args.mlp_tile_tokens, recompute_attention=args.recompute_attention)
     return PolicyScorer(settings, schedule, ref_model)
 
 

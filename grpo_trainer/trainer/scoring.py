@@ -64,6 +64,7 @@ class ScoringSettings:
     truncation: Truncation = Truncation()  # the sampler's (decision 4)
     keep_sampling_mask: bool = True  # decision 4
     mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the sequence-tiled MLP (`modeling.tiling`); 0 off
+    recompute_attention: bool = False  # `recompute_attention` (`modeling.tiling`)
 
 
 class PolicyLogProbs(NamedTuple):
@@ -82,7 +83,8 @@ class PolicyScorer:
         self.sp_group = None  # a sequence-parallel group: the training forwards are sharded over it (`prepare`)
         self._shard_no_grad = False  # within `prepare` under a group: the no-grad forwards are sharded too
         self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
-                                                settings.pad_to_multiple_of, settings.mlp_tile_tokens)
+                                                settings.pad_to_multiple_of, settings.mlp_tile_tokens,
+                                                settings.recompute_attention)
 
     def support(self, part: Round, collect: bool = False) -> KeptSupport | None:
         """How a forward over the trimmed `part` scores under the sampler's truncation (decision 4); None without

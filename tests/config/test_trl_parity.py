@@ -21,6 +21,7 @@ OURS_ONLY = {
     "reward_model_batch_size": "reward models score in micro-batches",
     "logprob_chunk_size": "completion tokens per LM-head chunk",
     "mlp_tile_tokens": "the sequence-tiled MLP for long completions (docs/MEMORY.md)",
+    "recompute_attention": "each attention block checkpointed, for long completions (docs/MEMORY.md)",
     "activation_offloading": "saved activations in host memory on a GPU (TRL's SFT/DPO option and helper)",
     "padding_free": "packed log-prob forwards (TRL's SFT and DPO configs have the name; its GRPOConfig does not)",
     "max_nonfinite_steps": "the non-finite-loss guard",

@@ -55,6 +55,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
     ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
     ({"activation_offloading": "yes"}, "activation_offloading must be True or False (got 'yes')"),
+    ({"recompute_attention": 1}, "recompute_attention must be True or False (got 1)"),
     ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),
     ({"zero_variance_groups": "drop"}, "unknown zero_variance_groups 'drop'; choose one of ('train', 'skip', "
                                        "'resample')"),
@@ -225,7 +226,8 @@ def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_
             (2, {"async_rollouts": 1}, "async_rollouts=1 (untested)", "set async_rollouts=0"),
             (2, {"top_k": 5}, "truncated sampling", "set top_k=0, top_p=1.0, min_p=None"),
             (2, {"activation_offloading": True}, "activation_offloading=True (untested)",
-             "set activation_offloading=False")]:
+             "set activation_offloading=False"),
+            (2, {"recompute_attention": True}, "recompute_attention=True (untested", "set recompute_attention=False")]:
         with pytest.raises(ValueError) as error:
             config(processes, **overrides)
         message = str(error.value)

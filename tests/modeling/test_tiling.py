@@ -150,3 +150,45 @@ def test_every_norm_tiles_and_the_gradients_stay_equal(tokenizer, kind, monkeypa
     assert grads.keys() == tiled_grads.keys()
     for name in grads:
         torch.testing.assert_close(tiled_grads[name], grads[name], atol=ATOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "lora"])
+def test_recomputed_attention_equals_the_plain_forward(tokenizer, kind, checkpointing, padding_free):
+    """`recompute_attention` alone and with tiles of 7 tokens (Qwen3's q/k norms tiled inside the recomputed
+    attention): the same log-probs and gradients within float32 rounding, and the model as before afterwards."""
+    if kind == "qwen3":
+        model = model_of_kind("qwen3", tokenizer)
+        if checkpointing:
+            compat.enable_checkpointing(model)
+        model.train()
+    else:
+        model = _model(tokenizer, lora=kind == "lora", checkpointing=checkpointing)
+    ids, mask, T = _batch(tokenizer)
+    plain = forwards.ForwardSettings(padding_free=padding_free)
+    logps, grads = _logps_and_grads(model, ids, mask, T, plain)
+    for tile in (0, 7):
+        settings = dataclasses.replace(plain, mlp_tile_tokens=tile, recompute_attention=True)
+        again_logps, again = _logps_and_grads(model, ids, mask, T, settings)
+        torch.testing.assert_close(again_logps, logps, atol=ATOL, rtol=0)
+        assert again.keys() == grads.keys() and any("q_proj" in name for name in grads)
+        for name in grads:
+            torch.testing.assert_close(again[name], grads[name], atol=ATOL, rtol=1e-4, msg=name)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_recomputed_attention_keeps_its_inputs_only(tokenizer):
+    """Without checkpointing, padded (a mask: keys and values repeated to the 4 query heads, `repeat_kv`), each of
+    the 2 layers' attention saves per token its roped queries (4 heads x 16 = 64 float32), the repeated keys and
+    values (2 x 64), SDPA's output (64) and log-sum-exp (4), o_proj's contiguous input (64): 1,296 B, and SDPA's
+    float32 copy of its mask row (46 x 4 = 184 B); the rotation saves cos and sin (3 x 46 x 16 float32 each,
+    8,832 B, shared by the layers). Recomputed, the attention's checkpoint holds its inputs by reference instead
+    (the norm's output, cos / sin, the mask: alive anyway), and none of these: 2 x 138 x (1,296 + 184) + 2 x 8,832
+    = 426,144 B less."""
+    model = _model(tokenizer, lora=False, checkpointing=False)
+    ids, mask, T = _batch(tokenizer)
+    plain = forwards.ForwardSettings(padding_free=False)
+    kept = _saved_bytes(model, ids, mask, T, plain)
+    recomputed = _saved_bytes(model, ids, mask, T, dataclasses.replace(plain, recompute_attention=True))
+    assert kept - recomputed == 2 * 3 * 46 * (1_296 + 184) + 2 * 8_832
