@@ -42,6 +42,13 @@ Decisions:
    norm and layer for a few element-wise operations. `tiled_layers` tiles each decoder layer's norms (its own and
    its attention's per-head q/k norms) and the final norm with the MLP, under the same `mlp_tile_tokens`; a norm
    whose parameters ZeRO-3 partitions is left alone, as its own forward would not gather them (`_is_norm`).
+6. `recompute_attention`: each layer's attention block runs under its own non-reentrant checkpoint
+   (`_recomputed`), keeping its inputs only (the norm's output, cos / sin, the mask: alive anyway). Under
+   activation checkpointing the recomputed layer then holds its attention's queries, keys, values, output and
+   o_proj's input only while the attention's own backward runs, after the MLP's backward has freed its tensors,
+   not beside them; without checkpointing no layer keeps them. Exact (the same operations run again); the price
+   is one more attention forward per layer. Its tiled children (Qwen3's q/k norms) are installed again inside its
+   recomputation, where the layer's context has closed, so that it saves what the forward did.
 """
 
 from __future__ import annotations

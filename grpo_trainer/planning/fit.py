@@ -3,19 +3,19 @@
 
 Decisions:
 
-1. The same objective means the same global batch, the same generation rounds and the same algorithm: a
-   micro-batch of `micro_batch / k` rows with `k` times the gradient-accumulation steps and `k` times the micro-steps
-   per round (so `generation_batch_size` is unchanged and a round is generated exactly as before), activation
-   checkpointing (which recomputes, never changes, a value), the sequence-tiled MLP (`mlp_tile_tokens`: the same
-   values, gradients within float32 rounding), on a GPU activation offloading (the same tensors back from host
-   memory), and a smaller vLLM memory fraction (which only bounds its KV cache: a round that does not fit at once
-   is queued). Splitting micro-batches changes nothing only where
-   the loss's aggregation sums micro-batches to the whole window's value (`SPLIT_EXACT`): every aggregation but
-   `bnpo` (a token mean per micro-batch), and not with `top_entropy_quantile < 1` (a quantile per micro-batch).
+1. The same objective means the same global batch, the same generation rounds and the same algorithm: a micro-batch
+   of `micro_batch / k` rows with `k` times the gradient-accumulation steps and `k` times the micro-steps per round
+   (so `generation_batch_size` is unchanged and a round is generated exactly as before), activation checkpointing
+   (which recomputes, never changes, a value), the sequence-tiled MLP (`mlp_tile_tokens`: the same values, gradients
+   within float32 rounding), the recomputed attention (`recompute_attention`, likewise), on a GPU activation
+   offloading (the same tensors back from host memory), and a smaller vLLM memory fraction (which only bounds its KV
+   cache: a round that does not fit at once is queued). Splitting micro-batches changes nothing only where the loss's
+   aggregation sums micro-batches to the whole window's value (`SPLIT_EXACT`): every aggregation but `bnpo` (a token
+   mean per micro-batch), and not with `top_entropy_quantile < 1` (a quantile per micro-batch).
 2. LoRA fits where full training does not, but trains other parameters: it is listed, never applied.
 3. Candidates are tried cheapest first by their step-time costs (`CHECKPOINTING_COST`, `TILED_MLP_COST`,
-   `OFFLOADING_COST`, multiplied, times the micro-steps; a lower vLLM fraction adds a constant); the first that
-   fits is `auto_find_batch_size`'s choice.
+   `RECOMPUTED_ATTENTION_COST`, `OFFLOADING_COST`, multiplied, times the micro-steps; a lower vLLM fraction adds a
+   constant); the first that fits is `auto_find_batch_size`'s choice.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ __all__ = ["SPLIT_EXACT", "Fit", "fitting", "split_is_exact"]
 # compute; not measured (no GPU yet), ranked after checkpointing and before a 2-way split.
 CHECKPOINTING_COST = 1.33
 TILED_MLP_COST = 1.4
+# The recomputed attention: one more attention forward per layer, where checkpointing runs 4 units of attention work
+# (forward, recomputation, a backward of 2): at most +25% of the layers' time, less the MLP's share.
+RECOMPUTED_ATTENTION_COST = 1.25
 OFFLOADING_COST = 1.5
 
 # aggregation -> whether summing a window's micro-batches gives the same loss however the rows are split
@@ -88,16 +91,21 @@ def _candidates(settings: PlanSettings, split_exact: bool) -> list[PlanSettings]
     tiles = [settings.mlp_tile_tokens] + ([] if settings.mlp_tile_tokens else [LONGER_MLP_TILE])
     offloading = [settings.activation_offloading] + \
         ([True] if settings.device == "cuda" and not settings.activation_offloading else [])
+    recomputes = [settings.recompute_attention] + \
+        ([True] if not settings.recompute_attention and settings.sequence_parallel == 1 else [])
     scored = []
-    for k, ckpt, fraction, tile, offload in itertools.product(splits, checkpointing, fractions, tiles, offloading):
+    for k, ckpt, fraction, tile, offload, recompute in itertools.product(splits, checkpointing, fractions, tiles,
+                                                                          offloading, recomputes):
         cost = k * (CHECKPOINTING_COST if ckpt != settings.checkpointing else 1.0) \
             * (TILED_MLP_COST if tile != settings.mlp_tile_tokens else 1.0) \
+            * (RECOMPUTED_ATTENTION_COST if recompute != settings.recompute_attention else 1.0) \
             * (OFFLOADING_COST if offload != settings.activation_offloading else 1.0) \
             + (fraction != settings.vllm_memory_fraction) * 0.5
         candidate = dataclasses.replace(
             settings, micro_batch=settings.micro_batch // k, accumulation_steps=settings.accumulation_steps * k,
             steps_per_generation=settings.steps_per_generation * k, checkpointing=ckpt,
-            vllm_memory_fraction=fraction, mlp_tile_tokens=tile, activation_offloading=offload)
+            vllm_memory_fraction=fraction, mlp_tile_tokens=tile, activation_offloading=offload,
+            recompute_attention=recompute)
         if candidate != settings:
             scored.append((cost, len(scored), candidate))
     return [candidate for _, _, candidate in sorted(scored)]
@@ -116,6 +124,6 @@ def _changes(settings: PlanSettings, candidate: PlanSettings) -> dict:
     names = {"micro_batch": "per_device_train_batch_size", "accumulation_steps": "gradient_accumulation_steps",
              "steps_per_generation": "steps_per_generation", "checkpointing": "gradient_checkpointing",
              "vllm_memory_fraction": "vllm_gpu_memory_utilization", "mlp_tile_tokens": "mlp_tile_tokens",
-             "activation_offloading": "activation_offloading"}
+             "activation_offloading": "activation_offloading", "recompute_attention": "recompute_attention"}
     return {field: getattr(candidate, name) for name, field in names.items()
             if getattr(candidate, name) != getattr(settings, name)}

@@ -15,7 +15,8 @@ Decisions:
 2. "Settings that reach longer" are the levers of the plan's T-dependent terms, each tried alone and all together:
    activation checkpointing (one layer's activations instead of every layer's), smaller micro-batches with the
    same global batch (only where the split is exact, `fit.split_is_exact`; rows scale every T term), the
-   sequence-tiled MLP (`mlp_tile_tokens`: a layer's `[N, I]` intermediates for one tile at a time), on a GPU
+   sequence-tiled MLP (`mlp_tile_tokens`: a layer's `[N, I]` intermediates for one tile at a time), the recomputed
+   attention (`recompute_attention`: its queries, keys, values and output not kept, but sequence parallelism), on a GPU
    activation offloading (`activation_offloading`: the saved tensors in host memory), smaller LM-head
    chunks (`logprob_chunk_size`: the float32 `[rows, V]` logits), and LoRA (no full gradients and optimizer
    state: more room for activations; trains other parameters, so it is marked as a different objective).
@@ -123,6 +124,8 @@ def _levers(settings: PlanSettings, split_exact: bool) -> list[tuple[dict, PlanS
     if not settings.mlp_tile_tokens:
         levers.append(({"mlp_tile_tokens": LONGER_MLP_TILE},
                        dataclasses.replace(settings, mlp_tile_tokens=LONGER_MLP_TILE)))
+    if not settings.recompute_attention and settings.sequence_parallel == 1:
+        levers.append(({"recompute_attention": True}, dataclasses.replace(settings, recompute_attention=True)))
     if settings.device == "cuda" and not settings.activation_offloading:
         levers.append(({"activation_offloading": True}, dataclasses.replace(settings, activation_offloading=True)))
     if settings.logprob_chunk_size > LONGER_CHUNK_SIZE:

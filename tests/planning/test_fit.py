@@ -62,9 +62,10 @@ def test_lora_is_listed_never_as_the_same_objective():
 
 
 def test_the_tiled_mlp_is_proposed_where_only_it_fits():
-    """One row per micro-batch (no split left), checkpointing on, 4,000 completion tokens: the tiled MLP keeps one
-    tile of the recomputed layer's MLP, and only it fits between the two plans; it trains the same objective."""
-    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000)
+    """One row per micro-batch (no split left), checkpointing and the recomputed attention on, 4,000 completion
+    tokens: the tiled MLP keeps one tile of the recomputed layer's MLP, and only it fits between the two plans; it
+    trains the same objective."""
+    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000, recompute_attention=True)
     plain = plan_memory(settings, SHAPE)
     tiled = plan_memory(dataclasses.replace(settings, mlp_tile_tokens=1024), SHAPE)
     assert tiled.device_bytes < plain.device_bytes
@@ -72,11 +73,25 @@ def test_the_tiled_mlp_is_proposed_where_only_it_fits():
     assert [f.changes for f in fits] == [{"mlp_tile_tokens": 1024}] and fits[0].same_objective
 
 
+def test_the_recomputed_attention_is_proposed_where_it_fits_and_never_with_sequence_parallelism():
+    """The tiled run of the test above, between its plan and the plan with the recomputed attention: that is the
+    first fit (it trains the same objective); under sequence parallelism, where it is refused, no fit has it."""
+    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000, mlp_tile_tokens=1024)
+    plain = plan_memory(settings, SHAPE)
+    recomputed = plan_memory(dataclasses.replace(settings, recompute_attention=True), SHAPE)
+    assert recomputed.device_bytes < plain.device_bytes
+    fits = fitting(settings, SHAPE, _budget_between(recomputed, plain), split_exact=True)
+    assert fits[0].changes == {"recompute_attention": True} and fits[0].same_objective
+    sharded = dataclasses.replace(settings, sequence_parallel=2)
+    assert all("recompute_attention" not in f.changes
+               for f in fitting(sharded, SHAPE, DeviceMemory("cpu", 1 << 40, "test"), split_exact=True, limit=100))
+
+
 def test_on_a_gpu_activation_offloading_is_proposed_and_never_on_cpu():
     """The same run on a GPU, between the tiled plan and the tiled and offloaded one: the first fit offloads (the
     saved layer inputs leave the device); on CPU no fit offloads."""
     settings = dataclasses.replace(SETTINGS, device="cuda", micro_batch=1, completion_length=4_000,
-                                   mlp_tile_tokens=1024)
+                                   mlp_tile_tokens=1024, recompute_attention=True)
     shape = dataclasses.replace(SHAPE, layers=16)  # many layers: their inputs are the largest term
     tiled = plan_memory(settings, shape)
     offloaded = plan_memory(dataclasses.replace(settings, activation_offloading=True), shape)

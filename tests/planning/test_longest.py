@@ -86,7 +86,8 @@ def test_the_search_crosses_the_replay_cap_where_the_plan_drops():
 
 def test_settings_that_reach_longer_are_the_planners_lengths_for_them():
     """Checkpointing off, 4 rows a micro-batch: checkpointing, one row a micro-batch (same global batch: 4 x the
-    accumulation and the round's micro-steps), a 64-row head chunk, all of them, and LoRA; each listed length is
+    accumulation and the round's micro-steps), a 64-row head chunk, the tiles, the recomputed attention, all of
+    them, and LoRA; each listed length is
     `longest_completion` of exactly those settings, every one longer than the run's own; bnpo lists no split."""
     settings = dataclasses.replace(PROXY_SETTINGS, micro_batch=4, checkpointing=False, rollout=rollout("generate"))
     device = _device(8 * 2**30)
@@ -110,10 +111,10 @@ def test_settings_that_reach_longer_are_the_planners_lengths_for_them():
     together = max((f for f in longer if f.same_objective), key=lambda f: f.completion_length)
     assert together.changes == {"gradient_checkpointing": True, "per_device_train_batch_size": 1,
                                 "gradient_accumulation_steps": 4, "steps_per_generation": 4, "mlp_tile_tokens": 1024,
-                                "logprob_chunk_size": 64}
+                                "recompute_attention": True, "logprob_chunk_size": 64}
     assert together.completion_length == longest_completion(together_settings := dataclasses.replace(
         settings, checkpointing=True, micro_batch=1, accumulation_steps=4, steps_per_generation=4,
-        mlp_tile_tokens=1024, logprob_chunk_size=64), PROXY, device).completion_length
+        mlp_tile_tokens=1024, recompute_attention=True, logprob_chunk_size=64), PROXY, device).completion_length
     assert together_settings.logprob_chunk_size == 64
     assert all(f.completion_length > base for f in longer)
     assert [f.completion_length for f in longer] == sorted(f.completion_length for f in longer)
