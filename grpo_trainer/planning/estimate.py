@@ -391,6 +391,8 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> _Saved:
     layer_input = rows * N * m.hidden * r
     ends = 2 * layer_input  # the final norm's input (the last layer's output) and output (the LM head's input)
     tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
+    if not s.mlp_tile_tokens:  # the untiled MLP's backward: an intermediate's gradient `[rows, N, I]` beside them
+        tiles = rows * N * m.intermediate * s.compute_bytes
     # recompute_attention: one attention block rebuilt in its backward, beside the input it read (a norm's output)
     attention = rows * N * (_attention_bytes_per_token(s, m) + m.hidden * r) if s.recompute_attention else 0
     if s.checkpointing:

@@ -120,11 +120,12 @@ def test_what_the_checkpointed_backward_holds_beside_the_recomputed_layer():
     keeps the 2 layers' inputs and the final norm's input and output: 4 x 262,144. At the last layer's recomputation
     (the backward's start here) the final norm's backward has run: the 2 layers' inputs are left; at the first
     layer's recomputation (its end) only that layer's input. The recomputed layer itself does not count its input
-    again: 4,624 - 256 = 4,368 B per token (and each row's [256, 256] float32 mask)."""
+    again: 4,624 - 256 = 4,368 B per token (and each row's [256, 256] float32 mask), and its MLP's backward holds
+    an intermediate's gradient beside it (128 x 4 B per token)."""
     plan = plan_memory(dataclasses.replace(SETTINGS, completion_length=250), SHAPE)
     activations, recomputed = item(plan, "activations"), item(plan, "layer recomputation")
     assert activations["loss forward"] == 4 * 262_144
-    assert recomputed["backward start"] == recomputed["backward end"] == 4 * (256 * 4_368 + 4 * 256 * 256)
+    assert recomputed["backward start"] == recomputed["backward end"] == 4 * (256 * (4_368 + 512) + 4 * 256 * 256)
     assert activations["backward start"] == 2 * 262_144 and activations["backward end"] == 262_144
 
 
