@@ -41,7 +41,11 @@ Decisions:
    the next norm keeps anyway) and recomputes the rest, a tile at a time, in the backward: one `[N, E]` less per
    norm and layer for a few element-wise operations. `tiled_layers` tiles each decoder layer's norms (its own and
    its attention's per-head q/k norms) and the final norm with the MLP, under the same `mlp_tile_tokens`; a norm
-   whose parameters ZeRO-3 partitions is left alone, as its own forward would not gather them (`_is_norm`).
+   whose parameters ZeRO-3 partitions is left alone, as its own forward would not gather them (`_is_norm`). A tiled
+   norm's output carries how to rebuild it (the norm's forward and its input, `_REBUILD`): the tiled module that
+   receives it (the MLP after the second norm) keeps the norm's input, which the norm keeps anyway, instead of it,
+   and rebuilds each tile of it in its backward: one `[N, E]` less again. Whatever else reads the norm's output
+   keeps it as before, so this holds whatever the layer's code does with it.
 6. `recompute_attention`: each layer's attention block runs under its own non-reentrant checkpoint
    (`_recomputed`), keeping its inputs only (the norm's output, cos / sin, the mask: alive anyway). Under
    activation checkpointing the recomputed layer then holds its attention's queries, keys, values, output and
@@ -68,16 +72,20 @@ __all__ = ["TiledMLP", "installed", "tiled_layers", "tiled_mlp"]
 class TiledMLP(torch.autograd.Function):
     """`forward(x)` of a per-token module, `tokens` rows of `x.view(-1, E)` at a time, or in `count` tiles of at
     most that many where the processes agreed on one (ZeRO-3). The gradients of `parameters` are returned, those of
-    `accumulated` (ZeRO-3's partitioned ones) accumulated into `.grad` by the backward (decision 1)."""
+    `accumulated` (ZeRO-3's partitioned ones) accumulated into `.grad` by the backward (decision 1). `rebuild`:
+    `(norm, source)` where `x` is a tiled norm's output `norm(source)`: `source` is kept instead of `x`, and each
+    tile of `x` rebuilt from it in the backward (decision 5)."""
 
     @staticmethod
     def forward(ctx, forward: Callable[[Tensor], Tensor], tokens: int, count: int | None,
-                accumulated: tuple[Tensor, ...], x: Tensor, *parameters: Tensor) -> Tensor:
+                accumulated: tuple[Tensor, ...], rebuild: tuple[Callable[[Tensor], Tensor], Tensor] | None,
+                x: Tensor, *parameters: Tensor) -> Tensor:
         ctx.forward, ctx.tokens, ctx.count = forward, tokens, count
         ctx.parameters, ctx.accumulated = parameters, accumulated  # leaves, kept as is
         device = x.device.type  # the backward recomputes under the forward's autocast, as checkpointing does
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.save_for_backward(x)
+        ctx.rebuild, ctx.x_meta = (None, None) if rebuild is None else (rebuild[0], (x.shape, x.dtype))
+        ctx.save_for_backward(x if rebuild is None else rebuild[1])
         flat = x.reshape(-1, x.shape[-1])  # [B*N, E]
         with torch.no_grad():
             out = _joined(forward, _tiles(flat, tokens, count), len(flat))  # [B*N, E']
@@ -85,16 +93,20 @@ class TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
-        parameters = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[5:], strict=True) if needed]
+        (x,) = ctx.saved_tensors  # or the norm's input it is rebuilt from
+        shape, x_dtype = ctx.x_meta or (x.shape, x.dtype)
+        parameters = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[6:], strict=True) if needed]
         flat, grads = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        x_grad = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
+        x_grad = flat.new_empty((len(flat), shape[-1]), dtype=x_dtype) if ctx.needs_input_grad[5] else None
         sums: list[Tensor | None] = [None] * len(parameters)
         tiles = _tiles(flat, ctx.tokens, ctx.count)
         start = 0
+        device, enabled, dtype = ctx.autocast
         for i, (tile, tile_grad) in enumerate(zip(tiles, _tiles(grads, ctx.tokens, ctx.count), strict=True)):
+            if ctx.rebuild is not None:  # this tile of the norm's output, from its input (decision 5)
+                with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                    tile = ctx.rebuild(tile)
             tile = tile.detach().requires_grad_(x_grad is not None)
-            device, enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), transient_saves():
                 out = ctx.forward(tile)
             wrt = ([tile] if x_grad is not None else []) + parameters
@@ -111,8 +123,8 @@ class TiledMLP(torch.autograd.Function):
             sums = [s if g is None else (g if s is None else s.add_(g)) for s, g in zip(sums, found, strict=True)]
             start += len(tile)
         it = iter(sums)
-        parameter_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[5:]]
-        return (None, None, None, None, None if x_grad is None else x_grad.view_as(x), *parameter_grads)
+        parameter_grads = [next(it) if needed else None for needed in ctx.needs_input_grad[6:]]
+        return (None, None, None, None, None, None if x_grad is None else x_grad.view(shape), *parameter_grads)
 
 
 def _tiles(flat: Tensor, tokens: int, count: int | None) -> tuple[Tensor, ...]:
@@ -148,8 +160,13 @@ def _agreed_count(rows: int, tokens: int, partitioned: list[Tensor], device: tor
     return int(count.item())
 
 
-def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: int) -> Callable[[Tensor], Tensor]:
-    """A forward for `module` that runs `forward` (its own) through `TiledMLP`, `tokens` tokens per tile."""
+_REBUILD = "_grpo_trainer_rebuild"  # on a tiled norm's output: (the norm's forward, its input), decision 5
+
+
+def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: int, norm: bool = False
+              ) -> Callable[[Tensor], Tensor]:
+    """A forward for `module` that runs `forward` (its own) through `TiledMLP`, `tokens` tokens per tile. `norm`:
+    its output says how to rebuild it from its input, for the next tiled module to keep that instead (decision 5)."""
 
     def run(x: Tensor) -> Tensor:
         # Read at each call: under FSDP2 the unsharded parameters the forward computes with (decision 1).
@@ -160,9 +177,16 @@ def tiled_mlp(module: nn.Module, forward: Callable[[Tensor], Tensor], tokens: in
         if not torch.is_grad_enabled():  # no graph to keep: tiles bound the transient all the same
             out = _joined(forward, _tiles(x.reshape(rows, x.shape[-1]), tokens, count), rows)
             return out.view(*x.shape[:-1], out.shape[-1])
+        rebuild = getattr(x, _REBUILD, None)  # x is a tiled norm's output: keep the norm's input instead
+        if rebuild is not None and rebuild[1].shape[:-1] != x.shape[:-1]:
+            rebuild = None
         if partitioned:  # every trained parameter's gradient accumulated by the backward itself (decision 1)
-            return TiledMLP.apply(forward, tokens, count, parameters, x)
-        return TiledMLP.apply(forward, tokens, None, (), x, *parameters)
+            out = TiledMLP.apply(forward, tokens, count, parameters, rebuild, x)
+        else:
+            out = TiledMLP.apply(forward, tokens, None, (), rebuild, x, *parameters)
+        if norm:
+            setattr(out, _REBUILD, (forward, x))
+        return out
 
     return run
 
@@ -246,8 +270,8 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
 def _replacements(layer: nn.Module, tokens: int, recompute_attention: bool
                   ) -> list[tuple[nn.Module, Callable[..., object]]]:
     """A decoder layer's modules and the forwards `tiled_layers` gives them (decisions 1, 5, 6)."""
-    replaced = [(m, tiled_mlp(m, m.forward, tokens)) for m in _tiled_modules(layer) if "forward" not in m.__dict__] \
-        if tokens > 0 else []
+    replaced = [(m, tiled_mlp(m, m.forward, tokens, norm=_is_norm(m))) for m in _tiled_modules(layer)
+                if "forward" not in m.__dict__] if tokens > 0 else []
     attention = getattr(layer, "self_attn", None)
     if recompute_attention and attention is not None and "forward" not in attention.__dict__:
         children = set(attention.children())

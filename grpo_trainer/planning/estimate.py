@@ -178,14 +178,16 @@ def _mlp_inputs_bytes(settings: PlanSettings, shape: ModelShape) -> int:
 
 def tiling_saving_per_token(settings: PlanSettings, shape: ModelShape) -> int:
     """Bytes per token and layer the sequence tiling (`modeling.tiling`) does not keep: the MLP's inputs and
-    intermediates (`_mlp_inputs_bytes`), less the one input it keeps, the norm's output (residual dtype); and each
-    of the 2 norms' normalised input where the norm's weight trains (it keeps its input alone; not under ZeRO-3,
-    whose partitioned norms are not tiled)."""
+    intermediates (`_mlp_inputs_bytes`), its input too where the norm before it is tiled (it keeps the norm's input,
+    which the norm keeps, and rebuilds its own per tile); and each of the 2 norms' normalised input where the norm's
+    weight trains (it keeps its input alone). Under ZeRO-3 the partitioned norms are not tiled: the MLP keeps its
+    input, the norms theirs."""
     if not settings.mlp_tile_tokens:
         return 0
     r = _residual_bytes(settings)
-    norms = 2 * shape.hidden * r if shape.norms_trained and settings.zero_stage != 3 else 0
-    return _mlp_inputs_bytes(settings, shape) - shape.hidden * r + norms
+    if settings.zero_stage == 3:
+        return _mlp_inputs_bytes(settings, shape) - shape.hidden * r
+    return _mlp_inputs_bytes(settings, shape) + (2 * shape.hidden * r if shape.norms_trained else 0)
 
 
 def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) -> int:

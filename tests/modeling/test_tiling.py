@@ -86,13 +86,15 @@ def test_tiling_keeps_the_mlp_and_norm_inputs_only(tokenizer):
     (4 x 96 float32 per token) untiled; tiled it keeps its input, already kept as the norm's output: 2 x 4 x 96 x 4 B
     = 3,072 B per token less (the SiLU's input is gate itself). Each of the 5 RMSNorms (2 per layer, the final one)
     keeps its normalised input (64 float32) and its rstd (1 float32) untiled, its input alone tiled: 5 x 65 x 4 B
-    = 1,300 B per token less. 3 x 46 = 138 tokens: (3,072 + 1,300) x 138 = 603,336 B."""
+    = 1,300 B per token less. And each MLP keeps its norm's input (the residual sum, which that norm keeps) in place
+    of the norm's output, rebuilt per tile in its backward: 2 x 64 x 4 B = 512 B per token less. 3 x 46 = 138
+    tokens: (3,072 + 1,300 + 512) x 138 = 673,992 B."""
     model = _model(tokenizer, lora=False, checkpointing=False)
     ids, mask, T = _batch(tokenizer)
     plain = forwards.ForwardSettings(padding_free=False)
     untiled = _saved_bytes(model, ids, mask, T, plain)
     tiled = _saved_bytes(model, ids, mask, T, dataclasses.replace(plain, mlp_tile_tokens=7))
-    assert untiled - tiled == (2 * 4 * 96 * 4 + 5 * 65 * 4) * 3 * 46
+    assert untiled - tiled == (2 * 4 * 96 * 4 + 5 * 65 * 4 + 2 * 64 * 4) * 3 * 46
 
 
 def test_tiled_mlp_alone_by_hand():

@@ -3,8 +3,9 @@
 
 Per token and layer the MLP keeps (`activation_bytes_per_token`) its input, the norm's output shared by gate and up
 (64 x 4 = 256 B), and gate, up, act(gate) x up and down's input ((3 + 1) x 128 x 4 = 2,048 B): 2,304 B. Tiled it keeps
-the input only: 2,048 B less; each of the 2 norms keeps its input and not its normalised input (64 x 4 = 256 B):
-512 B less; 2,560 B less per token, 4 x 16 = 64 tokens: 163,840 B less per layer. The MLP's backward holds one
+the norm's input instead of its own (the norm keeps it already), rebuilding its input per tile: 2,304 B less; each
+of the 2 norms keeps its input and not its normalised input (64 x 4 = 256 B): 512 B less; 2,816 B less per token,
+4 x 16 = 64 tokens: 180,224 B less per layer. The MLP's backward holds one
 tile's 2,304 B per token (8 tokens: 18,432 B) and the sums of gate/up/down's gradients (3 x 64 x 128 x 4 = 98,304 B)."""
 
 import dataclasses
@@ -17,11 +18,12 @@ TILED = dataclasses.replace(SETTINGS, mlp_tile_tokens=8)
 
 def test_the_saving_and_the_transient_by_hand():
     assert estimate.tiling_saving_per_token(SETTINGS, SHAPE) == 0  # off
-    assert estimate.tiling_saving_per_token(TILED, SHAPE) == 2_560
-    # ZeRO-3 partitions the norms' weights: they are not tiled (`modeling.tiling._is_norm`), the MLP is
+    assert estimate.tiling_saving_per_token(TILED, SHAPE) == 2_816
+    # ZeRO-3 partitions the norms' weights: they are not tiled (`modeling.tiling._is_norm`), the MLP is and keeps
+    # its input
     assert estimate.tiling_saving_per_token(dataclasses.replace(TILED, zero_stage=3), SHAPE) == 2_048
-    # frozen norms (an adapter) keep no normalised input untiled: nothing more to save
-    assert estimate.tiling_saving_per_token(TILED, dataclasses.replace(SHAPE, norms_trained=False)) == 2_048
+    # frozen norms (an adapter) keep no normalised input untiled: the MLP's 2,304 B alone
+    assert estimate.tiling_saving_per_token(TILED, dataclasses.replace(SHAPE, norms_trained=False)) == 2_304
     assert estimate.tiled_mlp_transient(TILED, SHAPE, rows=4) == 8 * 2_304 + 98_304
     lora = dataclasses.replace(SHAPE, adapter_parameters=1_000)  # adapter gradients are not counted
     assert estimate.tiled_mlp_transient(TILED, lora, rows=4) == 8 * 2_304
@@ -31,22 +33,22 @@ def test_the_saving_and_the_transient_by_hand():
 
 
 def test_checkpointed_recomputation_holds_one_tile_of_the_mlp():
-    """Checkpointing: the recomputed layer keeps 163,840 B less, its untiled MLP backward's intermediate gradient
-    (64 tokens x 128 x 4 B = 32,768 B) is gone, and the tile's 116,736 B are there: 79,872 B less; the checkpointed
+    """Checkpointing: the recomputed layer keeps 180,224 B less, its untiled MLP backward's intermediate gradient
+    (64 tokens x 128 x 4 B = 32,768 B) is gone, and the tile's 116,736 B are there: 96,256 B less; the checkpointed
     inputs are unchanged."""
     saved, recompute, *_ = estimate._saved_activations(SETTINGS, SHAPE)
     tiled_saved, tiled_recompute, *_ = estimate._saved_activations(TILED, SHAPE)
-    assert tiled_saved == saved and recompute - tiled_recompute == 163_840 + 32_768 - 116_736
+    assert tiled_saved == saved and recompute - tiled_recompute == 180_224 + 32_768 - 116_736
 
 
 def test_without_checkpointing_every_layer_keeps_less():
-    """2 layers x 163,840 B less saved; the backward's transient is the tile (116,736 B), not the untiled MLP's
+    """2 layers x 180,224 B less saved; the backward's transient is the tile (116,736 B), not the untiled MLP's
     intermediate gradient (32,768 B)."""
     plain = dataclasses.replace(SETTINGS, checkpointing=False)
     saved, recompute, *_ = estimate._saved_activations(plain, SHAPE)
     tiled_saved, tiled_recompute, *_ = estimate._saved_activations(dataclasses.replace(plain, mlp_tile_tokens=8),
                                                                     SHAPE)
-    assert saved - tiled_saved == 2 * 163_840 and recompute == 32_768 and tiled_recompute == 116_736
+    assert saved - tiled_saved == 2 * 180_224 and recompute == 32_768 and tiled_recompute == 116_736
 
 
 def test_the_scoring_forward_holds_one_tile_of_gate_up_and_product():
