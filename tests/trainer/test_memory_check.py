@@ -93,11 +93,12 @@ def _trained(model_dir, tokenizer, args) -> tuple[dict, GRPOTrainer]:
 def test_auto_find_batch_size_trains_what_its_settings_train_by_hand(tmp_path, tokenizer, model_dir, monkeypatch,
                                                                      caplog):
     dataset = copy_digits_dataset(num_prompts=16)
-    budget = budget_between_splits(model_dir, make_args(tmp_path / "probe"), tokenizer, dataset)
+    cheaper = {"mlp_tile_tokens": 1024, "recompute_attention": True}  # on already: a split is what is left
+    budget = budget_between_splits(model_dir, make_args(tmp_path / "probe", **cheaper), tokenizer, dataset)
     monkeypatch.setenv(DEVICE_MEMORY_ENV, str(budget))
     with caplog.at_level(logging.WARNING, logger="grpo_trainer.trainer.grpo_trainer"):
         auto, trainer = _trained(model_dir, tokenizer, make_args(tmp_path / "auto", max_steps=2,
-                                                                 auto_find_batch_size=True))
+                                                                 auto_find_batch_size=True, **cheaper))
     assert "auto_find_batch_size" in caplog.text and "per_device_train_batch_size=4" in caplog.text
     args = trainer.args
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation,
@@ -106,7 +107,8 @@ def test_auto_find_batch_size_trains_what_its_settings_train_by_hand(tmp_path, t
     monkeypatch.delenv(DEVICE_MEMORY_ENV)
     by_hand, _ = _trained(model_dir, tokenizer, make_args(tmp_path / "hand", max_steps=2,
                                                            per_device_train_batch_size=4,
-                                                           gradient_accumulation_steps=2, steps_per_generation=2))
+                                                           gradient_accumulation_steps=2, steps_per_generation=2,
+                                                           **cheaper))
     assert all(torch.equal(auto[name], by_hand[name]) for name in auto)
 
 
