@@ -230,6 +230,15 @@ def installed(module: nn.Module, forward: Callable[..., object]) -> Iterator[Non
         del module.forward
 
 
+@contextlib.contextmanager
+def _all_installed(replaced: list[tuple[nn.Module, Callable[..., object]]]) -> Iterator[None]:
+    """Each module's forward is its replacement within this context (`installed`, nested alike)."""
+    with contextlib.ExitStack() as stack:
+        for module, forward in replaced:
+            stack.enter_context(installed(module, forward))
+        yield
+
+
 def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Module, Callable[..., object]]]
                   ) -> Callable[..., object]:
     """A layer's `_gradient_checkpointing_func` whose checkpointed function (run in the forward, and again in the
@@ -237,9 +246,7 @@ def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Mod
 
     def run(function: Callable[..., object], *args: object, **kwargs: object) -> object:
         def tiled(*inner_args: object, **inner_kwargs: object) -> object:
-            with contextlib.ExitStack() as stack:
-                for module, forward in replaced:
-                    stack.enter_context(installed(module, forward))
+            with _all_installed(replaced):
                 return function(*inner_args, **inner_kwargs)
 
         return checkpoint(tiled, *args, **kwargs)
@@ -254,9 +261,7 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
     the recomputation saves what the forward did."""
 
     def within(*args: object, **kwargs: object) -> object:
-        with contextlib.ExitStack() as stack:
-            for module, tiled in inner:
-                stack.enter_context(installed(module, tiled))
+        with _all_installed(inner):
             return forward(*args, **kwargs)
 
     def run(*args: object, **kwargs: object) -> object:
@@ -298,8 +303,7 @@ def tiled_layers(lm: nn.Module, tokens: int, recompute_attention: bool = False) 
                 stack.enter_context(installed(module, tiled_mlp(module, module.forward, tokens)))
         for layer in layers:
             replaced = _replacements(layer, tokens, recompute_attention)
-            for module, forward in replaced:
-                stack.enter_context(installed(module, forward))
+            stack.enter_context(_all_installed(replaced))
             checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
             if checkpoint is not None and replaced:
                 layer._gradient_checkpointing_func = _checkpointed(checkpoint, replaced)
