@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--mlp-tile-tokens", type=int, default=0)
+    parser.add_argument("--recompute-attention", action="store_true")
     parser.add_argument("--shape", default="qwen2.5-0.5b-2layers")
     cli = parser.parse_args()
 
@@ -94,6 +95,8 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         print("loaded", rss_mb())
         options = {"mlp_tile_tokens": cli.mlp_tile_tokens} if cli.mlp_tile_tokens else {}
+        if cli.recompute_attention:
+            options["recompute_attention"] = True
         trainer = GRPOTrainer(model, distinct_rewards, processing_class=tokenizer, train_dataset=prompts(),
                               args=training_args(GRPOConfig, output, cli.length, cli.steps, "cpu", **options),
                               rollout_func=random_completions(tokenizer, model.config.vocab_size, cli.length))

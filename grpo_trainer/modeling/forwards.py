@@ -249,8 +249,10 @@ def _compute_dtype(lm: nn.Module, device: torch.device) -> torch.dtype:
 
 def _no_cache(model: nn.Module, out: Any) -> None:
     """The `use_cache` trap: a forward that made a KV cache did not look for packed sequences (transformers checks
-    restarting positions only without one), so its packed sequences attended to each other."""
-    if out.get("cache") is not None or out.get("past_key_values") is not None:
+    restarting positions only without one), so its packed sequences attended to each other. Read under the name the
+    output's class declares: from transformers 5.24 the old name is a property that logs a deprecation warning."""
+    fields = getattr(type(out), "__dataclass_fields__", {})  # transformers 5.24 renamed the output's cache field
+    if out.get("past_key_values" if "past_key_values" in fields else "cache") is not None:
         raise RuntimeError(f"{type(causal_lm(model)).__name__} returned a KV cache from a packed forward called with "
                            "use_cache=False: with a cache its packed sequences attend to each other.")
 
