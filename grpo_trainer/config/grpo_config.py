@@ -255,9 +255,10 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "docs/MEMORY.md, 'How long can I go?'.")
     recompute_attention: bool = _opt(
         False, "Each decoder layer's attention block under its own activation checkpoint in the log-prob forwards' "
-        "training forward: its queries, keys, values and attention output are recomputed in its backward instead of "
-        "kept, so under gradient_checkpointing they never sit beside the MLP's while the recomputed layer's backward "
-        "runs (without it, no layer keeps them). Exact; the price is one more attention forward per layer and step. "
+        "training forward, one row of the micro-batch at a time: its queries, keys, values and attention output are "
+        "recomputed in its backward instead of kept, so under gradient_checkpointing they never sit beside the MLP's "
+        "while the recomputed layer's backward runs (without it, no layer keeps them), and its working set is one "
+        "row's. Exact; the price is one more attention forward per layer and step. "
         "Not with sequence parallelism. For long completions: docs/MEMORY.md, 'How long can I go?'.")
     activation_offloading: bool = _opt(
         False, "Move the tensors the loss forward saves for the backward to host memory (pinned, copied on a side "

@@ -53,6 +53,19 @@ Decisions:
    not beside them; without checkpointing no layer keeps them. Exact (the same operations run again); the price
    is one more attention forward per layer. Its tiled children (Qwen3's q/k norms) are installed again inside its
    recomputation, where the layer's context has closed, so that it saves what the forward did.
+7. Under `recompute_attention` the attention block also runs one row of the micro-batch at a time (`by_row`), each
+   row under its own checkpoint: rows attend only to themselves (a packed row's sequences, a padded row's tokens),
+   so every row's values are the whole block's, exactly. What this bounds is the attention's working set, which is
+   not saved and so not bounded by decision 6: under activation checkpointing the recomputed layer runs its attention
+   forward again to rebuild the MLP's input, and its queries, the rotary embedding's temporaries (`q * cos`,
+   `rotate_half(q)`, its product with `sin`: about four `[N, E]` at once) and the output exist then beside the
+   step's gradients; at 2 rows of 16k tokens that was the step's peak (benchmarks/RESULTS.md). One row at a time they
+   are one row's, and so are the tensors the attention's own backward rebuilds. Only where it is plainly a batch:
+   hidden states `[R, W, E]` with `R > 1`, no KV cache, no flash-attention varlen arguments (one packed row there
+   anyway), and every tensor argument of two or more dimensions either per row (`R` leading) or broadcast (1
+   leading); otherwise the block runs whole (`_rows_of`). Not under ZeRO-3 either: each call of the block's
+   projections gathers their partitioned parameters, and processes whose micro-batches pack into different numbers
+   of rows would gather different numbers of times.
 """
 
 from __future__ import annotations
@@ -254,22 +267,78 @@ def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Mod
     return run
 
 
-def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Callable[[Tensor], Tensor]]]
-                ) -> Callable[..., object]:
-    """An attention block's forward under its own (non-reentrant) checkpoint (decision 6): it keeps its inputs and
-    recomputes the rest in its backward, with its tiled children (`inner`) installed there as in the forward, so
-    the recomputation saves what the forward did."""
+def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Callable[[Tensor], Tensor]]],
+                by_row: bool = True) -> Callable[..., object]:
+    """An attention block's forward under its own (non-reentrant) checkpoint (decision 6), one row at a time where
+    the call is plainly a batch (decision 7): it keeps its inputs and recomputes the rest in its backward, with its
+    tiled children (`inner`) installed there as in the forward, so the recomputation saves what the forward did."""
 
     def within(*args: object, **kwargs: object) -> object:
         with _all_installed(inner):
             return forward(*args, **kwargs)
 
-    def run(*args: object, **kwargs: object) -> object:
+    def one(*args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(within, *args, use_reentrant=False, **kwargs)
 
+    def run(*args: object, **kwargs: object) -> object:
+        rows = _rows_of(args, kwargs) if by_row else 1
+        if rows < 2:
+            return one(*args, **kwargs)
+        return _joined_rows([one(*_row(args, r, rows), **_row(kwargs, r, rows)) for r in range(rows)])
+
     return run
+
+
+_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")  # flash-attention's packed arguments
+
+
+def _tensors(value: object) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int:
+    """`R`, the rows an attention call can run one at a time (decision 7), or 1 where it runs whole."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(hidden, Tensor) or hidden.dim() != 3 or hidden.shape[0] < 2:
+        return 1
+    rows = hidden.shape[0]
+    if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", *_VARLEN)):
+        return 1
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not isinstance(mask, Tensor):  # flex attention's BlockMask, a dict of masks, ...
+        return 1
+    leading = {t.shape[0] for t in _tensors((args, kwargs)) if t.dim() >= 2}
+    return rows if leading <= {1, rows} else 1
+
+
+def _row(value: object, r: int, rows: int) -> object:
+    """Row `r` of `value`: of each tensor of two or more dimensions with `rows` leading, in tuples, lists and dicts
+    alike; everything else (broadcast tensors, positions `[W]`, flags) as is."""
+    if isinstance(value, Tensor):
+        return value[r:r + 1] if value.dim() >= 2 and value.shape[0] == rows else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_row(item, r, rows) for item in value)
+    if isinstance(value, dict):
+        return {key: _row(item, r, rows) for key, item in value.items()}
+    return value
+
+
+def _joined_rows(outputs: list[object]) -> object:
+    """The rows' outputs of one call, joined along the rows: a tensor, or a tuple of tensors and Nones."""
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        return torch.cat(outputs)  # type: ignore[arg-type]
+    return type(first)(None if parts[0] is None else torch.cat(parts)  # type: ignore[call-arg]
+                       for parts in zip(*outputs, strict=True))
 
 
 def _replacements(layer: nn.Module, tokens: int, recompute_attention: bool
@@ -280,7 +349,8 @@ def _replacements(layer: nn.Module, tokens: int, recompute_attention: bool
     attention = getattr(layer, "self_attn", None)
     if recompute_attention and attention is not None and "forward" not in attention.__dict__:
         children = set(attention.children())
-        replaced.append((attention, _recomputed(attention.forward, [(m, f) for m, f in replaced if m in children])))
+        inner = [(m, f) for m, f in replaced if m in children]
+        replaced.append((attention, _recomputed(attention.forward, inner, by_row=not _partitioned(attention))))
     return replaced
 
 

@@ -205,7 +205,7 @@ def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) ->
 def _attention_bytes_per_token(settings: PlanSettings, shape: ModelShape) -> int:
     """What `activation_bytes_per_token` counts for a layer's attention block past its input: queries, keys and
     values at H heads, the log-sum-exp, and o_proj's input where it keeps it. `recompute_attention` keeps none of it
-    (`modeling.tiling`, decision 6): its own backward rebuilds it, one layer at a time."""
+    (`modeling.tiling`, decision 6): its own backward rebuilds it, one layer and one row at a time (decision 7)."""
     c, HD = settings.compute_bytes, shape.heads * shape.head_dim
     return 3 * HD * c + 4 * shape.heads + (HD * c if shape.output_input_kept else 0)
 
@@ -395,8 +395,11 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> _Saved:
     tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
     if not s.mlp_tile_tokens:  # the untiled MLP's backward: an intermediate's gradient `[rows, N, I]` beside them
         tiles = rows * N * m.intermediate * s.compute_bytes
-    # recompute_attention: one attention block rebuilt in its backward, beside the input it read (a norm's output)
-    attention = rows * N * (_attention_bytes_per_token(s, m) + m.hidden * r) if s.recompute_attention else 0
+    # recompute_attention: one attention block rebuilt in its backward, beside the input it read (a norm's output),
+    # one row at a time (`modeling.tiling`, decision 7) but in flash-attention's one packed row of every sequence
+    at_once = rows if s.packs and s.varlen_attention else 1
+    attention = N * (at_once * _attention_bytes_per_token(s, m) + rows * m.hidden * r) if s.recompute_attention \
+        else 0
     if s.checkpointing:
         # the recomputed layer's first norm reads the layer's input, which the checkpoint keeps: counted once
         return _Saved(layer_input * m.layers + ends, max(_layer_bytes(s, m, rows) - layer_input + tiles, attention),

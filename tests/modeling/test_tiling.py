@@ -194,3 +194,106 @@ def test_recomputed_attention_keeps_its_inputs_only(tokenizer):
     kept = _saved_bytes(model, ids, mask, T, plain)
     recomputed = _saved_bytes(model, ids, mask, T, dataclasses.replace(plain, recompute_attention=True))
     assert kept - recomputed == 2 * 3 * 46 * (1_296 + 184) + 2 * 8_832
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_recomputed_attention_runs_one_row_at_a_time(tokenizer, monkeypatch, layout):
+    """Decision 7: each attention call of the 3 padded rows (masks `[3, 1, 46, 46]`), or of the 2 packed rows (the
+    45-token sequence alone, the 43- and 32-token ones together under a mask), sees one row, and the log-probs and
+    every gradient equal the whole block's (also with the tiles, checkpointed)."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    seen = []
+    forward = modeling_qwen2.Qwen2Attention.forward
+    monkeypatch.setattr(modeling_qwen2.Qwen2Attention, "forward",
+                        lambda self, *a, **k: seen.append(k["hidden_states"].shape[0]) or forward(self, *a, **k))
+    model = _model(tokenizer, lora=False, checkpointing=True)
+    ids, mask, T = _batch(tokenizer)
+    settings = forwards.ForwardSettings(padding_free=layout == "packed", mlp_tile_tokens=7)
+    packing = forwards.PackingSettings(token_budget=80)  # first fit: [45], [43, 32]
+
+    def logps_and_grads(settings):
+        forwards._VERDICTS.clear()
+        model.zero_grad()
+        if layout == "packed":
+            out = forwards.packed_logprobs(model, forwards.PackedBatch.of(ids, mask, T, packing), settings)
+        else:
+            out = forwards.score(model, ids, mask, T, settings)
+        (out.logps * torch.linspace(-1, 1, out.logps.numel()).view_as(out.logps)).sum().backward()
+        return out.logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    whole_logps, whole = logps_and_grads(settings)
+    rows = seen[0]
+    assert rows == (2 if layout == "packed" else 3) and set(seen) == {rows}  # 2 layers, forward and recomputation
+    seen.clear()
+    logps, grads = logps_and_grads(dataclasses.replace(settings, recompute_attention=True))
+    # each layer: a row at a time in the forward, in the layer's recomputation and in the attention's own
+    assert seen == [1] * (2 * 3 * rows)
+    torch.testing.assert_close(logps, whole_logps, atol=ATOL, rtol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], whole[name], atol=ATOL, rtol=1e-4, msg=name)
+
+
+def test_the_rows_run_one_at_a_time_only_where_the_call_is_plainly_a_batch():
+    """Decision 7's guard: hidden states `[R, W, E]` with `R > 1`; per-row tensors sliced, broadcast ones and
+    positions `[W]` passed whole; a cache, flash-attention's varlen arguments, a mask that is not a tensor or a
+    tensor whose leading dimension is neither `R` nor 1 keep the call whole."""
+    hidden, cos = torch.zeros(3, 5, 8), torch.zeros(1, 5, 4)
+    mask, positions = torch.zeros(3, 1, 5, 5, dtype=torch.bool), torch.arange(5)
+    call = {"hidden_states": hidden, "position_embeddings": (cos, cos), "attention_mask": mask,
+            "cache_position": positions, "cache": None}
+    assert tiling._rows_of((), call) == 3
+    assert tiling._rows_of((hidden,), {}) == 3  # positional
+    row = tiling._row(call, 1, 3)
+    assert row["hidden_states"].shape == (1, 5, 8) and row["attention_mask"].shape == (1, 1, 5, 5)
+    assert row["position_embeddings"][0] is cos and row["cache_position"] is positions
+    torch.testing.assert_close(row["hidden_states"], hidden[1:2], atol=0, rtol=0)
+    for whole in ({"cache": object()}, {"past_key_values": object()}, {"cu_seq_lens_q": torch.tensor([0, 5])},
+                  {"attention_mask": {"full_attention": mask}}, {"position_bias": torch.zeros(2, 5, 5)}):
+        assert tiling._rows_of((), {**call, **whole}) == 1, whole
+    assert tiling._rows_of((), {**call, "hidden_states": hidden[:1]}) == 1
+    out = tiling._joined_rows([(torch.ones(1, 2), None), (torch.zeros(1, 2), None)])
+    assert out[1] is None and out[0].tolist() == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_one_row_at_a_time_bounds_the_attentions_working_set(tokenizer, monkeypatch):
+    """A scoring forward (no gradients) of 4 padded rows of 128 tokens through one layer of width E = 128 and a
+    narrow MLP (32): at its peak the whole attention block holds, besides the layer's input and the norm's output,
+    its queries and the rotary embedding's temporaries (`q * cos`, `rotate_half(q)`, its product with `sin`), each
+    `[4, 128, 128]` float32 = U = 256 KiB, for every row at once. One row at a time they are a quarter of that: the
+    allocator's peak is lower by more than 1.5 U (2.25 U measured with transformers 5.24)."""
+    from tests.modeling.test_logprobs import _peak_new_bytes
+
+    model = model_of_kind("qwen2", tokenizer, hidden_size=128, intermediate_size=32, num_attention_heads=8,
+                          num_key_value_heads=2, num_hidden_layers=1).eval()
+    R, S, T = 4, 8, 120
+    ids = torch.randint(10, 90, (R, S + T), generator=torch.Generator().manual_seed(0))
+    settings = forwards.ForwardSettings(padding_free=False, recompute_attention=True)
+
+    def peak() -> int:
+        forwards._VERDICTS.clear()
+        with torch.no_grad():
+            return _peak_new_bytes(lambda: forwards.score(model, ids, torch.ones_like(ids), T, settings))
+
+    by_row = peak()
+    monkeypatch.setattr(tiling, "_rows_of", lambda args, kwargs: 1)
+    whole = peak()
+    assert whole - by_row > 1.5 * R * (S + T) * 128 * 4
+
+
+def test_a_partitioned_attention_runs_whole(tokenizer, monkeypatch):
+    """Under ZeRO-3 (parameters with a `ds_id`) each call of the attention's projections gathers their parameters,
+    and processes with different row counts would gather different numbers of times: the block runs whole."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    seen = []
+    forward = modeling_qwen2.Qwen2Attention.forward
+    monkeypatch.setattr(modeling_qwen2.Qwen2Attention, "forward",
+                        lambda self, *a, **k: seen.append(k["hidden_states"].shape[0]) or forward(self, *a, **k))
+    model = _model(tokenizer, lora=False, checkpointing=False)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.ds_id = 0  # what DeepSpeed marks a partitioned parameter with
+    ids, mask, T = _batch(tokenizer)
+    forwards._VERDICTS.clear()
+    forwards.score(model, ids, mask, T, forwards.ForwardSettings(padding_free=False, recompute_attention=True))
+    assert seen == [3, 3]

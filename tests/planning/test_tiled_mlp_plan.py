@@ -65,10 +65,11 @@ def test_the_scoring_forward_holds_one_tile_of_gate_up_and_product():
 def test_recomputed_attention_by_hand():
     """recompute_attention: a layer keeps none of its attention's queries, keys and values at 4 heads x 16 (3 x 64 x
     4 B), log-sum-exp (4 x 4 B) and o_proj's input (64 x 4 B): 1,040 B per token. Checkpointed, 4 x 16 tokens: the
-    recomputed layer holds 64 x 1,040 = 66,560 B less; the attention's own recomputation (its 1,040 B and the
-    norm's output it reads, 256 B, per token: 82,944 B) is smaller than the rest of the layer. Without
-    checkpointing each of the 2 layers keeps 66,560 B less, and the backward rebuilds one attention: 82,944 B, more
-    than the MLP backward's intermediate gradient (64 x 128 x 4 B = 32,768 B)."""
+    recomputed layer holds 64 x 1,040 = 66,560 B less; the attention's own recomputation (one row at a time: its
+    1,040 B per token of one row of 16, and the norm's output it reads, 256 B per token of all 4 rows: 16 x 1,040 +
+    64 x 256 = 33,024 B) is smaller than the rest of the layer. Without checkpointing each of the 2 layers keeps
+    66,560 B less, and the backward rebuilds one row's attention: 33,024 B, more than the MLP backward's
+    intermediate gradient (64 x 128 x 4 B = 32,768 B)."""
     on = dataclasses.replace(SETTINGS, recompute_attention=True)
     assert SHAPE.output_input_kept
     saved, recompute, *_ = estimate._saved_activations(SETTINGS, SHAPE)
@@ -77,4 +78,4 @@ def test_recomputed_attention_by_hand():
     plain, plain_on = (dataclasses.replace(s, checkpointing=False) for s in (SETTINGS, on))
     saved, recompute, *_ = estimate._saved_activations(plain, SHAPE)
     on_saved, on_recompute, *_ = estimate._saved_activations(plain_on, SHAPE)
-    assert saved - on_saved == 2 * 66_560 and recompute == 32_768 and on_recompute == 82_944
+    assert saved - on_saved == 2 * 66_560 and recompute == 32_768 and on_recompute == 33_024
