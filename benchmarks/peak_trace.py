@@ -56,12 +56,12 @@ def live_at_peak(profiler) -> tuple[int, dict]:
 
 
 def grouped(live: dict) -> list[tuple[str, int, int]]:
-    """(where, bytes, tensors), largest first: the innermost 3 frames of this project or transformers, and the op."""
+    """(where, bytes, tensors), largest first: the innermost 5 frames of this project or transformers, and the op."""
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, stack in live.values():
         frames = [f for f in stack if ".py(" in f and "torch/" not in f and "autograd/function" not in f]
         ops = [f for f in stack if f.startswith(("aten::", "autograd::", "mkldnn"))]
-        key = " | ".join(frames[-3:]) + " || " + (ops[0] if ops else "")
+        key = " | ".join(frames[-5:]) + " || " + (ops[0] if ops else "")
         groups[key][0] += size
         groups[key][1] += 1
     return sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda g: -g[1])
@@ -116,7 +116,7 @@ def main() -> None:
     best, live = live_at_peak(profiler)
     print("reconstructed peak MiB", best / 2**20)
     for where, size, count in grouped(live)[:30]:
-        print(f"{size / 2**20:9.1f} MiB x{count:4d}  {where[-260:]}")
+        print(f"{size / 2**20:9.1f} MiB x{count:4d}  {where[-420:]}")
 
 
 if __name__ == "__main__":
