@@ -35,7 +35,8 @@ python -c "import torch, transformers, trl; print(torch.__version__, transformer
     >> "$OUT/device.csv" 2>&1
 step gpu_tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
 step long_completions 150 python benchmarks/long_completions.py --device cuda --shape qwen2.5-0.5b --budget-gib 139 \
-    --lengths 8192,16384,32768,65536 --steps 1 --out "$OUT/long_completions.json"
+    --lengths 8192,16384,32768,65536 --steps 1 --mlp-tile-tokens 1024 --recompute-attention \
+    --out "$OUT/long_completions.json"
 step decode_bench 150 python benchmarks/gpu/decode_bench.py --shape qwen2.5-0.5b --rows 16 --length 256 \
     --length-spread 64,0.8 --timeout 40 --json-out "$OUT/decode_bench.json"
 step bench_gpu 220 python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --lengths 256 \
