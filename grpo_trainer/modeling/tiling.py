@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -280,7 +281,18 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
     def one(*args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(within, *args, use_reentrant=False, **kwargs)
+        # Every tensor goes to the checkpoint as a positional input, which it saves as a saved tensor: inside a
+        # checkpointed layer that is what the layer's checkpoint discards and rebuilds. A keyword argument (the
+        # hidden states, as transformers' layers pass them) or a tensor inside a tuple (cos / sin) it would keep by
+        # reference instead, for as long as the graph lives: one norm output `[N, E]` per layer (decision 6).
+        tensors: list[Tensor] = []
+        template = _lifted((args, kwargs), tensors)
+
+        def checkpointed_attention(*inputs: Tensor) -> object:
+            call_args, call_kwargs = _filled(template, inputs)
+            return within(*call_args, **call_kwargs)
+
+        return torch.utils.checkpoint.checkpoint(checkpointed_attention, *tensors, use_reentrant=False)
 
     def run(*args: object, **kwargs: object) -> object:
         rows = _rows_of(args, kwargs) if by_row else 1
@@ -289,6 +301,37 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
         return _joined_rows([one(*_row(args, r, rows), **_row(kwargs, r, rows)) for r in range(rows)])
 
     return run
+
+
+class _Slot(NamedTuple):
+    """Where `_lifted` took a tensor out: its index among the lifted tensors."""
+
+    index: int
+
+
+def _lifted(value: object, tensors: list[Tensor]) -> object:
+    """`value` with each tensor (in tuples, lists and dicts too) appended to `tensors` and replaced by its `_Slot`."""
+    if isinstance(value, Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, (tuple, list)):
+        items = [_lifted(item, tensors) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _lifted(item, tensors) for key, item in value.items()}
+    return value
+
+
+def _filled(value: object, tensors: tuple[Tensor, ...]) -> object:
+    """`_lifted`'s template with each `_Slot` replaced by its tensor from `tensors`."""
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, (tuple, list)):
+        items = [_filled(item, tensors) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _filled(item, tensors) for key, item in value.items()}
+    return value
 
 
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")  # flash-attention's packed arguments

@@ -183,17 +183,19 @@ def test_recomputed_attention_equals_the_plain_forward(tokenizer, kind, checkpoi
 def test_recomputed_attention_keeps_its_inputs_only(tokenizer):
     """Without checkpointing, padded (a mask: keys and values repeated to the 4 query heads, `repeat_kv`), each of
     the 2 layers' attention saves per token its roped queries (4 heads x 16 = 64 float32), the repeated keys and
-    values (2 x 64), SDPA's output (64) and log-sum-exp (4), o_proj's contiguous input (64): 1,296 B, and SDPA's
-    float32 copy of its mask row (46 x 4 = 184 B); the rotation saves cos and sin (3 x 46 x 16 float32 each,
-    8,832 B, shared by the layers). Recomputed, the attention's checkpoint holds its inputs by reference instead
-    (the norm's output, cos / sin, the mask: alive anyway), and none of these: 2 x 138 x (1,296 + 184) + 2 x 8,832
-    = 426,144 B less."""
+    values (2 x 64), SDPA's output (64; o_proj reads it in place) and log-sum-exp (4): 1,040 B, and SDPA's float32
+    copy of its mask row (46 x 4 = 184 B). Recomputed, the attention's checkpoint saves its inputs instead: the
+    norm's output (which q_proj saved before), cos and sin (which the rotation saved before), and what nothing
+    saved before, the boolean mask `[3, 1, 46, 46]` (6,348 B) and the position ids `[3, 46]` (1,104 B), shared by
+    the layers: 2 x 138 x (1,040 + 184) - 6,348 - 1,104 = 330,372 B less. (Before the checkpoint took its inputs as
+    positional tensors, it kept the hidden states, a keyword argument, by reference for as long as the graph lived,
+    and they went uncounted here.)"""
     model = _model(tokenizer, lora=False, checkpointing=False)
     ids, mask, T = _batch(tokenizer)
     plain = forwards.ForwardSettings(padding_free=False)
     kept = _saved_bytes(model, ids, mask, T, plain)
     recomputed = _saved_bytes(model, ids, mask, T, dataclasses.replace(plain, recompute_attention=True))
-    assert kept - recomputed == 2 * 3 * 46 * (1_296 + 184) + 2 * 8_832
+    assert kept - recomputed == 2 * 3 * 46 * (1_040 + 184) - 6_348 - 1_104
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -297,3 +299,51 @@ def test_a_partitioned_attention_runs_whole(tokenizer, monkeypatch):
     forwards._VERDICTS.clear()
     forwards.score(model, ids, mask, T, forwards.ForwardSettings(padding_free=False, recompute_attention=True))
     assert seen == [3, 3]
+
+
+def _kept_after(run) -> int:
+    """Bytes allocated while `run()` runs and still allocated after it (torch.profiler's memory events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    live: dict[int, int] = {}
+
+    def walk(node):
+        fields = node.extra_fields
+        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    events: list[tuple[int, int, int]] = []
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    for _, ptr, size in sorted(events):
+        if size > 0:
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+    del result
+    return sum(live.values())
+
+
+@pytest.mark.parametrize("tile", [0, 7])
+def test_a_checkpointed_layer_keeps_no_attention_input(tokenizer, tile):
+    """Under activation checkpointing the recomputed attention's inputs (the norm's output, passed by keyword as
+    transformers' layers pass it) are the layer checkpoint's to discard and rebuild: after the forward, with its
+    graph alive, `recompute_attention` holds what plain checkpointing holds and the CPU RNG state each of the 2 x 3
+    row checkpoints keeps (for dropout in the recomputation; 5,056 B each with this torch). Kept by reference, the
+    inputs were one norm output per layer for the whole step besides: 2 x 3 x 46 x 64 x 4 B = 70,656 B here, 224
+    MiB at 2 x 16k tokens on the 2-layer proxy. The backward still trains the attention."""
+    model = _model(tokenizer, lora=False, checkpointing=True)
+    ids, mask, T = _batch(tokenizer)
+    plain = forwards.ForwardSettings(padding_free=False, mlp_tile_tokens=tile)
+    kept = {}
+    for recompute in (False, True):
+        forwards._VERDICTS.clear()
+        settings = dataclasses.replace(plain, recompute_attention=recompute)
+        kept[recompute] = _kept_after(lambda s=settings: forwards.score(model, ids, mask, T, s))
+    assert kept[True] - kept[False] == 2 * 3 * torch.get_rng_state().numel() and kept[False] > 0
+    forwards._VERDICTS.clear()
+    model.zero_grad()
+    forwards.score(model, ids, mask, T, dataclasses.replace(plain, recompute_attention=True)).logps.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0

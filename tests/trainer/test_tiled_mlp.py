@@ -52,10 +52,10 @@ def test_a_step_with_recomputed_attention_equals_the_plain_one(tmp_path, tokeniz
     make_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(path)
     tokenizer.save_pretrained(path)
     plain = sgd_step_deltas(path, tokenizer, sgd_step_args(tmp_path / "plain"))
-    assert "within" not in calls
+    assert "checkpointed_attention" not in calls
     for name, options in (("recomputed", {}), ("recomputed_tiled", {"mlp_tile_tokens": 5})):
         moved = sgd_step_deltas(path, tokenizer, sgd_step_args(tmp_path / name, recompute_attention=True, **options))
-        assert calls.count("within") > 0  # the attention ran under its own checkpoint
+        assert calls.count("checkpointed_attention") > 0  # the attention ran under its own checkpoint
         calls.clear()
         attention = [n for n in plain if "self_attn" in n]
         assert attention and max(plain[n].abs().max().item() for n in attention) > 1e-4
