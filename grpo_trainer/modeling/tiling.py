@@ -52,7 +52,11 @@ Decisions:
    o_proj's input only while the attention's own backward runs, after the MLP's backward has freed its tensors,
    not beside them; without checkpointing no layer keeps them. Exact (the same operations run again); the price
    is one more attention forward per layer. Its tiled children (Qwen3's q/k norms) are installed again inside its
-   recomputation, where the layer's context has closed, so that it saves what the forward did.
+   recomputation, where the layer's context has closed, so that it saves what the forward did. Every tensor of the
+   call goes to torch's checkpoint as a positional input (`_lifted`), which it saves as a saved tensor, so that
+   under a layer's checkpoint they are discarded and rebuilt like the layer's other saved tensors: tensors passed by
+   keyword or inside a tuple (transformers' layers pass the hidden states by keyword) it would hold by reference
+   for as long as the graph lives, a norm's output per layer for the whole step.
 7. Under `recompute_attention` the attention block also runs one row of the micro-batch at a time (`by_row`), each
    row under its own checkpoint: rows attend only to themselves (a packed row's sequences, a padded row's tokens),
    so every row's values are the whole block's, exactly. What this bounds is the attention's working set, which is
