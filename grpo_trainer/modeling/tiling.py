@@ -66,8 +66,8 @@ Decisions:
    step's gradients; at 2 rows of 16k tokens that was the step's peak (benchmarks/RESULTS.md). One row at a time they
    are one row's, and so are the tensors the attention's own backward rebuilds. Only where it is plainly a batch:
    hidden states `[R, W, E]` with `R > 1`, no KV cache, no flash-attention varlen arguments (one packed row there
-   anyway), and every tensor argument of two or more dimensions either per row (`R` leading) or broadcast (1
-   leading); otherwise the block runs whole (`_rows_of`). Not under ZeRO-3 either: each call of the block's
+   anyway), and every tensor argument of two or more dimensions either per row (`R` leading, and nowhere else) or
+   broadcast (1 leading); otherwise the block runs whole (`_rows_of`). Not under ZeRO-3 either: each call of the block's
    projections gathers their partitioned parameters, and processes whose micro-batches pack into different numbers
    of rows would gather different numbers of times.
 """
@@ -363,8 +363,12 @@ def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int:
     mask = kwargs.get("attention_mask")
     if mask is not None and not isinstance(mask, Tensor):  # flex attention's BlockMask, a dict of masks, ...
         return 1
-    leading = {t.shape[0] for t in _tensors((args, kwargs)) if t.dim() >= 2}
-    return rows if leading <= {1, rows} else 1
+    shapes = [t.shape for t in _tensors((args, kwargs)) if t.dim() >= 2]
+    if any(shape[0] not in (1, rows) for shape in shapes):
+        return 1
+    # R leading and again further in: a per-row tensor, or one whose leading dimension only happens to equal R
+    # (Qwen2-VL's multimodal position ids `[3, R, W]` at R = 3): not told apart, so the block runs whole
+    return 1 if any(shape[0] == rows and rows in shape[1:] for shape in shapes) else rows
 
 
 def _row(value: object, r: int, rows: int) -> object:

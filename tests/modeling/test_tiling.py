@@ -238,8 +238,9 @@ def test_the_recomputed_attention_runs_one_row_at_a_time(tokenizer, monkeypatch,
 
 def test_the_rows_run_one_at_a_time_only_where_the_call_is_plainly_a_batch():
     """Decision 7's guard: hidden states `[R, W, E]` with `R > 1`; per-row tensors sliced, broadcast ones and
-    positions `[W]` passed whole; a cache, flash-attention's varlen arguments, a mask that is not a tensor or a
-    tensor whose leading dimension is neither `R` nor 1 keep the call whole."""
+    positions `[W]` passed whole; a cache, flash-attention's varlen arguments, a mask that is not a tensor, a
+    tensor whose leading dimension is neither `R` nor 1, or one with `R` leading and again further in (multimodal
+    position ids `[3, R, W]` at R = 3) keep the call whole."""
     hidden, cos = torch.zeros(3, 5, 8), torch.zeros(1, 5, 4)
     mask, positions = torch.zeros(3, 1, 5, 5, dtype=torch.bool), torch.arange(5)
     call = {"hidden_states": hidden, "position_embeddings": (cos, cos), "attention_mask": mask,
@@ -251,7 +252,8 @@ def test_the_rows_run_one_at_a_time_only_where_the_call_is_plainly_a_batch():
     assert row["position_embeddings"][0] is cos and row["cache_position"] is positions
     torch.testing.assert_close(row["hidden_states"], hidden[1:2], atol=0, rtol=0)
     for whole in ({"cache": object()}, {"past_key_values": object()}, {"cu_seq_lens_q": torch.tensor([0, 5])},
-                  {"attention_mask": {"full_attention": mask}}, {"position_bias": torch.zeros(2, 5, 5)}):
+                  {"attention_mask": {"full_attention": mask}}, {"position_bias": torch.zeros(2, 5, 5)},
+                  {"position_ids": torch.zeros(3, 3, 5, dtype=torch.long)}):  # Qwen2-VL's [3, R, W] at R = 3
         assert tiling._rows_of((), {**call, **whole}) == 1, whole
     assert tiling._rows_of((), {**call, "hidden_states": hidden[:1]}) == 1
     out = tiling._joined_rows([(torch.ones(1, 2), None), (torch.zeros(1, 2), None)])
