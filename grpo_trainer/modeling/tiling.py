@@ -67,16 +67,17 @@ Decisions:
    are one row's, and so are the tensors the attention's own backward rebuilds. Only where it is plainly a batch:
    hidden states `[R, W, E]` with `R > 1`, no KV cache, no flash-attention varlen arguments (one packed row there
    anyway), and every tensor argument of two or more dimensions either per row (`R` leading, and nowhere else) or
-   broadcast (1 leading); otherwise the block runs whole (`_rows_of`). Not under ZeRO-3 either: each call of the block's
-   projections gathers their partitioned parameters, and processes whose micro-batches pack into different numbers
-   of rows would gather different numbers of times.
+   broadcast (1 leading); otherwise the block runs whole (`_rows_of`). Not under ZeRO-3 either: each call of the
+   block's projections gathers their partitioned parameters, and processes whose micro-batches pack into
+   different numbers of rows would gather different numbers of times.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -307,49 +308,36 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
     return run
 
 
-class _Slot(NamedTuple):
+@dataclass(frozen=True)
+class _Slot:
     """Where `_lifted` took a tensor out: its index among the lifted tensors."""
 
     index: int
 
 
+def _mapped(value: object, function: Callable[[Any], object], leaf: type = Tensor) -> object:
+    """`value` with `function` applied to each `leaf` in it, in tuples, named tuples, lists and dicts alike."""
+    if isinstance(value, leaf):
+        return function(value)
+    if isinstance(value, (tuple, list)):
+        items = [_mapped(item, function, leaf) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _mapped(item, function, leaf) for key, item in value.items()}
+    return value
+
+
 def _lifted(value: object, tensors: list[Tensor]) -> object:
-    """`value` with each tensor (in tuples, lists and dicts too) appended to `tensors` and replaced by its `_Slot`."""
-    if isinstance(value, Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1)
-    if isinstance(value, (tuple, list)):
-        items = [_lifted(item, tensors) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {key: _lifted(item, tensors) for key, item in value.items()}
-    return value
+    """`value` with each tensor appended to `tensors` and replaced by its `_Slot`."""
+    return _mapped(value, lambda tensor: tensors.append(tensor) or _Slot(len(tensors) - 1))
 
 
-def _filled(value: object, tensors: tuple[Tensor, ...]) -> object:
+def _filled(template: object, tensors: tuple[Tensor, ...]) -> object:
     """`_lifted`'s template with each `_Slot` replaced by its tensor from `tensors`."""
-    if isinstance(value, _Slot):
-        return tensors[value.index]
-    if isinstance(value, (tuple, list)):
-        items = [_filled(item, tensors) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {key: _filled(item, tensors) for key, item in value.items()}
-    return value
+    return _mapped(template, lambda slot: tensors[slot.index], leaf=_Slot)
 
 
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")  # flash-attention's packed arguments
-
-
-def _tensors(value: object) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int:
@@ -363,7 +351,9 @@ def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int:
     mask = kwargs.get("attention_mask")
     if mask is not None and not isinstance(mask, Tensor):  # flex attention's BlockMask, a dict of masks, ...
         return 1
-    shapes = [t.shape for t in _tensors((args, kwargs)) if t.dim() >= 2]
+    tensors: list[Tensor] = []
+    _lifted((args, kwargs), tensors)
+    shapes = [t.shape for t in tensors if t.dim() >= 2]
     if any(shape[0] not in (1, rows) for shape in shapes):
         return 1
     # R leading and again further in: a per-row tensor, or one whose leading dimension only happens to equal R
@@ -372,15 +362,9 @@ def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int:
 
 
 def _row(value: object, r: int, rows: int) -> object:
-    """Row `r` of `value`: of each tensor of two or more dimensions with `rows` leading, in tuples, lists and dicts
-    alike; everything else (broadcast tensors, positions `[W]`, flags) as is."""
-    if isinstance(value, Tensor):
-        return value[r:r + 1] if value.dim() >= 2 and value.shape[0] == rows else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_row(item, r, rows) for item in value)
-    if isinstance(value, dict):
-        return {key: _row(item, r, rows) for key, item in value.items()}
-    return value
+    """Row `r` of `value`: of each tensor of two or more dimensions with `rows` leading, in containers alike;
+    everything else (broadcast tensors, positions `[W]`, flags) as is."""
+    return _mapped(value, lambda t: t[r:r + 1] if t.dim() >= 2 and t.shape[0] == rows else t)
 
 
 def _joined_rows(outputs: list[object]) -> object:
