@@ -251,8 +251,9 @@ def _no_cache(model: nn.Module, out: Any) -> None:
     """The `use_cache` trap: a forward that made a KV cache did not look for packed sequences (transformers checks
     restarting positions only without one), so its packed sequences attended to each other. Read under the name the
     output's class declares: from transformers 5.24 the old name is a property that logs a deprecation warning."""
-    fields = getattr(type(out), "__dataclass_fields__", {})  # transformers 5.24 renamed the output's cache field
-    if out.get("past_key_values" if "past_key_values" in fields else "cache") is not None:
+    fields = getattr(type(out), "__dataclass_fields__", None)  # transformers 5.24 renamed the output's cache field
+    names = ("cache", "past_key_values") if fields is None or "past_key_values" in fields else ("cache",)
+    if any(out.get(name) is not None for name in names):
         raise RuntimeError(f"{type(causal_lm(model)).__name__} returned a KV cache from a packed forward called with "
                            "use_cache=False: with a cache its packed sequences attend to each other.")
 

@@ -279,10 +279,6 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
     the call is plainly a batch (decision 7): it keeps its inputs and recomputes the rest in its backward, with its
     tiled children (`inner`) installed there as in the forward, so the recomputation saves what the forward did."""
 
-    def within(*args: object, **kwargs: object) -> object:
-        with _all_installed(inner):
-            return forward(*args, **kwargs)
-
     def one(*args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -295,7 +291,8 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
 
         def checkpointed_attention(*inputs: Tensor) -> object:
             call_args, call_kwargs = _filled(template, inputs)
-            return within(*call_args, **call_kwargs)
+            with _all_installed(inner):
+                return forward(*call_args, **call_kwargs)
 
         return torch.utils.checkpoint.checkpoint(checkpointed_attention, *tensors, use_reentrant=False)
 
@@ -351,9 +348,8 @@ def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> int:
     mask = kwargs.get("attention_mask")
     if mask is not None and not isinstance(mask, Tensor):  # flex attention's BlockMask, a dict of masks, ...
         return 1
-    tensors: list[Tensor] = []
-    _lifted((args, kwargs), tensors)
-    shapes = [t.shape for t in tensors if t.dim() >= 2]
+    shapes: list[torch.Size] = []
+    _mapped((args, kwargs), lambda t: t.dim() >= 2 and shapes.append(t.shape))
     if any(shape[0] not in (1, rows) for shape in shapes):
         return 1
     # R leading and again further in: a per-row tensor, or one whose leading dimension only happens to equal R
