@@ -67,7 +67,7 @@ def main() -> None:
         ids = torch.randint(0, 1024, (1, T), generator=torch.Generator().manual_seed(T))
         mask = torch.ones_like(ids)
         plain = forwards.ForwardSettings(padding_free=False)
-        settings = {"untiled": plain, "tiled": dataclasses.replace(plain, mlp_tile_tokens=cli.tile)}
+        settings = {"untiled": plain, "tiled": plain.with_forward(mlp_tile_tokens=cli.tile)}
         seconds: dict[str, list[float]] = {name: [] for name in settings}
         for repeat in range(cli.repeats):
             for name in (list(settings) if repeat % 2 == 0 else list(settings)[::-1]):

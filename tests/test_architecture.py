@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "algorithms": set(),
     "data": set(),
     "modeling": {"algorithms"},
-    "config": {"algorithms", "data", "modeling", "rewards", "rollout", "runtime"},
+    "config": {"algorithms", "data", "modeling", "planning", "rewards", "rollout", "runtime"},
     "rewards": {"algorithms", "data"},
     "runtime": {"algorithms", "modeling"},
     "reporting": {"algorithms"},

@@ -11,6 +11,7 @@ from typing import Any
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
 from grpo_trainer.config import choices as kinds
 from grpo_trainer.config.choices import choices
+from grpo_trainer.planning import levers
 
 __all__ = ["advisories", "check_config"]
 
@@ -85,15 +86,19 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"recompute_attention must be True or False (got {args.recompute_attention!r})."),
         (not isinstance(args.activation_offloading, bool),
          f"activation_offloading must be True or False (got {args.activation_offloading!r})."),
-        (not isinstance(args.padding_free, bool),
-         f"padding_free must be True or False (got {args.padding_free!r})."),
+        (args.padding_free is not None and not isinstance(args.padding_free, bool),
+         f"padding_free must be True, False or None (got {args.padding_free!r}); None: on where it has run "
+         "(planning/levers.py)."),
+        (args.tied_embedding_lookup is not None and not isinstance(args.tied_embedding_lookup, bool),
+         f"tied_embedding_lookup must be True, False or None (got {args.tied_embedding_lookup!r}); None: on where "
+         "it has run (planning/levers.py)."),
         (args.reward_weights is not None and any(w != w for w in args.reward_weights),
          "reward_weights must be numbers, not NaN."),
         (args.multi_objective_aggregation not in choices(kinds.MultiObjectiveAggregation),
          f"unknown multi_objective_aggregation {args.multi_objective_aggregation!r}; choose one of "
          f"{sorted(choices(kinds.MultiObjectiveAggregation))}."),
         (args.memory_check not in choices(kinds.MemoryCheck),
-         f"unknown memory_check {args.memory_check!r}; choose 'error', 'warn' or 'off'."),
+         f"unknown memory_check {args.memory_check!r}; choose 'auto', 'error', 'warn' or 'off'."),
         (not isinstance(args.async_rollouts, int) or args.async_rollouts < 0,
          f"async_rollouts must be an integer >= 0 (got {args.async_rollouts!r}); 0 is synchronous, 1 samples one "
          "round ahead."),
@@ -166,10 +171,8 @@ def _skip_changes_gradient(args: Any) -> str | None:
     return None
 
 
-# What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?").
-LONG_COMPLETION_LEVERS = ("gradient_checkpointing=True, a smaller logprob_chunk_size, mlp_tile_tokens (the "
-                          "sequence-tiled MLP), recompute_attention, and `grpo-train plan` for the longest "
-                          "max_completion_length that fits")
+# What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?"): the levers' table.
+LONG_COMPLETION_LEVERS = levers.longer_levers_text()
 
 
 def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:

@@ -33,6 +33,7 @@ from grpo_trainer.config.choices import (
     ZeroVarianceGroups,
 )
 from grpo_trainer.config.legacy import LegacyFields, resolve_legacy
+from grpo_trainer.planning import levers
 from grpo_trainer.runtime import compat
 
 __all__ = ["GRPOConfig"]
@@ -242,35 +243,42 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     logprob_chunk_size: int = _opt(1024, "Completion tokens projected through the LM head at once (at most: fewer "
                                          "where their float32 logits would pass 128 MiB, e.g. at a 152k vocabulary).")
     memory_check: MemoryCheck = _opt(
-        "error", "Before loading weights, plan the run's peak memory per process (docs/MEMORY.md): 'error' stops a "
-        "run that would not fit, naming settings that do; 'warn' logs that and trains anyway; 'off' skips the plan. "
+        "auto", "Before loading weights, plan the run's peak memory per process (docs/MEMORY.md): 'error' stops a "
+        "run that would not fit, naming settings that do; 'warn' logs that and trains anyway; 'off' skips the plan; "
+        "'auto': 'error' where the planner's figures have been checked on the device kind at its current code. "
         "With auto_find_batch_size=True the first setting that fits is applied instead (same global batch and "
-        "objective: a smaller per_device_train_batch_size with more gradient_accumulation_steps, checkpointing, a "
-        "lower vllm_gpu_memory_utilization).")
+        f"objective: {levers.fit_levers_text()})." + levers.help_note("memory_check"))
     mlp_tile_tokens: int = _opt(
         0, "Sequence-tiled MLP in the log-prob forwards and their backward (ALST's TiledMLP): each decoder layer's MLP "
         "computes this many tokens at a time, so its [tokens, intermediate] activations never exist for the whole "
         "micro-batch, and the layers' norms keep only their input; exact (the same values, gradients within float32 "
         "rounding), at the price of recomputing the MLP and the norms in the backward. 0: off. For long completions: "
-        "docs/MEMORY.md, 'How long can I go?'.")
+        "docs/MEMORY.md, 'How long can I go?'." + levers.help_note("mlp_tile_tokens"))
     recompute_attention: bool = _opt(
         False, "Each decoder layer's attention block under its own activation checkpoint in the log-prob forwards' "
         "training forward, one row of the micro-batch at a time: its queries, keys, values and attention output are "
         "recomputed in its backward instead of kept, so under gradient_checkpointing they never sit beside the MLP's "
         "while the recomputed layer's backward runs (without it, no layer keeps them), and its working set is one "
         "row's. Exact; the price is one more attention forward per layer and step. "
-        "Not with sequence parallelism. For long completions: docs/MEMORY.md, 'How long can I go?'.")
+        "Not with sequence parallelism. For long completions: docs/MEMORY.md, 'How long can I go?'."
+        + levers.help_note("recompute_attention"))
     activation_offloading: bool = _opt(
         False, "Move the tensors the loss forward saves for the backward to host memory (pinned, copied on a side "
         "stream) and bring them back in the backward (TRL's SFT/DPO option of the same name, through TRL's own "
         "`get_act_offloading_ctx_manager`). Under gradient checkpointing these are each layer's input, the term that "
         "grows with layers x completion length; exact. Needs an accelerator (GPU): refused on CPU, where they "
-        "already are in host memory. docs/MEMORY.md, 'How long can I go?'.")
-    padding_free: bool = _opt(
-        True, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
+        "already are in host memory. docs/MEMORY.md, 'How long can I go?'." + levers.help_note("activation_offloading"))
+    padding_free: bool | None = _opt(
+        None, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
         "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "
         "it cannot serve are scored padded, by rule or after a once-per-model packed-vs-padded self-check, with "
-        "the reason logged (README, 'Padding-free forwards').")
+        "the reason logged (README, 'Padding-free forwards'). None: on where it has run (planning/levers.py)."
+        + levers.help_note("padding_free"))
+    tied_embedding_lookup: bool | None = _opt(
+        None, "With tied input and output embeddings (Qwen2.5 0.5B-3B, Qwen3 0.6B-4B, Llama 3.2), the input lookup's "
+        "backward adds its rows into the LM head's gradient in place instead of building a [vocabulary, hidden] "
+        "gradient of its own (modeling/tied_embedding.py): the same sums, one such matrix less at the backward's "
+        "end. None: on where it has run (planning/levers.py)." + levers.help_note("tied_embedding_lookup"))
     max_nonfinite_steps: int = _opt(
         3, "Consecutive micro-steps with a non-finite loss that are skipped before training stops.")
 

@@ -17,14 +17,17 @@ from grpo_trainer.algorithms.surrogates import SurrogateParams
 from grpo_trainer.algorithms.truncation import Truncation
 from grpo_trainer.config.grpo_config import GRPOConfig
 from grpo_trainer.modeling import routing
+from grpo_trainer.modeling.forwards import ForwardSettings
 from grpo_trainer.modeling.unwrap import causal_lm
+from grpo_trainer.planning import levers
 from grpo_trainer.rewards.sources import RewardSettings
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
 from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
 from grpo_trainer.rollout.vllm.checks import routed_experts_unavailable
 
-__all__ = ["backend_choice", "engine_correction", "entropy_control", "loss_settings", "prompt_settings",
+__all__ = ["backend_choice", "device_of", "engine_correction", "entropy_control", "forward_settings", "loss_settings",
+           "memory_verdict", "prompt_settings",
            "reward_settings", "routing_replay", "sampling_settings", "surrogate_params", "truncation",
            "turn_settings", "vllm_settings"]
 
@@ -128,3 +131,29 @@ def routing_replay(args: GRPOConfig, model: Any) -> bool:
             "routing_replay='auto' is off for this Mixture-of-Experts model: its rollouts run in %s, whose routing "
             "is not recorded (%s; docs/MOE.md); the trainer routes every token itself.", name, why)
     return reason is None and in_process
+
+
+def device_of(args: GRPOConfig) -> str:
+    """The device kind the run trains on ("cpu", "cuda", ...): what `planning.levers` decides defaults for."""
+    return args.device.type
+
+
+def forward_settings(args: GRPOConfig, device: str | None = None) -> ForwardSettings:
+    """The training forward's options, built once per run and read by the scorer and the memory plan alike, with the
+    defaults held back on `device` resolved (`planning.levers`, decision 2). Sequence parallelism's sharded forward
+    runs the padded layout: there `padding_free=None` resolves off (`True` is refused by `config.checks`)."""
+    device = device or device_of(args)
+    sharded = (getattr(args.parallelism_config, "sp_size", None) or 1) > 1
+    padding_free = False if sharded and args.padding_free is None else args.padding_free
+    return ForwardSettings(
+        padding_free=levers.resolve("padding_free", padding_free, device), temperature=args.temperature,
+        chunk_size=args.logprob_chunk_size, pad_to_multiple_of=args.pad_to_multiple_of,
+        mlp_tile_tokens=args.mlp_tile_tokens, recompute_attention=args.recompute_attention,
+        tied_lookup=levers.resolve("tied_embedding_lookup", args.tied_embedding_lookup, device),
+        activation_offloading=args.activation_offloading)
+
+
+def memory_verdict(args: GRPOConfig, device: str | None = None) -> str:
+    """What a run whose plan exceeds its device does: `memory_check`, its `'auto'` resolved for `device`
+    (`planning.levers`: 'error' where the planner was checked there, else 'warn')."""
+    return levers.resolve("memory_check", args.memory_check, device or device_of(args))

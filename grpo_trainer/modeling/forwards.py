@@ -37,8 +37,13 @@ both return the same `LogProbs`: `[B, T]` float32, equal on every completion tok
    each token to the sampler's experts, gathered into the packed layout like the layer outputs.
 4. The packed layout is the cheapest `packing.plan` finds for the model's `packing_cost`; a micro-batch whose
    packed rows would not cost less than its padded ones (one sequence, little padding) runs padded.
-5. The sequence-tiled MLP (`mlp_tile_tokens`, `modeling.tiling`) is installed inside replay's context, so that it
-   wraps replay's checkpoint stand-in: the layer function replay recomputes in the backward is the tiled one.
+5. Every modification of a forward is installed by one context (`installed`), in one order, for the padded, packed
+   and sharded paths alike: replay's layer stand-ins (`modeling.replay`), routing replay (`modeling.routing`), the
+   sequence tiling (`modeling.tiling`, inside replay's context, so that it wraps replay's checkpoint stand-in: the
+   layer function replay recomputes in the backward is the tiled one), and the tied lookup, open until the head has
+   scored (it hands its gradient to the lookup).
+6. The tied lookup (`modeling.tied_embedding`) is an option (`ForwardSettings.tied_lookup`): on CUDA it is held back
+   until it has run on a GPU (`planning.levers`).
 
 Shapes: `B` rows, `S + T` columns, `T` completion columns, `V` vocabulary, `L` decoder layers, `E` hidden size.
 """
@@ -67,7 +72,7 @@ from grpo_trainer.modeling.unwrap import causal_lm
 logger = logging.getLogger(__name__)
 
 __all__ = ["CHECK_ROWS", "CHECK_TOKENS", "REFUSALS", "TOLERANCES", "Call", "ForwardSettings", "check_slice",
-           "is_varlen", "packed_logprobs", "refusal", "score", "self_check"]
+           "installed", "is_varlen", "packed_logprobs", "refusal", "score", "self_check"]
 
 CHECK_ROWS = 4  # rows of the first micro-batch the self-check packs (decision 2): two packed rows of two sequences
 CHECK_TOKENS = 128  # tokens per sequence the self-check keeps at most, beyond the model's attention window
@@ -75,14 +80,18 @@ CHECK_TOKENS = 128  # tokens per sequence the self-check keeps at most, beyond t
 
 @dataclass(frozen=True)
 class ForwardSettings:
-    """What the trainer's log-prob forwards need from its config."""
+    """The training forward's options: built once from the config (`config.settings.forward_settings`, where a
+    default held back on CUDA is resolved: `planning.levers`), held by the scorer (`trainer.scoring`) and by the
+    memory plan (`planning.PlanSettings.forward`), so that the two read the same values."""
 
-    padding_free: bool  # no default: `GRPOConfig.padding_free`'s (on) is the one
+    padding_free: bool  # no default: resolved from `GRPOConfig.padding_free` for the device
     temperature: float = 1.0
-    chunk_size: int = 1024  # LM-head rows per chunk, at most (`logprobs.chunk_rows`)
+    chunk_size: int = 1024  # `logprob_chunk_size`: LM-head rows per chunk, at most (`logprobs.chunk_rows`)
     pad_to_multiple_of: int | None = None
     mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the MLP computed this many tokens at a time (`modeling.tiling`)
     recompute_attention: bool = False  # `recompute_attention`: each attention block checkpointed (`modeling.tiling`)
+    tied_lookup: bool = True  # `tied_embedding_lookup`: a tied lookup's rows into the head's gradient (decision 6)
+    activation_offloading: bool = False  # `activation_offloading`: the step's saved tensors in host memory (GPU)
 
 
 @dataclass(frozen=True)
@@ -258,6 +267,24 @@ def _no_cache(model: nn.Module, out: Any) -> None:
                            "use_cache=False: with a cache its packed sequences attend to each other.")
 
 
+@contextlib.contextmanager
+def installed(lm: nn.Module, settings: ForwardSettings, layer_outputs: Tensor | None = None,
+              routes: Tensor | None = None, sources: tuple[Tensor, Tensor] | None = None,
+              stats: routing.ReplayStats | None = None) -> Iterator[None]:
+    """Every modification of `lm`'s forward this call asks for, in decision 5's order: replay of the rollout's layer
+    outputs `[B, L, S + T, E]`, routing replay of its experts `[B, S + T, L, k]` (`sources`: the packed layout's
+    source cells, None padded), the sequence tiling, and the tied lookup. Leave the context after the head scored."""
+    with contextlib.ExitStack() as stack:
+        if settings.tied_lookup:
+            stack.enter_context(tied_lookup(lm))
+        if layer_outputs is not None:
+            stack.enter_context(replay.replayed_layers(lm.get_decoder().layers, layer_outputs, sources))
+        if routes is not None:
+            stack.enter_context(routing.replaying(lm, routes, sources, stats))
+        stack.enter_context(tiling.tiled_layers(lm, settings.mlp_tile_tokens, settings.recompute_attention))
+        yield
+
+
 def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSettings, with_entropy: bool = False,
                     known: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
                     layer_outputs: Tensor | None = None, support: KeptSupport | None = None,
@@ -274,15 +301,9 @@ def packed_logprobs(model: nn.Module, packed: PackedBatch, settings: ForwardSett
     """
     lm = causal_lm(model)
     extra: dict[str, Any] = packed.flash_kwargs() if _varlen(lm) else {}
-    replayed = contextlib.nullcontext() if layer_outputs is None else \
-        replay.replayed_layers(lm.get_decoder().layers, layer_outputs, packed.sources)
-    rerouted = contextlib.nullcontext() if routes is None else \
-        routing.replaying(lm, routes, packed.sources, routing_stats)
-    with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
-        tiled = tiling.tiled_layers(lm, settings.mlp_tile_tokens, settings.recompute_attention)
-        with replayed, rerouted, tiled:  # tiles inside replay: decision 5
-            out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                        logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
+    with installed(lm, settings, layer_outputs, routes, packed.sources, routing_stats):  # decision 5
+        out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                    logits_to_keep=1, output_hidden_states=True, use_cache=False, **extra)
         return _score_packed(model, out, packed, settings, with_entropy, known, support)
 
 
@@ -461,13 +482,7 @@ def score(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completio
             packed = PackedBatch.of(input_ids, attention_mask, completion_length, layout=layout)
             return packed_logprobs(model, packed, settings, with_entropy, known, layer_outputs, support, routes,
                                    routing_stats)
-    replayed = contextlib.nullcontext() if layer_outputs is None else \
-        replay.replayed_layers(causal_lm(model).get_decoder().layers, layer_outputs)
-    rerouted = contextlib.nullcontext() if routes is None else \
-        routing.replaying(causal_lm(model), routes, stats=routing_stats)
-    lm = causal_lm(model)
-    with replayed, rerouted, tiling.tiled_layers(lm, settings.mlp_tile_tokens, settings.recompute_attention), \
-            tied_lookup(lm):  # decision 5
+    with installed(causal_lm(model), settings, layer_outputs, routes, stats=routing_stats):  # decision 5
         return completion_logprobs(model, input_ids, attention_mask, completion_length, settings.temperature,
                                    settings.chunk_size, with_entropy, *known, with_aux_loss=with_aux_loss,
                                    model_inputs=model_inputs, support=support)

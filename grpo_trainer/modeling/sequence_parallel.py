@@ -26,6 +26,7 @@ Shapes: `B` rows, `S` prompt and `T` completion columns, `L = S + T`, `W` the pa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,8 +34,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
 
-from grpo_trainer.modeling import logprobs, tiling
-from grpo_trainer.modeling.tied_embedding import tied_lookup
+from grpo_trainer.modeling import logprobs
+from grpo_trainer.modeling.forwards import ForwardSettings, installed
 from grpo_trainer.modeling.unwrap import causal_lm
 
 __all__ = ["SequenceShard", "completion_columns", "gather_positions", "leading_pads", "left_align", "padded_width",
@@ -189,9 +190,12 @@ class ShardedScores(NamedTuple):
     entropy: Tensor  # [B, T]
 
 
+_UNSHARDED_DEFAULTS = ForwardSettings(padding_free=False)  # the sharded forward runs padded
+
+
 def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int,
-                   group=None, temperature: float = 1.0, pad_token_id: int = 0, chunk_size: int = 1024,
-                   mlp_tile_tokens: int = 0) -> ShardedScores:
+                   group=None, settings: ForwardSettings = _UNSHARDED_DEFAULTS, pad_token_id: int = 0
+                   ) -> ShardedScores:
     """Log-probs and entropies `[B, T]` of the last `completion_length` tokens of `input_ids` `[B, S+T]`
     (left-padded prompts, right-padded completions), the forward split along positions over `group` with Ulysses
     attention (`install` first). Every process of the group must call it with the same rows; each gets the same
@@ -203,8 +207,10 @@ def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     time) as the unsharded forward's are: `[B, W / sp, V]` float32 logits, their softmax and its product would be
     three times 4.9 GB at 8k positions of a 152k vocabulary. A model whose logits are not its head's output is
     scored from its own logits, chunk by chunk, when every process of the group finds so (a second forward: each
-    forward is a collective under Ulysses, so the group takes one path). `mlp_tile_tokens`: each decoder layer's MLP
-    computes that many of the slice's positions at a time (`modeling.tiling`, as ALST pairs Ulysses with TiledMLP)."""
+    forward is a collective under Ulysses, so the group takes one path). `settings`: the training forward's options
+    (temperature, chunk size, the tied lookup; `mlp_tile_tokens`: each decoder layer's MLP computes that many of the
+    slice's positions at a time, as ALST pairs Ulysses with TiledMLP), installed by `forwards.installed` as on the
+    unsharded paths."""
     rank, size = torch_dist.get_rank(group), torch_dist.get_world_size(group)
     shard = SequenceShard.of(input_ids, attention_mask, input_ids.shape[1] - completion_length, rank, size,
                              pad_token_id)
@@ -213,9 +219,9 @@ def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     inputs = {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "use_cache": False}
     lm = causal_lm(model)
     labels = shard.labels.reshape(-1)  # [B * W / sp]
-    with tied_lookup(lm):  # open until the head has scored: it hands its gradient to the lookup
-        with tiling.tiled_layers(lm, mlp_tile_tokens):
-            out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
+    temperature, chunk_size = settings.temperature, settings.chunk_size
+    with installed(lm, settings):  # open until the head has scored: the tied lookup takes its gradient
+        out = model(**inputs, logits_to_keep=1, output_hidden_states=True)
         head = logprobs.scoring_head(model, out, chunk_size)
         agreed = _all_agree(head is not None, group, input_ids.device)
         if agreed:
@@ -224,7 +230,7 @@ def sharded_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
                                         with_entropy=True)[:2]
     if not agreed:
         del out
-        with tiling.tiled_layers(lm, mlp_tile_tokens):
+        with installed(lm, dataclasses.replace(settings, tied_lookup=False)):  # the model's own logits: no head
             logits = model(**inputs).logits  # [B, W / sp, V]
         logps, entropy = logprobs.logits_scores(logits.reshape(-1, logits.shape[-1]), labels, temperature, chunk_size)
     logps, entropy = logps.view(shard.labels.shape), entropy.view(shard.labels.shape)  # [B, W / sp]

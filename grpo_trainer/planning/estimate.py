@@ -182,7 +182,7 @@ def tiling_saving_per_token(settings: PlanSettings, shape: ModelShape) -> int:
     which the norm keeps, and rebuilds its own per tile); and each of the 2 norms' normalised input where the norm's
     weight trains (it keeps its input alone). Under ZeRO-3 the partitioned norms are not tiled: the MLP keeps its
     input, the norms theirs."""
-    if not settings.mlp_tile_tokens:
+    if not settings.forward.mlp_tile_tokens:
         return 0
     r = _residual_bytes(settings)
     if settings.zero_stage == 3:
@@ -194,9 +194,9 @@ def tiled_mlp_transient(settings: PlanSettings, shape: ModelShape, rows: int) ->
     """The tiled MLP's backward at one layer: one tile's MLP recomputed with its graph (at most `mlp_tile_tokens`
     of the micro-batch's tokens), and the sums of its trained weights' gradients over tiles (full training: gate,
     up and down, 3 x E x I; an adapter's are small and not counted) before autograd accumulates them."""
-    if not settings.mlp_tile_tokens:
+    if not settings.forward.mlp_tile_tokens:
         return 0
-    tile = min(settings.mlp_tile_tokens, rows * settings.forward_length)
+    tile = min(settings.forward.mlp_tile_tokens, rows * settings.forward_length)
     sums = 0 if shape.adapter_parameters else 3 * shape.hidden * shape.intermediate * _grad_element_bytes(settings,
                                                                                                           shape)
     return tile * _mlp_inputs_bytes(settings, shape) + sums
@@ -229,7 +229,7 @@ def _layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int) -> int:
     """One decoder layer's saved tensors for `rows` rows, with autocast's low-precision weight copies."""
     weight_copies = shape.layer_parameters * settings.compute_bytes if settings.mixed_precision else 0
     per_token = activation_bytes_per_token(settings, shape) - tiling_saving_per_token(settings, shape) \
-        - _attention_bytes_per_token(settings, shape) * settings.recompute_attention
+        - _attention_bytes_per_token(settings, shape) * settings.forward.recompute_attention
     return rows * (settings.forward_length * per_token + _mask_bytes_per_row(settings)) + weight_copies
 
 
@@ -256,8 +256,8 @@ def _no_grad_layer_bytes(settings: PlanSettings, shape: ModelShape, rows: int, t
     a log-prob forward with the sequence-tiled MLP, whose gate, up and product exist for one tile at a time."""
     E, ffn, HD = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
     mlp_tokens = rows * tokens
-    if tiled and settings.mlp_tile_tokens:
-        mlp_tokens = min(mlp_tokens, settings.mlp_tile_tokens)
+    if tiled and settings.forward.mlp_tile_tokens:
+        mlp_tokens = min(mlp_tokens, settings.forward.mlp_tile_tokens)
     return settings.compute_bytes * (rows * tokens * (4 * E + 3 * HD) + mlp_tokens * 3 * ffn)
 
 
@@ -275,7 +275,7 @@ def _autocast_copies(settings: PlanSettings, shape: ModelShape, layers_saved: bo
 
 def _chunk_rows(settings: PlanSettings, shape: ModelShape) -> int:
     """Rows of one LM-head chunk (`modeling.logprobs.chunk_rows`), at most a micro-batch's completion tokens."""
-    return min(chunk_rows(settings.logprob_chunk_size, shape.vocab), settings.micro_batch * settings.completion_length)
+    return min(chunk_rows(settings.forward.chunk_size, shape.vocab), settings.micro_batch * settings.completion_length)
 
 
 def _chunk_bytes(settings: PlanSettings, shape: ModelShape) -> int:
@@ -393,19 +393,19 @@ def _saved_activations(s: PlanSettings, m: ModelShape) -> _Saved:
     layer_input = rows * N * m.hidden * r
     ends = 2 * layer_input  # the final norm's input (the last layer's output) and output (the LM head's input)
     tiles = tiled_mlp_transient(s, m, rows)  # a tile of the MLP recomputed in the backward (0 untiled)
-    if not s.mlp_tile_tokens:  # the untiled MLP's backward: an intermediate's gradient `[rows, N, I]` beside them
+    if not s.forward.mlp_tile_tokens:  # the untiled MLP's backward: an intermediate's gradient `[rows, N, I]`
         tiles = rows * N * m.intermediate * s.compute_bytes
     # recompute_attention: one attention block rebuilt in its backward, beside the input it read (a norm's output),
     # one row at a time (`modeling.tiling`, decision 7) but in flash-attention's one packed row of every sequence
     at_once = rows if s.packs and s.varlen_attention else 1
-    attention = N * (at_once * _attention_bytes_per_token(s, m) + rows * m.hidden * r) if s.recompute_attention \
-        else 0
+    attention = N * (at_once * _attention_bytes_per_token(s, m) + rows * m.hidden * r) \
+        if s.forward.recompute_attention else 0
     if s.checkpointing:
         # the recomputed layer's first norm reads the layer's input, which the checkpoint keeps: counted once
         return _Saved(layer_input * m.layers + ends, max(_layer_bytes(s, m, rows) - layer_input + tiles, attention),
                       f"each layer's input, {rows} rows x {N} tokens (checkpointing)", ends, layer_input)
     per_token = activation_bytes_per_token(s, m) - tiling_saving_per_token(s, m) \
-        - _attention_bytes_per_token(s, m) * s.recompute_attention
+        - _attention_bytes_per_token(s, m) * s.forward.recompute_attention
     return _Saved(m.layers * _layer_bytes(s, m, rows) + ends, max(tiles, attention),
                   f"{per_token} B per token and layer, {rows} rows x {N} tokens", ends, 0)
 
@@ -421,7 +421,7 @@ def offload_stash(s: PlanSettings, m: ModelShape, saved: int) -> tuple[int, int]
     layer's input `[rows, N, E]`; without it the largest is an MLP intermediate `[rows, N, I]` (tiled: not saved)."""
     rows, N = s.micro_batch, s.forward_length
     widest = m.hidden * _residual_bytes(s)
-    if not s.checkpointing and not s.mlp_tile_tokens:
+    if not s.checkpointing and not s.forward.mlp_tile_tokens:
         widest = max(widest, m.intermediate * s.compute_bytes)
     return min(OFFLOAD_STASH * rows * N * widest, saved), min(2 * rows * N * widest, saved)
 
@@ -462,7 +462,8 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
     bs_head = head_moment >= recompute - ends  # the final norm's tensors are gone by the last layer's recomputation
     grad_hidden = 2 * s.micro_batch * s.forward_length * m.hidden * _residual_bytes(s)
     tied, tied_note = 0, ""
-    if m.tied_head and not m.adapter_parameters and m.plain_lookup and not s.shards_weights:
+    if m.tied_head and not m.adapter_parameters and m.plain_lookup and s.forward.tied_lookup \
+            and not s.shards_weights:
         # `modeling.tied_embedding`: the lookup adds its rows into the head's gradient (their masked copy here)
         tied, tied_note = grad_hidden // 2, "the lookup's rows' gradient, added into the head's (tied)"
     elif m.tied_head and not m.adapter_parameters:
@@ -475,7 +476,7 @@ def _backward(b: _Builder, s: PlanSettings, m: ModelShape, case: _Case, replay: 
                         _BE: full, _O: full},
           f"{m.trainable / 1e6:.1f}M x {element} B" + (f", 1/{s.processes} (sharded)" if s.shards_gradients
                                                         and s.processes > 1 else "") + "; the LM head's first")
-    if s.activation_offloading and s.device == "cuda":
+    if s.forward.activation_offloading and s.device == "cuda":
         b.add("activations", {_F: saved, _BS: saved}, note + "; offloaded (activation_offloading)", host=True)
         forward_stash, backward_stash = offload_stash(s, m, saved)
         b.add("offloading stash", {_F: forward_stash, _BS: backward_stash, _BE: backward_stash},

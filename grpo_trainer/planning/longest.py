@@ -12,14 +12,12 @@ Decisions:
    decreases with T), the plan is monotone within each, and the search runs per segment, longest first.
    tests/planning/test_longest.py sweeps T across the segments of several set-ups and checks both claims; the
    search itself checks that its answer fits and the next length does not.
-2. "Settings that reach longer" are the levers of the plan's T-dependent terms, each tried alone and all together:
-   activation checkpointing (one layer's activations instead of every layer's), smaller micro-batches with the
-   same global batch (only where the split is exact, `fit.split_is_exact`; rows scale every T term), the
-   sequence-tiled MLP (`mlp_tile_tokens`: a layer's `[N, I]` intermediates for one tile at a time), the recomputed
-   attention (`recompute_attention`: its queries, keys, values and output not kept, but sequence parallelism), on a GPU
-   activation offloading (`activation_offloading`: the saved tensors in host memory), smaller LM-head
-   chunks (`logprob_chunk_size`: the float32 `[rows, V]` logits), and LoRA (no full gradients and optimizer
-   state: more room for activations; trains other parameters, so it is marked as a different objective).
+2. "Settings that reach longer" are the levers of `planning.levers` marked `longest`, each pulled alone at its
+   strongest (activation checkpointing, micro-batches of one row with the same global batch where the split is
+   exact, the sequence-tiled MLP, the recomputed attention, activation offloading on a GPU, smaller LM-head chunks)
+   and all together, where the levers' rules allow them (`levers.allowed`: on CUDA only what has run on a GPU, under a
+   launch only what a launched test trained); and LoRA (no full gradients and optimizer state: more room for
+   activations; trains other parameters, so it is marked as a different objective).
 3. The search stops at `MAX_COMPLETION_SEARCH` tokens: a longer answer is reported as "at least" that. The plan
    knows nothing of the model's context length (`max_position_embeddings`); the CLI says when the answer passes it.
 """
@@ -30,15 +28,13 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from grpo_trainer.planning import levers
 from grpo_trainer.planning.estimate import MemoryPlan, _replay_bytes, plan_memory
 from grpo_trainer.planning.settings import DeviceMemory, ModelShape, PlanSettings
 
-__all__ = ["LONGER_CHUNK_SIZE", "LONGER_MLP_TILE", "MAX_COMPLETION_SEARCH", "Longest", "longer_settings",
-           "longest_completion"]
+__all__ = ["MAX_COMPLETION_SEARCH", "Longest", "longer_settings", "longest_completion"]
 
 MAX_COMPLETION_SEARCH = 1 << 22  # 4,194,304 tokens: the search's upper end (decision 3)
-LONGER_CHUNK_SIZE = 64  # the smaller LM-head chunk tried (decision 2): 64 x 151,936 float32 logits are 37 MiB
-LONGER_MLP_TILE = 1024  # the sequence-tiled MLP's tile tried (decision 2): 1,024 x 3 x 4,864 float32 is 57 MiB
 
 
 @dataclass(frozen=True)
@@ -111,35 +107,13 @@ def longest_completion(settings: PlanSettings, shape: ModelShape, device: Device
 
 def _levers(settings: PlanSettings, split_exact: bool) -> list[tuple[dict, PlanSettings]]:
     """(GRPOConfig changes, settings) for each lever of decision 2 that changes something, then all together."""
-    levers = []
-    if not settings.checkpointing:
-        levers.append(({"gradient_checkpointing": True}, dataclasses.replace(settings, checkpointing=True)))
-    if split_exact and settings.micro_batch > 1:
-        k = settings.micro_batch
-        steps, rounds = settings.accumulation_steps * k, settings.steps_per_generation * k
-        levers.append(({"per_device_train_batch_size": 1, "gradient_accumulation_steps": steps,
-                        "steps_per_generation": rounds},
-                       dataclasses.replace(settings, micro_batch=1, accumulation_steps=steps,
-                                           steps_per_generation=rounds)))
-    if not settings.mlp_tile_tokens:
-        levers.append(({"mlp_tile_tokens": LONGER_MLP_TILE},
-                       dataclasses.replace(settings, mlp_tile_tokens=LONGER_MLP_TILE)))
-    if not settings.recompute_attention and settings.sequence_parallel == 1:
-        levers.append(({"recompute_attention": True}, dataclasses.replace(settings, recompute_attention=True)))
-    if settings.device == "cuda" and not settings.activation_offloading:
-        levers.append(({"activation_offloading": True}, dataclasses.replace(settings, activation_offloading=True)))
-    if settings.logprob_chunk_size > LONGER_CHUNK_SIZE:
-        levers.append(({"logprob_chunk_size": LONGER_CHUNK_SIZE},
-                       dataclasses.replace(settings, logprob_chunk_size=LONGER_CHUNK_SIZE)))
-    if len(levers) > 1:
-        combined, changes = settings, {}
-        for lever_changes, lever in levers:
-            changes.update(lever_changes)
-            combined = dataclasses.replace(combined, **{f.name: getattr(lever, f.name)
-                                                        for f in dataclasses.fields(lever)
-                                                        if getattr(lever, f.name) != getattr(settings, f.name)})
-        levers.append((changes, combined))
-    return levers
+    pulls = [pulled[-1] for lever in levers.LEVERS if lever.longest and levers.allowed(lever, settings)
+             for pulled in [lever.pulls(settings, split_exact)] if pulled]
+    found = [(levers.config_changes(pull), levers.apply(settings, pull)) for pull in pulls]
+    if len(pulls) > 1:
+        together = {k: v for pull in pulls for k, v in pull.items()}
+        found.append((levers.config_changes(together), levers.apply(settings, together)))
+    return found
 
 
 def longer_settings(settings: PlanSettings, shape: ModelShape, device: DeviceMemory, split_exact: bool,

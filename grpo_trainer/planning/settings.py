@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from grpo_trainer.modeling.forwards import ForwardSettings
 from grpo_trainer.rollout.backend import MemoryProfile, memory_profile
 from grpo_trainer.rollout.settings import BackendChoice
 
@@ -100,7 +102,9 @@ class PlanSettings:
     optimizer: str = "adamw_torch_fused"  # TrainingArguments.optim
     sgd_momentum: float = 0.0
     max_grad_norm: float = 1.0
-    logprob_chunk_size: int = 1024
+    # the training forward's options, the scorer's own object (`config.settings.forward_settings`): packing, LM-head
+    # chunks, the sequence tiling, the recomputed attention, the tied lookup, activation offloading
+    forward: ForwardSettings = ForwardSettings(padding_free=False)
     temperature_matches: bool = True  # sampling temperature == loss temperature (rollout values are the loss's)
     entropy_gradient: bool = False  # the loss differentiates the entropy (an entropy bonus)
     # what the rollout backend holds here (`rollout.backend.memory_profile`, the runtime's own choice of backend)
@@ -120,17 +124,17 @@ class PlanSettings:
     gather_for_generation: bool = True  # ds3_gather_for_generation
     device_total_bytes: int = 0  # the GPU's memory (an engine's pool is a fraction of it); 0 when unknown
     heap_held: bool = True  # CPU: glibc's heap held to the live tensors (`runtime.host_memory`)
-    mlp_tile_tokens: int = 0  # the sequence-tiled MLP's tile (`modeling.tiling`); 0: off
-    recompute_attention: bool = False  # each attention block under its own checkpoint (`modeling.tiling`)
-    activation_offloading: bool = False  # the loss forward's saved tensors in host memory (GPU; TRL's manager)
     routing_replay: bool = False  # a MoE model's rounds carry their routes (`routing_replay`, in-process rollouts)
     rounds: RoundsHeld = RoundsHeld()  # the round source's (`async_rollouts`)
-    packed: bool = False  # `padding_free`: the loss and scoring forwards packed (`modeling.packing`)
     varlen_attention: bool = False  # flash-attention: attention per sequence, no [W, W] mask (`modeling.forwards`)
     resample_rounds: int = 0  # `zero_variance_groups='resample'`: `max_resample_rounds` extra rounds at most
     # parallelism_config's sp_size: the loss, old and reference forwards hold 1/sp of each row's positions, one
     # process's micro-batch at a time (ALST's loop, `trainer.sequence_group`), unmasked (Ulysses attention)
     sequence_parallel: int = 1
+
+    def with_forward(self, **options) -> PlanSettings:
+        """These settings with some of the forward's options changed."""
+        return dataclasses.replace(self, forward=dataclasses.replace(self.forward, **options))
 
     @property
     def sequence_length(self) -> int:
@@ -177,7 +181,7 @@ class PlanSettings:
     def packs(self) -> bool:
         """The log-prob forwards run packed: `padding_free`, but not under ZeRO-3 / FSDP, which score padded by rule
         (`modeling.forwards`: the LM head runs inside the forward)."""
-        return self.packed and not self.shards_weights
+        return self.forward.padding_free and not self.shards_weights
 
     @property
     def shards_gradients(self) -> bool:

@@ -110,6 +110,7 @@ class GRPOTrainer(Trainer):
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
         check_config(args)  # again: scripts set fields after building the config
         setup.check_device(args)
+        setup.note_held_back(args)
         for message in advisories(args):
             logger.warning(message)
         reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \

@@ -13,7 +13,8 @@ Decisions:
    and the settings that fit (`planning.fit`); with `auto_find_batch_size=True` it applies the first of them to
    `args` instead and logs it. The Trainer's own `auto_find_batch_size` (retrying smaller batches after an
    out-of-memory error) is then turned off: it would change the micro-batch without the generation round.
-   `memory_check='warn'` only logs, `'off'` skips the plan.
+   `memory_check='warn'` only logs, `'off'` skips the plan; `'auto'` is `'error'` where the planner's figures were
+   checked on the device kind at the planner's current code, else `'warn'` (`planning.levers`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 from grpo_trainer import planning
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import check_config
-from grpo_trainer.config.settings import backend_choice
+from grpo_trainer.config.settings import backend_choice, forward_settings, memory_verdict
 from grpo_trainer.data.images import row_prompts
 from grpo_trainer.modeling.forwards import is_varlen
 from grpo_trainer.planning.static_decode import with_static_decode
@@ -124,16 +125,13 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         checkpointing=bool(args.gradient_checkpointing), beta=args.beta, quantization=quantization,
         optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
-        logprob_chunk_size=args.logprob_chunk_size, mlp_tile_tokens=args.mlp_tile_tokens,
-        recompute_attention=args.recompute_attention,
-        activation_offloading=args.activation_offloading,
-        routing_replay=args.routing_replay != "off" and rollout.in_process,
+        forward=forward_settings(args, device), routing_replay=args.routing_replay != "off" and rollout.in_process,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
         entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=rollout,
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
         device_total_bytes=device_total_bytes, heap_held=device != "cpu" or host_memory.would_hold(),
-        rounds=source_type(args).held(args), packed=args.padding_free,
+        rounds=source_type(args).held(args),
         varlen_attention=is_varlen(attention),
         resample_rounds=args.max_resample_rounds if args.zero_variance_groups == "resample" else 0,
         sequence_parallel=getattr(args.parallelism_config, "sp_size", None) or 1, **_distribution(args))
@@ -281,7 +279,8 @@ def check_memory(model: str | nn.Module, args: GRPOConfig, train_dataset: Any, p
                  peft_config: Any = None, quantization_config: Any = None) -> None:
     """The trainer's check before loading weights (decision 3)."""
     auto, args.auto_find_batch_size = args.auto_find_batch_size, False  # decision 3: the Trainer's retry is off
-    if args.memory_check == "off" or _device(args) is None:
+    verdict = memory_verdict(args, _device(args) or "cpu")
+    if verdict == "off" or _device(args) is None:
         return
     run = plan_run(model, args, train_dataset, processing_class, peft_config, quantization_config)
     plan, device = run.plan, run.device
@@ -301,7 +300,7 @@ def check_memory(model: str | nn.Module, args: GRPOConfig, train_dataset: Any, p
         return
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.world_size)
     message = planning.over_budget_message(plan, device, fits, global_batch)
-    if args.memory_check == "warn":
+    if verdict == "warn":
         logger.warning(message)
         return
     raise MemoryPlanError(message)

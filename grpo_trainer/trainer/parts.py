@@ -39,11 +39,9 @@ __all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "
 
 def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
     """The log-prob forwards (`trainer.scoring`)."""
-    settings = ScoringSettings(args.temperature, args.logprob_chunk_size, args.per_device_train_batch_size,
-                               args.beta, args.padding_free, args.pad_to_multiple_of,
+    settings = ScoringSettings(typed.forward_settings(args), args.per_device_train_batch_size, args.beta,
                                skip_zero_advantages=args.zero_variance_groups == "skip",
-                               truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask,
-                               mlp_tile_tokens=args.mlp_tile_tokens, recompute_attention=args.recompute_attention)
+                               truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
     return PolicyScorer(settings, schedule, ref_model)
 
 
@@ -149,7 +147,7 @@ def activation_offloading(args: GRPOConfig, model: nn.Module) -> contextlib.Abst
     tensors of the loss forward to pinned host memory on a side stream and back in the backward), or nothing. A
     context for the whole step, forward and backward, as TRL's SFT trainer uses it: its manager pairs each saved
     tensor's copy with its return, and leaving the context waits for both streams."""
-    if not args.activation_offloading:
+    if not typed.forward_settings(args).activation_offloading:
         return contextlib.nullcontext()
     from trl.models.activation_offloading import get_act_offloading_ctx_manager
 

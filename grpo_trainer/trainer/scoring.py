@@ -54,17 +54,14 @@ __all__ = ["PolicyLogProbs", "PolicyScorer", "ScoringSettings"]
 
 @dataclass(frozen=True)
 class ScoringSettings:
-    temperature: float = 1.0
-    chunk_size: int = 1024  # `logprob_chunk_size`: LM-head rows projected at once
+    # the training forward's options (packing, LM-head chunks, temperature, tiling, ...): the one object the memory
+    # plan holds too (`config.settings.forward_settings`)
+    forward: forwards.ForwardSettings = forwards.ForwardSettings(padding_free=True)
     rows_per_forward: int = 8  # `per_device_train_batch_size`: rows per no-grad forward
     beta: float = 0.0
-    padding_free: bool = True  # packed forwards where the model allows (`modeling.forwards`)
-    pad_to_multiple_of: int | None = None  # packed rows' width rounded up to a multiple of this
     skip_zero_advantages: bool = False  # decision 3
     truncation: Truncation = Truncation()  # the sampler's (decision 4)
     keep_sampling_mask: bool = True  # decision 4
-    mlp_tile_tokens: int = 0  # `mlp_tile_tokens`: the sequence-tiled MLP (`modeling.tiling`); 0 off
-    recompute_attention: bool = False  # `recompute_attention` (`modeling.tiling`)
 
 
 class PolicyLogProbs(NamedTuple):
@@ -82,9 +79,7 @@ class PolicyScorer:
         self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
         self.sp_group = None  # a sequence-parallel group: the training forwards are sharded over it (`prepare`)
         self._shard_no_grad = False  # within `prepare` under a group: the no-grad forwards are sharded too
-        self.forward = forwards.ForwardSettings(settings.padding_free, settings.temperature, settings.chunk_size,
-                                                settings.pad_to_multiple_of, settings.mlp_tile_tokens,
-                                                settings.recompute_attention)
+        self.forward = settings.forward
 
     def support(self, part: Round, collect: bool = False) -> KeptSupport | None:
         """How a forward over the trimmed `part` scores under the sampler's truncation (decision 4); None without
@@ -109,8 +104,7 @@ class PolicyScorer:
         width = inputs.completion_ids.shape[1]
         if self.sp_group is not None and (self._shard_no_grad or policy and model.training):  # a slice each
             scores = sequence_parallel.sharded_scores(model, input_ids, attention_mask, width, self.sp_group,
-                                                      self.settings.temperature, chunk_size=self.settings.chunk_size,
-                                                      mlp_tile_tokens=self.settings.mlp_tile_tokens)
+                                                      self.forward)
             return LogProbs(scores.logps, scores.entropy)
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         known = inputs.sampler.stand_ins if policy else (None,) * 3

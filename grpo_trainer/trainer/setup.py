@@ -11,10 +11,13 @@ Decisions:
 3. A vision-language model's processor: the continuous-batching engine is refused (it takes no image inputs), and
    DDP looks for unused parameters unless set (a round without images leaves the vision tower without gradients;
    reentrant checkpointing cannot look, so it is left alone), as TRL does.
+4. On CUDA, the defaults this project holds back until they have run on a GPU (`planning.levers`) are named once per
+   process, when the first trainer is built there.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,17 +28,20 @@ from torch.utils.data import IterableDataset
 
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config.checks import LONG_COMPLETION_LEVERS
-from grpo_trainer.config.settings import reward_settings, turn_settings
+from grpo_trainer.config.settings import device_of, reward_settings, turn_settings
 from grpo_trainer.data.checks import check_dataset, check_enough_prompts, eval_datasets, prepare_for_streaming
 from grpo_trainer.modeling import unwrap
+from grpo_trainer.planning import levers
 from grpo_trainer.rewards import scoring as rewards
 from grpo_trainer.rewards.checks import as_processing_classes
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.runtime import models
 
+logger = logging.getLogger("grpo_trainer.trainer.grpo_trainer")
+
 __all__ = ["Policy", "build_policy", "build_reward_sources", "check_device", "check_inputs", "check_processor_setup",
-           "load_processing_class", "multi_turn_of"]
+           "load_processing_class", "multi_turn_of", "note_held_back"]
 
 
 def check_inputs(args: GRPOConfig, model: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
@@ -68,6 +74,18 @@ def check_device(args: GRPOConfig) -> None:
         raise ValueError("activation_offloading=True moves the backward's saved tensors from an accelerator to host "
                          "memory, and this run trains on CPU, where they already are; set "
                          f"activation_offloading=False (on CPU, longer completions fit with {LONG_COMPLETION_LEVERS}).")
+
+
+_NOTED: set[str] = set()  # the held-back notes this process has logged (decision 4: once)
+
+
+def note_held_back(args: GRPOConfig) -> None:
+    """Decision 4: on a device where some of this project's defaults are held back (`planning.levers`), say once
+    which and why."""
+    note = levers.held_back_note(device_of(args))
+    if note is not None and note not in _NOTED:
+        _NOTED.add(note)
+        logger.warning(note)
 
 
 def _indexable(dataset: Any) -> bool:

@@ -24,6 +24,7 @@ OURS_ONLY = {
     "recompute_attention": "each attention block checkpointed, for long completions (docs/MEMORY.md)",
     "activation_offloading": "saved activations in host memory on a GPU (TRL's SFT/DPO option and helper)",
     "padding_free": "packed log-prob forwards (TRL's SFT and DPO configs have the name; its GRPOConfig does not)",
+    "tied_embedding_lookup": "a tied embedding's lookup adds its rows into the LM head's gradient (docs/MEMORY.md)",
     "max_nonfinite_steps": "the non-finite-loss guard",
     "memory_check": "what a run whose memory plan exceeds the device does (docs/MEMORY.md)",
     "vllm_sync_check_interval": "how often the vLLM weight-sync self-check runs (docs/VLLM.md)",

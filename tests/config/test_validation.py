@@ -43,7 +43,7 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"reward_timeout": 0.0}, "reward_timeout must be > 0 seconds or None (got 0.0)"),
     ({"signal_grace_period": -1.0}, "signal_grace_period must be >= 0 seconds (got -1.0)"),
     ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model=True needs beta > 0"),
-    ({"memory_check": "maybe"}, "unknown memory_check 'maybe'; choose 'error', 'warn' or 'off'"),
+    ({"memory_check": "maybe"}, "unknown memory_check 'maybe'; choose 'auto', 'error', 'warn' or 'off'"),
     ({"vllm_mode": "remote"}, "unknown vllm_mode 'remote'; choose 'colocate' or 'server'"),
     ({"vllm_importance_sampling_mode": "token"}, "unknown vllm_importance_sampling_mode 'token'"),
     ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0},
@@ -53,7 +53,8 @@ BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=
     ({"loss_type": "vespo", "use_vllm": True}, "VESPO loss requires `vllm_importance_sampling_mode` to be either "
                                                "'token_truncate' or 'token_mask'. Got: sequence_mask."),
     ({"max_tool_calling_iterations": -1}, "max_tool_calling_iterations must be >= 0 or None"),
-    ({"padding_free": "yes"}, "padding_free must be True or False (got 'yes')"),
+    ({"padding_free": "yes"}, "padding_free must be True, False or None (got 'yes')"),
+    ({"tied_embedding_lookup": 1}, "tied_embedding_lookup must be True, False or None (got 1)"),
     ({"activation_offloading": "yes"}, "activation_offloading must be True or False (got 'yes')"),
     ({"recompute_attention": 1}, "recompute_attention must be True or False (got 1)"),
     ({"vllm_sync_check_interval": -1}, "vllm_sync_check_interval must be >= 0 (got -1); 0 turns the weight-sync"),

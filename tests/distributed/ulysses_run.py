@@ -27,6 +27,7 @@ from deepspeed_cpu import skip_shm_op_build  # beside this script, on sys.path w
 from teardown import leave_cleanly
 
 from grpo_trainer.modeling import logprobs
+from grpo_trainer.modeling.forwards import ForwardSettings
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.modeling.sequence_parallel import SequenceShard, deactivate, gather_positions, install, sharded_scores
 
@@ -132,8 +133,9 @@ def main() -> None:
             logprobs.scoring_head = lambda *args: None
         try:
             tile_calls.clear()
+            options = ForwardSettings(padding_free=False, chunk_size=chunk, mlp_tile_tokens=tile)
             scored = sharded_scores(model, grpo_ids[rows], grpo_mask[rows], 6, torch_dist.group.WORLD,
-                                    chunk_size=chunk, mlp_tile_tokens=tile).logps
+                                    options).logps
         finally:
             logprobs.scoring_head = original
         (scored * grpo_weights[rows]).sum().backward()

@@ -140,7 +140,7 @@ def test_the_padded_attention_mask_is_counted_only_where_a_padded_sdpa_forward_m
     name = "layer recomputation" if checkpointing else "activations"
     padded = dataclasses.replace(SETTINGS, checkpointing=checkpointing)
     base = item(plan_memory(padded, SHAPE), name)[where]
-    for other in (dataclasses.replace(padded, packed=True), dataclasses.replace(padded, varlen_attention=True)):
+    for other in (padded.with_forward(padding_free=True), dataclasses.replace(padded, varlen_attention=True)):
         assert item(plan_memory(other, SHAPE), name)[where] == base - layers * mask
 
 

@@ -4,7 +4,8 @@ micro-batches exactly."""
 import dataclasses
 
 from grpo_trainer.algorithms.losses import AGGREGATIONS, LOSS_TYPES
-from grpo_trainer.planning import SPLIT_EXACT, DeviceMemory, fitting, plan_memory, split_is_exact
+from grpo_trainer.planning import SPLIT_EXACT, DeviceMemory, fitting, levers, plan_memory, split_is_exact
+from tests.planning.gpu_evidence import ran_on_gpu_now
 from tests.planning.shapes import SETTINGS, SHAPE
 
 
@@ -23,7 +24,7 @@ def _budget_between(smaller, larger):
 def test_a_smaller_micro_batch_keeps_the_global_batch_and_the_round():
     # checkpointing and the tiling already on: a split is what is left
     settings = dataclasses.replace(SETTINGS, micro_batch=8, checkpointing=True, accumulation_steps=2,
-                                   steps_per_generation=2, completion_length=2000, mlp_tile_tokens=64)
+                                   steps_per_generation=2, completion_length=2000).with_forward(mlp_tile_tokens=64)
     full = plan_memory(settings, SHAPE)
     half = plan_memory(dataclasses.replace(settings, micro_batch=4, accumulation_steps=4, steps_per_generation=4),
                        SHAPE)
@@ -65,9 +66,10 @@ def test_the_tiled_mlp_is_proposed_where_only_it_fits():
     """One row per micro-batch (no split left), checkpointing and the recomputed attention on, 4,000 completion
     tokens: the tiled MLP keeps one tile of the recomputed layer's MLP, and only it fits between the two plans; it
     trains the same objective."""
-    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000, recompute_attention=True)
+    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000) \
+        .with_forward(recompute_attention=True)
     plain = plan_memory(settings, SHAPE)
-    tiled = plan_memory(dataclasses.replace(settings, mlp_tile_tokens=1024), SHAPE)
+    tiled = plan_memory(settings.with_forward(mlp_tile_tokens=1024), SHAPE)
     assert tiled.device_bytes < plain.device_bytes
     fits = fitting(settings, SHAPE, _budget_between(tiled, plain), split_exact=True)
     assert [f.changes for f in fits] == [{"mlp_tile_tokens": 1024}] and fits[0].same_objective
@@ -76,9 +78,9 @@ def test_the_tiled_mlp_is_proposed_where_only_it_fits():
 def test_the_recomputed_attention_is_proposed_where_it_fits_and_never_with_sequence_parallelism():
     """The tiled run of the test above, between its plan and the plan with the recomputed attention: that is the
     first fit (it trains the same objective); under sequence parallelism, where it is refused, no fit has it."""
-    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000, mlp_tile_tokens=1024)
+    settings = dataclasses.replace(SETTINGS, micro_batch=1, completion_length=4_000).with_forward(mlp_tile_tokens=1024)
     plain = plan_memory(settings, SHAPE)
-    recomputed = plan_memory(dataclasses.replace(settings, recompute_attention=True), SHAPE)
+    recomputed = plan_memory(settings.with_forward(recompute_attention=True), SHAPE)
     assert recomputed.device_bytes < plain.device_bytes
     fits = fitting(settings, SHAPE, _budget_between(recomputed, plain), split_exact=True)
     assert fits[0].changes == {"recompute_attention": True} and fits[0].same_objective
@@ -87,16 +89,21 @@ def test_the_recomputed_attention_is_proposed_where_it_fits_and_never_with_seque
                for f in fitting(sharded, SHAPE, DeviceMemory("cpu", 1 << 40, "test"), split_exact=True, limit=100))
 
 
-def test_on_a_gpu_activation_offloading_is_proposed_and_never_on_cpu():
-    """The same run on a GPU, between the tiled plan and the tiled and offloaded one: the first fit offloads (the
-    saved layer inputs leave the device); on CPU no fit offloads."""
-    settings = dataclasses.replace(SETTINGS, device="cuda", micro_batch=1, completion_length=4_000,
-                                   mlp_tile_tokens=1024, recompute_attention=True)
+def test_on_a_gpu_activation_offloading_is_proposed_once_it_ran_there_and_never_on_cpu(monkeypatch):
+    """The same run on a GPU, between the tiled plan and the tiled and offloaded one. While offloading has not run on
+    a GPU at its current code (`planning.levers`, decision 1) no fit offloads; with evidence that it did, the first
+    fit offloads (the saved layer inputs leave the device). On CPU no fit offloads."""
+    settings = dataclasses.replace(SETTINGS, device="cuda", micro_batch=1, completion_length=4_000) \
+        .with_forward(mlp_tile_tokens=1024, recompute_attention=True)
     shape = dataclasses.replace(SHAPE, layers=16)  # many layers: their inputs are the largest term
     tiled = plan_memory(settings, shape)
-    offloaded = plan_memory(dataclasses.replace(settings, activation_offloading=True), shape)
+    offloaded = plan_memory(settings.with_forward(activation_offloading=True), shape)
     assert offloaded.device_bytes < tiled.device_bytes
     budget = DeviceMemory("cuda", (offloaded.device_bytes + tiled.device_bytes) // 2, "test")
+    assert all("activation_offloading" not in f.changes for f in fitting(settings, shape, budget, split_exact=True,
+                                                                       limit=100))
+    offloading = levers.OPTIONS["activation_offloading"]
+    monkeypatch.setitem(levers.OPTIONS, "activation_offloading", ran_on_gpu_now(offloading))
     assert fitting(settings, shape, budget, split_exact=True)[0].changes == {"activation_offloading": True}
     on_cpu = dataclasses.replace(settings, device="cpu")
     assert all("activation_offloading" not in f.changes

@@ -112,10 +112,11 @@ def test_settings_that_reach_longer_are_the_planners_lengths_for_them():
     assert together.changes == {"gradient_checkpointing": True, "per_device_train_batch_size": 1,
                                 "gradient_accumulation_steps": 4, "steps_per_generation": 4, "mlp_tile_tokens": 1024,
                                 "recompute_attention": True, "logprob_chunk_size": 64}
-    assert together.completion_length == longest_completion(together_settings := dataclasses.replace(
-        settings, checkpointing=True, micro_batch=1, accumulation_steps=4, steps_per_generation=4,
-        mlp_tile_tokens=1024, recompute_attention=True, logprob_chunk_size=64), PROXY, device).completion_length
-    assert together_settings.logprob_chunk_size == 64
+    together_settings = dataclasses.replace(settings, checkpointing=True, micro_batch=1, accumulation_steps=4,
+                                            steps_per_generation=4)
+    together_settings = together_settings.with_forward(mlp_tile_tokens=1024, recompute_attention=True, chunk_size=64)
+    assert together.completion_length == longest_completion(together_settings, PROXY, device).completion_length
+    assert together_settings.forward.chunk_size == 64
     assert all(f.completion_length > base for f in longer)
     assert [f.completion_length for f in longer] == sorted(f.completion_length for f in longer)
     with_lora = [f for f in longer if not f.same_objective]

@@ -102,13 +102,13 @@ def test_the_packed_mask_bound_holds_for_the_packers_own_layouts():
 def test_a_packed_forward_with_dense_masks(checkpointing):
     """A bool mask of 3,208 elements (1 B) per forward, and SDPA's float32 bias (4 B) per layer call: kept for the
     backward by one layer with checkpointing, by both of the 2 layers without."""
-    packed = dataclasses.replace(SETTINGS, packed=True, checkpointing=checkpointing)
+    packed = dataclasses.replace(SETTINGS, checkpointing=checkpointing).with_forward(padding_free=True)
     mask, bias = 3_208, 3_208 * 4
     kept = 1 if checkpointing else 2
     assert item(plan_memory(packed, SHAPE), "packed attention mask") == {
         "rollout": 0, "scoring": mask + bias, "loss forward": mask + kept * bias, "backward start": mask + kept * bias,
         "backward end": mask + bias, "optimizer step": 0}
-    padded = plan_memory(dataclasses.replace(packed, packed=False), SHAPE)
+    padded = plan_memory(packed.with_forward(padding_free=False), SHAPE)
     assert item(padded, "packed attention mask") is None
     varlen = plan_memory(dataclasses.replace(packed, varlen_attention=True), SHAPE)  # flash-attention: no mask
     assert item(varlen, "packed attention mask") is None
@@ -119,7 +119,7 @@ def test_a_packed_forward_with_dense_masks(checkpointing):
     for sharded in ({"zero_stage": 3}, {"fsdp": True}):
         two = dataclasses.replace(packed, processes=2, processes_per_node=2, **sharded)
         assert item(plan_memory(two, SHAPE), "packed attention mask") is None
-        assert plan_memory(two, SHAPE).totals() == plan_memory(dataclasses.replace(two, packed=False), SHAPE).totals()
+        assert plan_memory(two, SHAPE).totals() == plan_memory(two.with_forward(padding_free=False), SHAPE).totals()
     assert plan_memory(packed, SHAPE).peak_bytes > padded.peak_bytes
 
 
@@ -132,10 +132,10 @@ def test_the_config_reaches_the_new_terms(tmp_path):
         return memory.plan_settings(args, prompt_length=8)
 
     default = settings()
-    assert (default.rounds, default.packed, default.varlen_attention, default.resample_rounds) == \
+    assert (default.rounds, default.forward.padding_free, default.varlen_attention, default.resample_rounds) == \
         (RoundsHeld(), True, False, 0)  # padding_free is on by default, under SDPA
     assert settings(async_rollouts=2).rounds == AHEAD_2
-    assert not settings(padding_free=False).packed
+    assert not settings(padding_free=False).forward.padding_free
     assert settings(zero_variance_groups="resample", max_resample_rounds=3).resample_rounds == 3
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     assert memory.plan_settings(args, prompt_length=8, attention="flash_attention_2").varlen_attention
@@ -143,7 +143,8 @@ def test_the_config_reaches_the_new_terms(tmp_path):
 
 def test_the_printed_plan_names_them():
     # (config.checks refuses resampling with rounds sampled ahead: two runs)
-    text = format_plan(plan_memory(dataclasses.replace(GENERATE, rounds=AHEAD_2, packed=True), SHAPE)) \
+    ahead = dataclasses.replace(GENERATE, rounds=AHEAD_2).with_forward(padding_free=True)
+    text = format_plan(plan_memory(ahead, SHAPE)) \
         + format_plan(plan_memory(dataclasses.replace(GENERATE, resample_rounds=3), SHAPE))
     for words in ("rounds held ahead", "resampled rounds", "packed attention mask", "2 round(s) sampled ahead",
                   "packed (dense masks)", "up to 3 resampled round(s)", "rollout: in the process (a growing cache)"):

@@ -13,7 +13,7 @@ import dataclasses
 from grpo_trainer.planning import estimate, plan_memory
 from tests.planning.shapes import SETTINGS, SHAPE, rollout
 
-TILED = dataclasses.replace(SETTINGS, mlp_tile_tokens=8)
+TILED = SETTINGS.with_forward(mlp_tile_tokens=8)
 
 
 def test_the_saving_and_the_transient_by_hand():
@@ -28,7 +28,7 @@ def test_the_saving_and_the_transient_by_hand():
     lora = dataclasses.replace(SHAPE, adapter_parameters=1_000)  # adapter gradients are not counted
     assert estimate.tiled_mlp_transient(TILED, lora, rows=4) == 8 * 2_304
     # a tile larger than the micro-batch holds the micro-batch: 64 tokens
-    assert estimate.tiled_mlp_transient(dataclasses.replace(SETTINGS, mlp_tile_tokens=1000), SHAPE, 4) \
+    assert estimate.tiled_mlp_transient(SETTINGS.with_forward(mlp_tile_tokens=1000), SHAPE, 4) \
         == 64 * 2_304 + 98_304
 
 
@@ -46,7 +46,7 @@ def test_without_checkpointing_every_layer_keeps_less():
     intermediate gradient (32,768 B)."""
     plain = dataclasses.replace(SETTINGS, checkpointing=False)
     saved, recompute, *_ = estimate._saved_activations(plain, SHAPE)
-    tiled_saved, tiled_recompute, *_ = estimate._saved_activations(dataclasses.replace(plain, mlp_tile_tokens=8),
+    tiled_saved, tiled_recompute, *_ = estimate._saved_activations(plain.with_forward(mlp_tile_tokens=8),
                                                                     SHAPE)
     assert saved - tiled_saved == 2 * 180_224 and recompute == 32_768 and tiled_recompute == 116_736
 
@@ -70,7 +70,7 @@ def test_recomputed_attention_by_hand():
     64 x 256 = 33,024 B) is smaller than the rest of the layer. Without checkpointing each of the 2 layers keeps
     66,560 B less, and the backward rebuilds one row's attention: 33,024 B, more than the MLP backward's
     intermediate gradient (64 x 128 x 4 B = 32,768 B)."""
-    on = dataclasses.replace(SETTINGS, recompute_attention=True)
+    on = SETTINGS.with_forward(recompute_attention=True)
     assert SHAPE.output_input_kept
     saved, recompute, *_ = estimate._saved_activations(SETTINGS, SHAPE)
     on_saved, on_recompute, *_ = estimate._saved_activations(on, SHAPE)
