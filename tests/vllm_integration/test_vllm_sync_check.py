@@ -113,3 +113,32 @@ def test_a_skipped_push_to_a_server_is_caught(tmp_path, tokenizer, served_model,
                                               r"values differ from the policy's"):
         trainer.train()
     # the server keeps step 1's weights; the next test session pushes its own
+
+
+def test_with_async_rollouts_the_check_runs_after_each_push_on_the_main_thread(tmp_path, tokenizer):
+    """Rounds sampled on the producer thread (`rollout.vllm.backend`, decision 6): every push after the first round
+    is checked on the main thread, on that round's rows, and passes."""
+    trainer = _trainer(tmp_path, tokenizer, max_steps=3, async_rollouts=1)
+    trainer.train()
+    schedule = trainer.rollout_backend.schedule
+    assert schedule.pushes == 3 and schedule.checks == 2  # pushes 2 and 3: the first comes before any round
+    assert all(tokens > 0 and gap < 1e-5 for gap, tokens in schedule.gaps), schedule.gaps
+
+
+def test_with_async_rollouts_a_skipped_push_is_caught(tmp_path, tokenizer, monkeypatch):
+    pushes = []
+    load = colocate.ColocateEngine.load_weights
+
+    def second_push_lost(self, weights):
+        pushes.append(1)
+        if len(pushes) == 2:
+            for _ in weights:  # consumed, never loaded
+                pass
+            return []
+        return load(self, weights)
+
+    monkeypatch.setattr(colocate.ColocateEngine, "load_weights", second_push_lost)
+    trainer = _trainer(tmp_path, tokenizer, max_steps=3, async_rollouts=1)
+    with pytest.raises(WeightSyncError, match=r"after weight push 2 \(optimizer step 1\)"):
+        trainer.train()
+    assert trainer.state.global_step == 1

@@ -19,7 +19,11 @@ Decisions:
 5. Engine settings follow TRL: `max_num_seqs` = per_device_train_batch_size x vllm_tensor_parallel_size x
    steps_per_generation; on CPU the KV cache holds that many sequences of the longest expected prompt plus
    `max_completion_length` (and at least one `vllm_max_model_length` sequence).
-6. The weight-sync check (`sync_check`) runs on the first rollout sampled after a scheduled push.
+6. The weight-sync check (`sync_check`) runs on the first rollout sampled after a scheduled push. Where rounds are
+   sampled on a producer thread (`async_rollouts`), the check cannot run there (it runs a trainer forward and
+   collectives while the optimizer moves the weights): it runs on the main thread right after the scheduled push,
+   which happens with no job in flight, on rows of the last round the engine sampled (any tokens probe the weights:
+   both sides score them at the weights just pushed).
 7. Images, as TRL sends them: each image row goes to vLLM as its prompt with the image placeholders unexpanded
    (`multimodal.unexpanded_ids`) and its images, and the prompt vLLM expands must be the trainer's
    (`sampling.check_engine_prompts`). A family whose expansion cannot be undone falls back to `model.generate`
@@ -73,6 +77,8 @@ class VLLMBackend(RolloutBackend):
         self._engine_ids: tuple[PromptBatch, dict[int, list[int]]] | None = None  # decision 7, per prompt batch
         self.loaded: int | None = None
         self.schedule = sync_check.SyncSchedule(settings.sync_check_interval)
+        self._check_at_push = False  # decision 6: rounds sampled off the main thread
+        self._probe: tuple[PromptBatch, Rollout] | None = None  # the last rollout, for a check at the next push
         if self.mode == "server":
             from grpo_trainer.rollout.vllm.server import ServerClient, server_url
 
@@ -172,12 +178,8 @@ class VLLMBackend(RolloutBackend):
         self.engine = ColocateEngine(model, processing_class, settings)
 
     def sample_off_main_thread(self) -> None:
-        """The weight-sync check runs a trainer forward and collectives where the engine samples; in a producer
-        thread, while the optimizer moves the weights, it would compare other weights (docs): it is off there."""
-        if self.schedule.interval:
-            logger.info("vllm_sync_check_interval has no effect with async_rollouts: the weight-sync check runs "
-                        "where the engine samples, in the producer thread, while the optimizer moves the weights.")
-        self.schedule = sync_check.SyncSchedule(0)
+        """Decision 6: the weight-sync check moves to the main thread, after each scheduled push."""
+        self._check_at_push = True
 
     def sync_weights(self, model: nn.Module, version: int) -> None:
         asleep = self.engine is not None and self.engine.weights_asleep
@@ -191,6 +193,8 @@ class VLLMBackend(RolloutBackend):
             unreached = self._shared(self.weights.push(model))
         self.loaded, self.policy = version, model
         self.schedule.pushed(unreached)
+        if self._check_at_push and self.schedule.due and self._probe is not None:  # decision 6
+            self._run_check(model, *self._probe)
 
     def generate(self, model: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                  capture: Capture = KEEP_NOTHING) -> Rollout:
@@ -209,10 +213,10 @@ class VLLMBackend(RolloutBackend):
         if with_images:
             sampling.check_engine_prompts(prompts, greedy, seen, self.family)
         out = sampling.to_rollout(prompts, completions, config)
-        if self.schedule.due:
-            self.schedule.due = False
-            self.schedule.checks += 1
-            self._check_sync(model, prompts, out)
+        if self._check_at_push:
+            self._probe = (prompts, out)
+        elif self.schedule.due:
+            self._run_check(model, prompts, out)
         return out
 
     # ------------------------------------------------------------------------------------------------ images
@@ -255,6 +259,11 @@ class VLLMBackend(RolloutBackend):
                 "run on model.generate, text-only rounds on vLLM.")
 
     # ------------------------------------------------------------------------------------- weight-sync check
+
+    def _run_check(self, model: nn.Module, prompts: PromptBatch, out: Rollout) -> None:
+        self.schedule.due = False
+        self.schedule.checks += 1
+        self._check_sync(model, prompts, out)
 
     def _check_sync(self, model: nn.Module, prompts: PromptBatch, out: Rollout) -> None:
         """The weight-sync check on the rollout the engine just sampled (`sync_check`); WeightSyncError on every
