@@ -5,7 +5,8 @@ peak is the largest total (`INSTANTS`):
 
     rollout         the round's generation: KV cache, replay buffers filling, an engine's pool (vLLM)
     scoring         reference / old log-probs of the round (no gradients); only with beta != 0, off-policy
-                    rounds or an engine's importance-sampling correction
+                    rounds, or a forward at the sampling weights (an engine's importance-sampling correction,
+                    asynchronous rounds' 'recompute', the mismatch report)
     loss forward    the end of a micro-batch's loss forward: saved activations, LM-head chunks
     backward start  the LM head's backward and the first layer's recomputation, activations still saved
     backward end    every gradient written, the last layer recomputed
@@ -61,8 +62,10 @@ from grpo_trainer.modeling import routing
 from grpo_trainer.modeling.logprobs import chunk_rows
 from grpo_trainer.planning.optimizers import optimizer_memory
 from grpo_trainer.planning.settings import ModelShape, PlanSettings
+from grpo_trainer.planning.static_decode import static_decode_bytes, uses_static_decode
 from grpo_trainer.rollout import capture
 from grpo_trainer.rollout.fast.decoder import FUSE_MAX_PARAMETERS
+from grpo_trainer.rollout.fast.static import buckets
 
 __all__ = ["CPU_ALLOCATOR_OVERHEAD", "CPU_RUNTIME_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_RESERVED_RATIO", "INSTANTS",
            "Item", "MemoryPlan", "activation_bytes_per_token", "packed_mask_elements", "plan_memory", "round_bytes",
@@ -540,6 +543,12 @@ def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
         b.add("fused decoder weights", dict.fromkeys(during, copies), "q|k|v and gate|up copies (small models)")
     if s.zero_stage == 3 and s.gather_for_generation and s.processes > 1:
         b.add("ZeRO-3 gathered weights", {_R: _weights_bytes(s, m)}, "ds3_gather_for_generation")
+    if uses_static_decode(s, m):  # the decoder's static steps (`rollout.fast.static`)
+        buffers, pool = static_decode_bytes(s, m)
+        b.add("static decode buffers", {_R: buffers},
+              f"logits {rows} x {m.vocab} float32, key mask and rotary tables, one layer's compaction gather")
+        b.add("CUDA graph pool", {_R: pool},
+              f"decode step per bucket {buckets(rows)}: an upper bound of what each graph keeps")
 
 
 def _vllm(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
@@ -641,7 +650,9 @@ def _optimizer_step(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
 
 
 def _instants(s: PlanSettings) -> tuple[bool, ...]:
-    scoring = s.beta != 0.0 or not s.on_policy or s.rollout.cache == "engine"
+    """Which instants occur: scoring only with a reference model, off-policy rounds (old log-probs) or a forward at
+    the sampling weights (`PlanSettings.sampler_scored`)."""
+    scoring = s.beta != 0.0 or not s.on_policy or s.sampler_scored
     return tuple(k != _S or scoring for k in range(len(INSTANTS)))
 
 

@@ -107,6 +107,9 @@ class PlanSettings:
     forward: ForwardSettings = ForwardSettings(padding_free=False)
     temperature_matches: bool = True  # sampling temperature == loss temperature (rollout values are the loss's)
     entropy_gradient: bool = False  # the loss differentiates the entropy (an entropy bonus)
+    # a no-grad forward of each round at the weights that sampled it (`trainer.off_policy`): an engine's
+    # importance-sampling correction, asynchronous rounds' 'recompute', the mismatch report's own forward
+    sampler_scored: bool = False
     # what the rollout backend holds here (`rollout.backend.memory_profile`, the runtime's own choice of backend)
     rollout: MemoryProfile = memory_profile(BackendChoice(), "cpu")
     vllm_memory_fraction: float = 0.3  # vllm_gpu_memory_utilization

@@ -19,15 +19,15 @@ key/value heads, `D` head dim, `V` vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
-
-from grpo_trainer.planning.estimate import INSTANTS, Item, MemoryPlan
 from grpo_trainer.planning.settings import ModelShape, PlanSettings
 from grpo_trainer.rollout.fast.static import buckets
 
-__all__ = ["graph_pool_bytes", "static_decode_items", "with_static_decode"]
+__all__ = ["graph_pool_bytes", "static_decode_bytes", "uses_static_decode"]
 
-_ROLLOUT = INSTANTS.index("rollout")
+
+def uses_static_decode(settings: PlanSettings, shape: ModelShape) -> bool:
+    """The run's rollout takes the static steps: the fast decoder serves the model, in a static mode."""
+    return settings.rollout.decode_mode != "eager" and shape.model_type in settings.rollout.decoder_architectures
 
 
 def graph_pool_bytes(shape: ModelShape, rows: int, columns: int, element_bytes: int) -> int:
@@ -38,25 +38,12 @@ def graph_pool_bytes(shape: ModelShape, rows: int, columns: int, element_bytes: 
     return per_row * sum(buckets(rows))
 
 
-def static_decode_items(settings: PlanSettings, shape: ModelShape, graphs: bool) -> tuple[Item, ...]:
-    """The items the static steps add at the rollout instant (the module's docstring)."""
+def static_decode_bytes(settings: PlanSettings, shape: ModelShape) -> tuple[int, int]:
+    """(the step's buffers, the CUDA graphs' pool: 0 without graphs or off CUDA) at the rollout instant (the
+    module's docstring)."""
     B, L, T = settings.round_rows, settings.sequence_length, settings.completion_length
     element = settings.weight_bytes  # the decoder runs in the weights' dtype
     m = shape
     buffers = 4 * B * m.vocab + element * (B * L + 2 * B * T * m.head_dim) + element * B * m.kv_heads * L * m.head_dim
-
-    def at_rollout(size: int) -> tuple[int, ...]:
-        return tuple(size if k == _ROLLOUT else 0 for k in range(len(INSTANTS)))
-
-    items = [Item("static decode buffers", at_rollout(buffers),
-                  f"logits {B} x {m.vocab} float32, key mask and rotary tables, one layer's compaction gather")]
-    if graphs and settings.device == "cuda":
-        pool = graph_pool_bytes(shape, B, L, element)
-        items.append(Item("CUDA graph pool", at_rollout(pool),
-                          f"decode step per bucket {buckets(B)}: an upper bound of what each graph keeps"))
-    return tuple(items)
-
-
-def with_static_decode(plan: MemoryPlan, graphs: bool) -> MemoryPlan:
-    """`plan` (a fast rollout's) with the static steps' items added."""
-    return dataclasses.replace(plan, items=plan.items + static_decode_items(plan.settings, plan.shape, graphs))
+    graphs = settings.rollout.decode_mode == "graphs" and settings.device == "cuda"
+    return buffers, graph_pool_bytes(shape, B, L, element) if graphs else 0

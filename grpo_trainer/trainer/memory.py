@@ -31,11 +31,10 @@ from torch import nn
 
 from grpo_trainer import planning
 from grpo_trainer.config import GRPOConfig
+from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import check_config
-from grpo_trainer.config.settings import backend_choice, forward_settings, memory_verdict
 from grpo_trainer.data.images import row_prompts
 from grpo_trainer.modeling.forwards import is_varlen
-from grpo_trainer.planning.static_decode import with_static_decode
 from grpo_trainer.rollout.backend import memory_profile
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, host_memory, models
@@ -108,12 +107,21 @@ def _sgd_momentum(args: GRPOConfig) -> float:
     return 0.0
 
 
+def _sampler_scored(args: GRPOConfig) -> bool:
+    """Whether `trainer.off_policy` scores each round at its sampling weights (decision 1 there): a vLLM round under
+    the engine correction (synchronous: a round sampled ahead with 'behaviour' takes the sampler's log-probs as
+    old), a round sampled ahead with 'recompute', or the mismatch report's own forward."""
+    engine = args.use_vllm and not args.async_rollouts and typed.engine_correction(args) is not None
+    return bool(engine or (args.async_rollouts and args.async_correction == "recompute")
+                or args.sampling_mismatch_report)
+
+
 def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "float32",
                   quantization: str | None = None, device: str = "cpu",
                   device_total_bytes: int = 0, attention: str = "sdpa") -> planning.PlanSettings:
     """The planner's settings for `args` on `device` (decision 1); `attention`: the model's attention
     implementation (what a packed forward's mask is)."""
-    rollout = memory_profile(backend_choice(args), device)  # the runtime's own choice (`rollout.select`)
+    rollout = memory_profile(typed.backend_choice(args), device)  # the runtime's own choice (`rollout.select`)
     mixed = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
     generation_kwargs = args.generation_kwargs or {}
     return planning.PlanSettings(
@@ -125,9 +133,11 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         checkpointing=bool(args.gradient_checkpointing), beta=args.beta, quantization=quantization,
         optimizer=str(getattr(args.optim, "value", args.optim)),
         sgd_momentum=_sgd_momentum(args), max_grad_norm=args.max_grad_norm or 0.0,
-        forward=forward_settings(args, device), routing_replay=args.routing_replay != "off" and rollout.in_process,
+        forward=typed.forward_settings(args, device),
+        routing_replay=args.routing_replay != "off" and rollout.in_process,
         temperature_matches="temperature" not in generation_kwargs and generation_kwargs.get("do_sample", True),
         entropy_gradient=args.entropy_coef != 0.0 or args.use_adaptive_entropy, rollout=rollout,
+        sampler_scored=_sampler_scored(args),
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
         device_total_bytes=device_total_bytes, heap_held=device != "cpu" or host_memory.would_hold(),
@@ -226,11 +236,7 @@ def plan_run(model: str | nn.Module, args: GRPOConfig, train_dataset: Any = None
                              weight_dtype=_weight_dtype(model, config, args),
                              quantization=_quantization(model, args, quantization_config),
                              device=device, device_total_bytes=total, attention=_attention(model, config, args))
-    plan = planning.plan_memory(settings, shape)
-    mode = settings.rollout.decode_mode
-    if mode != "eager" and shape.model_type in settings.rollout.decoder_architectures:  # the static steps' buffers
-        plan = with_static_decode(plan, graphs=mode == "graphs")
-    return RunPlan(plan, settings, shape, budget)
+    return RunPlan(planning.plan_memory(settings, shape), settings, shape, budget)
 
 
 def _default_lora_shape(model: str | nn.Module, args: GRPOConfig) -> planning.ModelShape | None:
@@ -279,7 +285,7 @@ def check_memory(model: str | nn.Module, args: GRPOConfig, train_dataset: Any, p
                  peft_config: Any = None, quantization_config: Any = None) -> None:
     """The trainer's check before loading weights (decision 3)."""
     auto, args.auto_find_batch_size = args.auto_find_batch_size, False  # decision 3: the Trainer's retry is off
-    verdict = memory_verdict(args, _device(args) or "cpu")
+    verdict = typed.memory_verdict(args, _device(args) or "cpu")
     if verdict == "off" or _device(args) is None:
         return
     run = plan_run(model, args, train_dataset, processing_class, peft_config, quantization_config)

@@ -170,3 +170,27 @@ def test_the_lever_texts_come_from_the_table(device):
     assert all(lever.label in LONG_COMPLETION_LEVERS for lever in levers.LEVERS if lever.longest)
     help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(GRPOConfig)}["memory_check"]
     assert all(lever.label in help_text for lever in levers.LEVERS if lever.fits)
+
+
+def test_the_planner_and_the_scorer_hold_the_runtimes_one_forward_options_object(tmp_path, tokenizer, toy_dataset,
+                                                                                  monkeypatch):
+    """`config.settings.forward_settings` builds the training forward's options once per use; the trainer's scorer
+    and the memory plan both take theirs from it (a marker object returned by it reaches both)."""
+    from grpo_trainer.modeling.forwards import ForwardSettings
+    from grpo_trainer.trainer import memory
+    from tests.helpers import make_trainer
+
+    built = []
+    original = typed.forward_settings
+
+    def recording(args, device=None):
+        options = dataclasses.replace(original(args, device), chunk_size=777)  # a value no default has
+        built.append(options)
+        return options
+
+    monkeypatch.setattr(typed, "forward_settings", recording)
+    trainer = make_trainer(tmp_path, tokenizer, toy_dataset, mlp_tile_tokens=16)
+    plan = memory.plan_settings(trainer.args, prompt_length=8)
+    assert any(trainer.scorer.forward is options for options in built) and plan.forward is built[-1]
+    assert trainer.scorer.forward == plan.forward and isinstance(plan.forward, ForwardSettings)
+    assert plan.forward.chunk_size == 777 and plan.forward.mlp_tile_tokens == 16

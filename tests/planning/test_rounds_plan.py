@@ -162,3 +162,25 @@ def test_the_planner_names_no_backend():
     for path in Path(planning.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert not [n for n in names if f'"{n}"' in text or f"'{n}'" in text], path
+
+
+def test_the_scoring_instant_follows_the_off_policy_owners_forwards(tmp_path):
+    """The scoring instant occurs wherever `trainer.off_policy` runs a no-grad forward at the sampling weights: a
+    vLLM server's rounds under the default importance-sampling correction (the item the planner used to miss), the
+    mismatch report's own forward, asynchronous 'recompute'; not on-policy without them."""
+    from grpo_trainer import GRPOConfig
+    from grpo_trainer.planning.estimate import INSTANTS
+    from grpo_trainer.trainer import memory
+
+    scoring = INSTANTS.index("scoring")
+
+    def occurs(**kwargs) -> bool:
+        args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
+        return plan_memory(memory.plan_settings(args, prompt_length=8), SHAPE).occurs[scoring]
+
+    server = {"use_vllm": True, "vllm_mode": "server"}
+    assert occurs(**server)
+    assert not occurs(**server, vllm_importance_sampling_correction=False)
+    assert not occurs(use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_correction=False)
+    assert not occurs() and occurs(sampling_mismatch_report=True)
+    assert occurs(async_rollouts=1, async_correction="recompute")

@@ -4,10 +4,12 @@ of tests/planning/shapes.py: V 1000, E 64, I 128, H 4, K 2, D 16; B = 4 rows, S 
 import dataclasses
 
 from grpo_trainer.planning import INSTANTS, plan_memory
-from grpo_trainer.planning.static_decode import graph_pool_bytes, static_decode_items, with_static_decode
+from grpo_trainer.planning.static_decode import graph_pool_bytes, static_decode_bytes
 from tests.planning.shapes import SETTINGS, SHAPE, rollout
 
 CUDA = dataclasses.replace(SETTINGS, device="cuda", rollout=rollout("fast"))
+GRAPHS = dataclasses.replace(CUDA, rollout=dataclasses.replace(CUDA.rollout, decode_mode="graphs"))
+COMPACT = dataclasses.replace(CUDA, rollout=dataclasses.replace(CUDA.rollout, decode_mode="compact"))
 ROLLOUT = INSTANTS.index("rollout")
 
 
@@ -17,21 +19,24 @@ def test_static_buffers_and_graph_pool_by_hand():
     # pool per row: 4 x (2 x 64 + (4 + 2 x 2) x 16 + 4 x 16 + 3 x 128 + 1000) + 4 x 1000 = 4 x 1,704 + 4,000
     # = 10,816; buckets 1, 2, 4: 7 rows in all -> 75,712 bytes.
     assert graph_pool_bytes(SHAPE, rows=4, columns=16, element_bytes=4) == 75_712
-    items = {i.name: i.bytes for i in static_decode_items(CUDA, SHAPE, graphs=True)}
-    assert items["static decode buffers"][ROLLOUT] == 29_568
-    assert items["CUDA graph pool"][ROLLOUT] == 75_712
-    assert all(size == 0 for k, size in enumerate(items["CUDA graph pool"]) if k != ROLLOUT)
+    assert static_decode_bytes(GRAPHS, SHAPE) == (29_568, 75_712)
     # without graphs, or off CUDA (the step runs eagerly there), no pool
-    assert [i.name for i in static_decode_items(CUDA, SHAPE, graphs=False)] == ["static decode buffers"]
-    assert [i.name for i in static_decode_items(SETTINGS, SHAPE, graphs=True)] == ["static decode buffers"]
+    assert static_decode_bytes(COMPACT, SHAPE) == (29_568, 0)
+    assert static_decode_bytes(dataclasses.replace(GRAPHS, device="cpu"), SHAPE) == (29_568, 0)
 
 
-def test_the_plan_with_static_steps_adds_them_at_the_rollout_only():
+def test_plan_memory_adds_the_static_steps_at_the_rollout_only():
+    """Inside `plan_memory` itself, so that fits, the longest-completion search and `grpo-train plan`'s re-plans see
+    them too."""
     plan = plan_memory(CUDA, SHAPE)
-    static = with_static_decode(plan, graphs=True)
-    added = [a - b for a, b in zip(static.totals(), plan.totals())]
-    assert added[ROLLOUT] == 29_568 + 75_712
-    assert all(a == 0 for k, a in enumerate(added) if k != ROLLOUT)
+    for settings, extra in ((GRAPHS, 29_568 + 75_712), (COMPACT, 29_568)):
+        static = plan_memory(settings, SHAPE)
+        added = [a - b for a, b in zip(static.totals(), plan.totals())]
+        assert added[ROLLOUT] == extra
+        assert all(a == 0 for k, a in enumerate(added) if k != ROLLOUT)
+    assert {"static decode buffers", "CUDA graph pool"} <= {i.name for i in plan_memory(GRAPHS, SHAPE).items}
+    other = dataclasses.replace(SHAPE, model_type="gpt2")  # a family the decoder does not serve: generate's rollout
+    assert plan_memory(dataclasses.replace(GRAPHS), other).totals() == plan_memory(CUDA, other).totals()
 
 
 def test_a_cuda_run_planned_with_the_static_steps_counts_them(tmp_path, tokenizer, monkeypatch):
