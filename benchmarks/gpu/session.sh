@@ -8,7 +8,8 @@
 # decode_bench.py (generation tokens/s of generate, TRL's static cache and paged generation, our decoder eager/compact/graphs, the bandwidth bound);
 # bench_gpu.py ours (graphs, default) vs TRL (generate, static cache, paged) at the Qwen2.5-0.5B shape with varied
 # completion lengths;
-# memory_grid.py (the planner against torch.cuda's peaks); packing_gpu.py (packed vs padded forward + backward).
+# memory_grid.py (the planner against torch.cuda's peaks); packing_gpu.py (packed vs padded forward + backward);
+# fingerprints.json: the sources each result measured (planning/levers.py: what an option's GPU evidence records).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 OUT="${OUT:-benchmarks/results/gpu_session}"
@@ -33,6 +34,9 @@ export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRAN
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.csv" 2>&1
 python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" \
     >> "$OUT/device.csv" 2>&1
+# the code these results measure: each optional path's sources' sha256 (grpo_trainer/planning/levers.py, decision 1);
+# an option's Evidence names them, and counts only while its files still hash to them
+python -m grpo_trainer.planning.levers > "$OUT/fingerprints.json" 2>&1
 step gpu_tests 120 python -m pytest -q -p no:cacheprovider tests/gpu
 step long_completions 150 python benchmarks/long_completions.py --device cuda --shape qwen2.5-0.5b --budget-gib 139 \
     --lengths 8192,16384,32768,65536 --steps 1 --mlp-tile-tokens 1024 --recompute-attention \
