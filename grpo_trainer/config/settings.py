@@ -7,7 +7,9 @@ config's field names (TRL's) onto them.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 from grpo_trainer.algorithms.engine_correction import EngineCorrection
@@ -25,9 +27,10 @@ from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
 from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
 from grpo_trainer.rollout.vllm.checks import routed_experts_unavailable
+from grpo_trainer.runtime.distributed import Launch
 
-__all__ = ["backend_choice", "device_of", "engine_correction", "entropy_control", "forward_settings", "loss_settings",
-           "memory_verdict", "prompt_settings",
+__all__ = ["backend_choice", "device_of", "engine_correction", "entropy_control", "forward_settings", "launch",
+           "loss_settings", "memory_verdict", "prompt_settings",
            "reward_settings", "routing_replay", "sampling_settings", "surrogate_params", "truncation",
            "turn_settings", "vllm_settings"]
 
@@ -133,6 +136,42 @@ def routing_replay(args: GRPOConfig, model: Any) -> bool:
     return reason is None and in_process
 
 
+def _deepspeed_config(args: GRPOConfig) -> dict | None:
+    """The DeepSpeed config of this launch: `args.deepspeed`, else what `accelerate launch` passes in the env."""
+    source = args.deepspeed
+    if source is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if not source:
+            offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+            params = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+            return {"zero_optimization": {"stage": int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
+                                          "offload_optimizer": {"device": offload},
+                                          "offload_param": {"device": params}}}
+    if source is None:
+        return None
+    if isinstance(source, dict):
+        return source
+    with open(source) as f:
+        return json.load(f)
+
+
+def launch(args: GRPOConfig) -> Launch:
+    """The run's launch (`runtime.distributed.Launch`), from the config and the environment `accelerate launch`
+    sets, before any model loads."""
+    processes = max(1, int(args.world_size))
+    deepspeed = _deepspeed_config(args)
+    zero = (deepspeed or {}).get("zero_optimization", {})
+    bucket = zero.get("reduce_bucket_size", 500_000_000)
+    return Launch(
+        processes=processes, processes_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", processes)),
+        zero_stage=int(zero.get("stage", 0)), deepspeed=deepspeed is not None,
+        zero_reduce_bucket=int(bucket) if not isinstance(bucket, str) else 500_000_000,
+        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
+        offload_parameters=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
+        fsdp=bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
+        sequence_parallel=getattr(args.parallelism_config, "sp_size", None) or 1)
+
+
 def device_of(args: GRPOConfig) -> str:
     """The device kind the run trains on ("cpu", "cuda", ...): what `planning.levers` decides defaults for."""
     return args.device.type
@@ -143,7 +182,7 @@ def forward_settings(args: GRPOConfig, device: str | None = None) -> ForwardSett
     defaults held back on `device` resolved (`planning.levers`, decision 2). Sequence parallelism's sharded forward
     runs the padded layout: there `padding_free=None` resolves off (`True` is refused by `config.checks`)."""
     device = device or device_of(args)
-    sharded = (getattr(args.parallelism_config, "sp_size", None) or 1) > 1
+    sharded = launch(args).sequence_parallel > 1
     padding_free = False if sharded and args.padding_free is None else args.padding_free
     return ForwardSettings(
         padding_free=levers.resolve("padding_free", padding_free, device), temperature=args.temperature,

@@ -18,6 +18,10 @@ Decisions:
    checkpoint kwargs: after N rounds the embedding runs N hooks per call.
 4. `decided_by_main` runs a decision about shared files (which checkpoint to resume from, whether output_dir is
    free) on the main process and hands its outcome, result or exception, to all: every process acts alike.
+5. The launch (processes, ZeRO stage and offloads, FSDP, the sequence-parallel group) is one typed object,
+   `Launch`, read once from the config and the environment `accelerate launch` sets (`config.settings.launch`,
+   before any model loads, as the Trainer itself finds them later) and handed to the memory planner, the round
+   source's refusals and the sequence-parallel part.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from accelerate import Accelerator
@@ -33,10 +38,30 @@ from torch import nn
 
 from grpo_trainer.modeling.unwrap import is_zero3_partitioned
 
-__all__ = ["check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu",
+__all__ = ["Launch", "check_processes", "checkpointing_paused", "decided_by_main", "enable_fsdp2_on_cpu",
            "launched_world_size", "prepare_backend", "unwrapped_for_generation"]
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the run's processes train together (decision 5)."""
+
+    processes: int = 1  # world size
+    processes_per_node: int = 1  # processes sharing one machine's memory (`LOCAL_WORLD_SIZE`)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage (0: no DeepSpeed)
+    deepspeed: bool = False  # a DeepSpeed engine wraps the model (any stage)
+    zero_reduce_bucket: int = 500_000_000  # DeepSpeed reduce_bucket_size (elements)
+    offload_optimizer: bool = False  # ZeRO offload of optimizer state to CPU memory
+    offload_parameters: bool = False  # ZeRO-3 offload of parameters to CPU memory
+    fsdp: bool = False
+    sequence_parallel: int = 1  # parallelism_config's sp_size: processes sharding each row's positions
+
+    @property
+    def sharded_weights(self) -> str | None:
+        """'DeepSpeed ZeRO-3' or 'FSDP' where the launch shards the weights, else None."""
+        return "DeepSpeed ZeRO-3" if self.zero_stage == 3 else "FSDP" if self.fsdp else None
 
 
 def launched_world_size() -> int:

@@ -59,7 +59,7 @@ from grpo_trainer.rewards.sources import ADVANTAGE_EPS
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.backend import chosen
 from grpo_trainer.rollout.settings import eos_token_ids
-from grpo_trainer.runtime import checkpoints, distributed, interrupts, run_lock
+from grpo_trainer.runtime import checkpoints, compat, distributed, interrupts, run_lock
 from grpo_trainer.trainer import lifecycle, memory, parts, setup
 from grpo_trainer.trainer.loss import NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.round import Round
@@ -124,7 +124,7 @@ class GRPOTrainer(Trainer):
         self._tokenizer = multimodal.text_tokenizer(processing_class)
         choice = typed.backend_choice(args)
         source_type = parts.source_type(args)  # its refusals before the backend contacts a server or starts
-        source_type.check(args, chosen(choice), train_dataset, rollout_func)
+        source_type.check(parts.source_settings(args), chosen(choice), train_dataset, rollout_func)
         backend = rollout.select(choice)
         setup.check_processor_setup(args, processing_class)
         backend.check_model(model, args.trust_remote_code)
@@ -144,7 +144,10 @@ class GRPOTrainer(Trainer):
         memory.prepare_host(args)
         memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)
         policy = setup.build_policy(model, args, peft_config, quantization_config)
-        source_type.check_model(policy.model, args, in_process=not backend.capabilities.own_weights)
+        in_process = not backend.capabilities.own_weights
+        source_type.check_model(policy.model, parts.source_settings(args), in_process)
+        for name, value in source_type.checkpointing_kwargs(in_process).items():
+            compat.default_checkpointing_kwarg(args, name, value)
         self.ref_model, self.router_aux_loss_coef = policy.ref_model, policy.router_aux_loss_coef
         if self._multi_turn is not None:
             self._multi_turn.attach_model(eos_token_ids(processing_class, policy.model.generation_config),

@@ -20,7 +20,6 @@ Decisions:
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -38,7 +37,8 @@ from grpo_trainer.modeling.forwards import is_varlen
 from grpo_trainer.rollout.backend import memory_profile
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.runtime import compat, host_memory, models
-from grpo_trainer.trainer.parts import source_type
+from grpo_trainer.runtime.distributed import Launch
+from grpo_trainer.trainer.parts import source_settings, source_type
 
 __all__ = ["ASSUMED_PROMPT_TOKENS", "PROMPT_SAMPLE", "MemoryPlanError", "RunPlan", "apply_fit", "check_memory",
            "plan_run", "plan_settings", "prompt_length"]
@@ -65,38 +65,12 @@ class RunPlan:
     lora_shape: planning.ModelShape | None = None  # the model with a default LoRA adapter (for the suggestions)
 
 
-def _deepspeed_config(args: GRPOConfig) -> dict | None:
-    """The DeepSpeed config of this launch: `args.deepspeed`, else what `accelerate launch` passes in the env."""
-    source = args.deepspeed
-    if source is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        source = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        if not source:
-            offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
-            params = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
-            return {"zero_optimization": {"stage": int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)),
-                                          "offload_optimizer": {"device": offload},
-                                          "offload_param": {"device": params}}}
-    if source is None:
-        return None
-    if isinstance(source, dict):
-        return source
-    with open(source) as f:
-        return json.load(f)
-
-
-def _distribution(args: GRPOConfig) -> dict:
+def _distribution(launch: Launch) -> dict:
     """The PlanSettings fields of multi-process training."""
-    processes = max(1, int(args.world_size))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
-    zero = (_deepspeed_config(args) or {}).get("zero_optimization", {})
-    bucket = zero.get("reduce_bucket_size", 500_000_000)
-    return {
-        "processes": processes, "processes_per_node": per_node, "zero_stage": int(zero.get("stage", 0)),
-        "zero_reduce_bucket": int(bucket) if not isinstance(bucket, str) else 500_000_000,
-        "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
-        "offload_parameters": zero.get("offload_param", {}).get("device", "none") not in ("none", None),
-        "fsdp": bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true",
-    }
+    return {"processes": launch.processes, "processes_per_node": launch.processes_per_node,
+            "zero_stage": launch.zero_stage, "zero_reduce_bucket": launch.zero_reduce_bucket,
+            "offload_optimizer": launch.offload_optimizer, "offload_parameters": launch.offload_parameters,
+            "fsdp": launch.fsdp, "sequence_parallel": launch.sequence_parallel}
 
 
 def _sgd_momentum(args: GRPOConfig) -> float:
@@ -141,10 +115,10 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
         device_total_bytes=device_total_bytes, heap_held=device != "cpu" or host_memory.would_hold(),
-        rounds=source_type(args).held(args),
+        rounds=source_type(args).held(source_settings(args)),
         varlen_attention=is_varlen(attention),
         resample_rounds=args.max_resample_rounds if args.zero_variance_groups == "resample" else 0,
-        sequence_parallel=getattr(args.parallelism_config, "sp_size", None) or 1, **_distribution(args))
+        **_distribution(typed.launch(args)))
 
 
 def prompt_length(args: GRPOConfig, dataset: Any, processing_class: Any) -> int:

@@ -31,10 +31,10 @@ from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
 from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
-from grpo_trainer.trainer.source import RoundSource, SyncRounds
+from grpo_trainer.trainer.source import RoundSource, SourceSettings, SyncRounds
 
 __all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder",
-           "round_source", "schedule", "scorer", "source_type"]
+           "round_source", "schedule", "scorer", "source_settings", "source_type"]
 
 
 def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
@@ -100,7 +100,8 @@ def corrections(args: GRPOConfig, schedule: Schedule, rounds: RoundBuilder, poli
                 accelerator: Accelerator, metrics: MetricsWindow, model: nn.Module) -> OffPolicy:
     """Old log-probs, importance weights and the mismatch report (`trainer.off_policy`); the sampler's dtype is read
     from the builder's backend when asked (a test or the trainer may swap it)."""
-    settings = OffPolicySettings(typed.engine_correction(args), source_type(args).sampled_ahead(args)[1])
+    ahead = source_type(args).sampled_ahead(source_settings(args))
+    settings = OffPolicySettings(typed.engine_correction(args), ahead[1])
     report = mismatch_report(args, model, multimodal.text_tokenizer(rounds.processing_class), accelerator, metrics)
     return OffPolicy(settings, schedule, policy_scorer.sampling_scores, accelerator, metrics, report,
                      lambda lm: rounds.backend.sampler_dtype(causal_lm(lm)))
@@ -109,7 +110,14 @@ def corrections(args: GRPOConfig, schedule: Schedule, rounds: RoundBuilder, poli
 def schedule(args: GRPOConfig) -> Schedule:
     """Which micro-step trains on which micro-batch of which round (`trainer.schedule`)."""
     return Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
-                    source_type(args).sampled_ahead(args)[0])
+                    source_type(args).sampled_ahead(source_settings(args))[0])
+
+
+def source_settings(args: GRPOConfig) -> SourceSettings:
+    """What the round source and its refusals read of the run (`trainer.source`, decision 3)."""
+    return SourceSettings(args.async_rollouts, args.async_correction, args.seed, args.async_rollout_timeout,
+                          typed.launch(args), args.vllm_mode, args.vllm_tensor_parallel_size,
+                          args.sampling_mismatch_report)
 
 
 def source_type(args: GRPOConfig) -> type[RoundSource]:
@@ -137,7 +145,8 @@ def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, round
         backend.sync_weights(accelerator.unwrap_model(model), global_step())
 
     backend.sample_off_main_thread()
-    return AsyncRounds(AsyncRounds.settings(args, accelerator.process_index), rounds, off_policy, policy_scorer,
+    return AsyncRounds(AsyncRounds.settings(source_settings(args), accelerator.process_index), rounds, off_policy,
+                       policy_scorer,
                        buffer, generate, rows, view, push if backend.capabilities.own_weights else None, metrics,
                        signal_stop)
 

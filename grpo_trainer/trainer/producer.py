@@ -42,21 +42,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback, TrainerState
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from grpo_trainer.data.sampler import RoundSource as PromptRows
 from grpo_trainer.planning.settings import RoundsHeld
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING
-from grpo_trainer.runtime import compat
-from grpo_trainer.runtime.distributed import launched_world_size
 from grpo_trainer.runtime.interrupts import SignalStop
 from grpo_trainer.trainer.off_policy import OffPolicy
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, Sampled
 from grpo_trainer.trainer.schedule import RoundBuffer
 from grpo_trainer.trainer.scoring import PolicyScorer
-from grpo_trainer.trainer.source import RoundSource
+from grpo_trainer.trainer.source import RoundSource, SourceSettings
 
 __all__ = ["AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "RoundProducer", "round_seed"]
 
@@ -220,26 +218,6 @@ def _close_producers() -> None:
         producer.close(timeout=_EXIT_WAIT_S)
 
 
-def _sharded_weights(args: Any) -> str | None:
-    """'DeepSpeed ZeRO-3' or 'FSDP' when the launch shards the weights (from the config or `accelerate launch`'s
-    environment), else None: known before any model loads."""
-    import json
-    import os
-
-    deepspeed = args.deepspeed
-    if isinstance(deepspeed, str) and os.path.isfile(deepspeed):
-        with open(deepspeed) as f:
-            deepspeed = json.load(f)
-    stage = (deepspeed or {}).get("zero_optimization", {}).get("stage") if isinstance(deepspeed, dict) else None
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        stage = stage or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if str(stage) == "3":
-        return "DeepSpeed ZeRO-3"
-    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "FSDP"
-    return None
-
-
 class AsyncRounds(RoundSource):
     """The asynchronous round source (`trainer.source`): at the start of each training round, take it from the
     producer, correct it for being sampled off-policy (`trainer.off_policy`), prepare its micro-batches, then submit
@@ -262,22 +240,22 @@ class AsyncRounds(RoundSource):
         self.pacing = ProducerPacing(self, buffer, signal_stop)
 
     @classmethod
-    def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
-        return args.async_rollouts, args.async_correction
+    def sampled_ahead(cls, settings: SourceSettings) -> tuple[int, str | None]:
+        return settings.rounds_ahead, settings.correction
 
     @classmethod
-    def held(cls, args: Any) -> RoundsHeld:
+    def held(cls, settings: SourceSettings) -> RoundsHeld:
         """Decision 2: `async_rollouts` rounds wait for their step, and an in-process sampler reads the live weights
         (no copy) while the step trains."""
-        return RoundsHeld(ahead=args.async_rollouts, sampling_overlaps_step=True)
+        return RoundsHeld(ahead=settings.rounds_ahead, sampling_overlaps_step=True)
 
     @staticmethod
-    def settings(args: Any, process_index: int) -> AsyncSettings:
+    def settings(settings: SourceSettings, process_index: int) -> AsyncSettings:
         """This process's settings (its seed: the run's + its index, as `set_seed(device_specific=True)` seeds)."""
-        return AsyncSettings(args.async_rollouts, args.seed + process_index, args.async_rollout_timeout)
+        return AsyncSettings(settings.rounds_ahead, settings.seed + process_index, settings.timeout)
 
     @classmethod
-    def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
+    def check(cls, settings: SourceSettings, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
         """Asynchronous rollouts where they cannot be made safe, refused before any model loads, each with the
         working alternative."""
         from torch.utils.data import IterableDataset
@@ -293,41 +271,44 @@ class AsyncRounds(RoundSource):
             (backend.name == CONTINUOUS_BATCHING,
              "transformers' continuous batching switches the model between train and eval mode while it generates; "
              "use generation_backend='fast' or 'generate'"),
-            (own_weights and args.vllm_mode == "server" and launched_world_size() > 1,
+            (own_weights and settings.vllm_mode == "server" and settings.launch.processes > 1,
              "with several training processes the main process's client serves every process's prompts, a "
              "collective the producer thread cannot run; train with one process beside the vLLM server, use "
              "vllm_mode='colocate', or async_rollouts=0"),
-            (own_weights and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1,
+            (own_weights and settings.vllm_mode == "colocate" and settings.vllm_tensor_parallel_size > 1,
              "tensor-parallel colocated vLLM generates through a collective; use vllm_tensor_parallel_size=1 or a "
              "vLLM server"),
-            (not own_weights and _sharded_weights(args) is not None,
+            (not own_weights and settings.launch.sharded_weights is not None,
              f"an in-process backend samples from the live weights on a second thread, which "
-             f"{_sharded_weights(args)} shards (gathering them is a collective); use a vLLM server (use_vllm=True, "
-             "vllm_mode='server'), DDP or ZeRO-2, or async_rollouts=0"),
-            (own_weights and args.sampling_mismatch_report,
+             f"{settings.launch.sharded_weights} shards (gathering them is a collective); use a vLLM server "
+             "(use_vllm=True, vllm_mode='server'), DDP or ZeRO-2, or async_rollouts=0"),
+            (own_weights and settings.mismatch_report,
              "sampling_mismatch_report compares the sampler's log-probs with the trainer's at the weights that "
              "sampled them, which an inference engine's rounds sampled ahead outlive (`trainer.off_policy`, "
              "decision 3); use async_rollouts=0 for the report, or an in-process backend ('fast' or 'generate')"),
         ]
         for refused, reason in refusals:
             if refused:
-                raise ValueError(f"async_rollouts={args.async_rollouts} is not supported here: {reason}.")
+                raise ValueError(f"async_rollouts={settings.rounds_ahead} is not supported here: {reason}.")
+
+    @staticmethod
+    def checkpointing_kwargs(in_process: bool) -> dict[str, bool]:
+        """The activation checkpointing kwargs this source needs (`gradient_checkpointing_kwargs` defaults): with an
+        in-process producer, a checkpointed layer's backward would save and restore torch's generator around its
+        recompute, rewinding the producer's draws; without dropout there is nothing to replay (decision 3)."""
+        return {"use_reentrant": False, "preserve_rng_state": False} if in_process else {}
 
     @classmethod
-    def check_model(cls, model: nn.Module, args: Any, in_process: bool) -> None:
+    def check_model(cls, model: nn.Module, settings: SourceSettings, in_process: bool) -> None:
         """An in-process producer samples from torch's generator while the training step runs: active dropout would
         draw from it at the same time and make runs irreproducible (decision 3)."""
         if not in_process:
             return
-        # A checkpointed layer's backward would save and restore torch's generator around its recompute, rewinding
-        # the producer's draws; without dropout there is nothing to replay.
-        compat.default_checkpointing_kwarg(args, "use_reentrant", False)  # transformers' default, kept explicit
-        compat.default_checkpointing_kwarg(args, "preserve_rng_state", False)
         active = next((name for name, module in model.named_modules()
                        if (isinstance(module, nn.Dropout) and module.p > 0)
                        or float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0), None)
         if active is not None:
-            raise ValueError(f"async_rollouts={args.async_rollouts} with an in-process backend needs dropout off, "
+            raise ValueError(f"async_rollouts={settings.rounds_ahead} with an in-process backend needs dropout off, "
                              f"but {active} drops with p > 0: the training step would draw random numbers while the "
                              "producer samples, so runs would not be reproducible. Set disable_dropout=True (it also "
                              "zeroes LoRA's lora_dropout) and the model config's attention_dropout to 0, or sample "
@@ -453,14 +434,17 @@ class ProducerPacing(TrainerCallback):
         self.rounds, self.buffer, self.signal_stop = rounds, buffer, signal_stop
         self.step_start: dict[str, Any] = buffer.state_dict()
 
-    def on_train_begin(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         self.rounds.start(state.max_steps)
 
-    def on_step_begin(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         snapshot = self.buffer.state_dict()
         self.step_start = {**snapshot, "buffer": list(snapshot["buffer"] or []) or None}
 
-    def on_pre_optimizer_step(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
         if self.rounds.in_process:
             with self.signal_stop.before_update():  # the weights are still the last finished step's
                 self.rounds.producer.drain()

@@ -11,10 +11,11 @@ Decisions:
    `trainer.off_policy` (old log-probs, importance weights, the mismatch report), then the completions table. The
    trainer's `_generate_and_score` (TRL's hook) is `build`; a source that builds on the main thread calls the hook
    (`generate`), so a subclass or a test that wraps it sees every round.
-3. `trainer.parts.source_type(args)` is the one place that chooses the implementation; each implementation says
+3. `trainer.parts.source_type` is the one place that chooses the implementation; each implementation says
    how many rounds it samples ahead and how they are corrected (`sampled_ahead`: the schedule and the off-policy
    owner read it), and refuses what it cannot run before any model loads (`check`) and once the policy exists
-   (`check_model`).
+   (`check_model`). They read the run through one typed object, `SourceSettings` (`trainer.parts.source_settings`),
+   never the config.
 
 Shapes: none (rounds are `Round`).
 """
@@ -23,19 +24,35 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback, TrainerState
 
 from grpo_trainer.planning.settings import RoundsHeld
+from grpo_trainer.runtime.distributed import Launch
 from grpo_trainer.trainer.off_policy import OffPolicy
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder
 from grpo_trainer.trainer.schedule import RoundBuffer
 from grpo_trainer.trainer.scoring import PolicyScorer
 
-__all__ = ["RoundSource", "SyncRounds"]
+__all__ = ["RoundSource", "SourceSettings", "SyncRounds"]
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """What a round source and its refusals read of a run (decision 3)."""
+
+    rounds_ahead: int = 0  # `async_rollouts`: 0 synchronous
+    correction: str = "behaviour"  # `async_correction`
+    seed: int = 42  # the run's (`seed`)
+    timeout: float | None = None  # `async_rollout_timeout`
+    launch: Launch = field(default_factory=Launch)
+    vllm_mode: str = "colocate"
+    vllm_tensor_parallel_size: int = 1
+    mismatch_report: bool = False  # `sampling_mismatch_report`
 
 
 class RoundSource(ABC):
@@ -48,25 +65,30 @@ class RoundSource(ABC):
 
     @classmethod
     @abstractmethod
-    def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
+    def sampled_ahead(cls, settings: SourceSettings) -> tuple[int, str | None]:
         """How many rounds this source samples before the weights that train them exist, and how they are corrected
         for it (`trainer.off_policy`'s `ahead`; None: they are not)."""
 
     @classmethod
     @abstractmethod
-    def held(cls, args: Any) -> RoundsHeld:
+    def held(cls, settings: SourceSettings) -> RoundsHeld:
         """What this source holds beside the round that trains, for the memory plan (`planning.estimate`)."""
 
     @classmethod
     @abstractmethod
-    def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
+    def check(cls, settings: SourceSettings, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
         """Refuse, before any model loads or the backend is built, what this source cannot run (decision 3);
         `backend`: the chosen backend's class (`rollout.backend.chosen`)."""
 
     @classmethod
     @abstractmethod
-    def check_model(cls, model: nn.Module, args: Any, in_process: bool) -> None:
+    def check_model(cls, model: nn.Module, settings: SourceSettings, in_process: bool) -> None:
         """Refuse a policy this source cannot run (decision 3)."""
+
+    @staticmethod
+    def checkpointing_kwargs(in_process: bool) -> dict[str, bool]:
+        """Activation checkpointing kwargs this source needs by default (`gradient_checkpointing_kwargs`)."""
+        return {}
 
     def build(self, rows: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Round:
         """One corrected round from this process's dataset rows, logged to the completions table (decision 2)."""
@@ -105,19 +127,19 @@ class SyncRounds(RoundSource):
     nothing runs between two asks."""
 
     @classmethod
-    def sampled_ahead(cls, args: Any) -> tuple[int, str | None]:
+    def sampled_ahead(cls, settings: SourceSettings) -> tuple[int, str | None]:
         return 0, None
 
     @classmethod
-    def held(cls, args: Any) -> RoundsHeld:
+    def held(cls, settings: SourceSettings) -> RoundsHeld:
         return RoundsHeld()
 
     @classmethod
-    def check(cls, args: Any, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
+    def check(cls, settings: SourceSettings, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
         return None
 
     @classmethod
-    def check_model(cls, model: nn.Module, args: Any, in_process: bool) -> None:
+    def check_model(cls, model: nn.Module, settings: SourceSettings, in_process: bool) -> None:
         return None
 
     def close(self) -> None:

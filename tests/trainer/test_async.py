@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model
 from grpo_trainer.rewards.scoring import RewardError
-from grpo_trainer.trainer import round_builder
+from grpo_trainer.trainer import parts, round_builder
 from grpo_trainer.trainer.producer import ProducerError, round_seed
 from tests.helpers import TWO_GROUPS_OF_4, make_trainer
 
@@ -343,8 +343,8 @@ def test_one_round_source_interface_for_both_schedules(tmp_path, tokenizer, toy_
     ahead = make_trainer(tmp_path / "async", tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
                          **COPY_TASK, **TWO_GROUPS_OF_4, async_rollouts=1, max_steps=1)
     assert isinstance(plain.source, SyncRounds) and plain.source.callbacks() == []
-    assert plain.source.sampled_ahead(plain.args) == (0, None) and not plain.buffer.schedule.rounds_ahead
-    assert isinstance(ahead.source, AsyncRounds) and ahead.source.sampled_ahead(ahead.args) == (1, "behaviour")
+    assert plain.source.sampled_ahead(parts.source_settings(plain.args)) == (0, None) and not plain.buffer.schedule.rounds_ahead
+    assert isinstance(ahead.source, AsyncRounds) and ahead.source.sampled_ahead(parts.source_settings(ahead.args)) == (1, "behaviour")
     assert any(isinstance(c, ProducerPacing) for c in ahead.callback_handler.callbacks)
     plain.train()
     ahead.train()

@@ -143,16 +143,34 @@ def test_the_error_when_the_engine_cannot_be_read():
     assert "The engine's weights could not be read back: the server at http://h:1 has no weight inspection" in message
 
 
-def test_sampling_off_the_main_thread_turns_the_check_off(caplog):
-    """The asynchronous round source calls `sample_off_main_thread` (`trainer.parts.round_source`): the check would
-    compare weights the optimizer moved meanwhile, so it is off, with one line saying so."""
-    import logging
-
+def test_sampling_off_the_main_thread_moves_the_check_to_the_push(tiny_model):
+    """The asynchronous round source calls `sample_off_main_thread` (`trainer.parts.round_source`): the check then
+    runs on the main thread right after a scheduled push, on the last rollout the engine sampled (the producer
+    thread cannot run it); synchronously it stays with the rollout after the push. The real-vLLM runs of both are in
+    tests/vllm_integration/test_vllm_sync_check.py; here an engine that takes the weights and nothing else."""
     from grpo_trainer.rollout.vllm.backend import VLLMBackend
 
-    backend = object.__new__(VLLMBackend)  # only the schedule is read: no engine, no vLLM needed
-    backend.schedule = sync_check.SyncSchedule(5)
-    with caplog.at_level(logging.INFO):
-        backend.sample_off_main_thread()
-    assert backend.schedule.interval == 0
-    assert "vllm_sync_check_interval has no effect with async_rollouts" in caplog.text
+    class Engine:
+        weights_asleep = False
+
+        def load_weights(self, weights):
+            return [name for name, _ in weights][:0]  # every weight consumed, none unreached
+
+    def backend():
+        made = object.__new__(VLLMBackend)  # no vLLM needed: the engine above, the schedule, the check recorded
+        made.engine, made.weights, made.loaded, made.policy = Engine(), None, None, None
+        made.schedule, made._check_at_push, made._probe = sync_check.SyncSchedule(1), False, None
+        made.checked = []
+        made._run_check = lambda model, prompts, out: made.checked.append((model, prompts, out))
+        return made
+
+    synchronous = backend()
+    synchronous.sync_weights(tiny_model, 1)
+    assert synchronous.schedule.due and synchronous.checked == []  # checked by the next rollout instead
+    asynchronous = backend()
+    asynchronous.sample_off_main_thread()
+    asynchronous.sync_weights(tiny_model, 1)  # the first push: no rollout to probe yet
+    assert asynchronous.checked == [] and asynchronous.schedule.due
+    asynchronous._probe = ("prompts", "rollout")  # what `generate` keeps on the producer thread
+    asynchronous.sync_weights(tiny_model, 2)
+    assert asynchronous.checked == [(tiny_model, "prompts", "rollout")]
