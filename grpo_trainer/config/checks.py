@@ -143,9 +143,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"off_policy_mask_threshold must be > 0 or None (got {args.off_policy_mask_threshold}); 0.5 is typical."),
         (args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1,
          f"pad_to_multiple_of must be >= 1 or None (got {args.pad_to_multiple_of})."),
-        *((_parallel_size(args, "sp_size") > 1 and wrong,
-           f"parallelism_config sp_size={_parallel_size(args, 'sp_size')} (DeepSpeed Ulysses sequence parallelism, "
-           f"docs/DISTRIBUTED.md) does not combine with {what}; {fix}.") for wrong, what, fix in _sp_refusals(args)),
         (_parallel_size(args, "cp_size") > 1,
          f"parallelism_config cp_size={_parallel_size(args, 'cp_size')} (torch context parallelism) is not wired "
          "into GRPO: GRPO builds its policy, old and reference batches inside the trainer after generation, and "
@@ -173,34 +170,6 @@ def _skip_changes_gradient(args: Any) -> str | None:
 
 # What fits a longer completion on one device instead (docs/MEMORY.md, "How long can I go?"): the levers' table.
 LONG_COMPLETION_LEVERS = levers.longer_levers_text()
-
-
-def _sp_refusals(args: Any) -> list[tuple[bool, str, str]]:
-    """What sequence parallelism is not wired or tested with: (wrong, what, fix)."""
-    sp = _parallel_size(args, "sp_size")
-    return [
-        (args.world_size != sp, f"{args.world_size} processes (only one group, of all processes, is wired)",
-         f"launch {sp} processes or set sp_size={args.world_size}"),
-        (args.loss_type == "bnpo", "loss_type='bnpo' (untested: its token mean over each process's micro-batch "
-         "needs a 2-process DDP run as the reference)", "use loss_type='dapo' or 'grpo'"),
-        (args.top_entropy_quantile < 1.0,
-         f"top_entropy_quantile={args.top_entropy_quantile} (its quantile pools every process's tokens at once; the "
-         "group trains one process's rows at a time)", "set top_entropy_quantile=1.0"),
-        (args.padding_free, "padding_free=True (the sharded forward runs the padded, left-aligned layout)",
-         "set padding_free=False"),
-        (args.use_vllm, "use_vllm=True (untested)", "set use_vllm=False"),
-        (args.top_k > 0 or args.top_p < 1.0 or args.min_p is not None,
-         "truncated sampling (top_k / top_p / min_p: the sharded forward scores over the full softmax, not the "
-         "kept supports)", "set top_k=0, top_p=1.0, min_p=None"),
-        (args.routing_replay == "on", "routing_replay='on' (the sharded forward does not replay routes)",
-         "set routing_replay='off'"),
-        (args.async_rollouts > 0, f"async_rollouts={args.async_rollouts} (untested)", "set async_rollouts=0"),
-        (args.activation_offloading, "activation_offloading=True (untested)", "set activation_offloading=False"),
-        (args.recompute_attention, "recompute_attention=True (untested: the recomputed attention's all-to-alls "
-         "would run again in the backward)", "set recompute_attention=False"),
-        (getattr(args, "deepspeed", None) is not None or bool(getattr(args, "fsdp", None)),
-         "DeepSpeed or FSDP (only DDP is wired)", "launch with accelerate_configs/cpu/ddp_sp.yaml"),
-    ]
 
 
 def _parallel_size(args: Any, field: str) -> int:

@@ -110,6 +110,7 @@ class GRPOTrainer(Trainer):
         args = args or GRPOConfig(f"{model_id.split('/')[-1]}-GRPO")
         check_config(args)  # again: scripts set fields after building the config
         setup.check_device(args)
+        self.launch = launch = typed.launch(args)  # read once: the planner, round source and sequence group take it
         setup.note_held_back(args)
         for message in advisories(args):
             logger.warning(message)
@@ -122,14 +123,15 @@ class GRPOTrainer(Trainer):
         processing_class = setup.load_processing_class(model, processing_class, args)
         # the text tokenizer (a processor's own) under TRL's attribute name, which TRL users' code reads and assigns
         self._tokenizer = multimodal.text_tokenizer(processing_class)
+        self.sequence = sequence_group(launch.sequence_parallel)  # the one choice of the layout
+        self.sequence.check(parts.sharding_settings(args, launch, processing_class,
+                                                    multi_turn=bool(tools or environments is not None or rollout_func)))
         choice = typed.backend_choice(args)
         source_type = parts.source_type(args)  # its refusals before the backend contacts a server or starts
-        source_type.check(parts.source_settings(args), chosen(choice), train_dataset, rollout_func)
+        source_type.check(parts.source_settings(args, launch), chosen(choice), train_dataset, rollout_func)
         backend = rollout.select(choice)
         setup.check_processor_setup(args, processing_class)
         backend.check_model(model, args.trust_remote_code)
-        setup.check_sequence_parallel(args, processing_class,
-                                      multi_turn=bool(tools or environments is not None or rollout_func))
         self._multi_turn = setup.multi_turn_of(processing_class, args, tools, environments, rollout_func,
                                                backend.capabilities.multi_turn)
         # TRL's attributes: every tool, the rollout_func, each environment's tools and pool
@@ -142,10 +144,10 @@ class GRPOTrainer(Trainer):
                            prompt_optional=environments is not None)
         self.advantage_fn = get_advantage_estimator(advantage_estimator or args.advantage_estimator, ADVANTAGE_EPS)
         memory.prepare_host(args)
-        memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config)
+        memory.check_memory(model, args, train_dataset, processing_class, peft_config, quantization_config, launch)
         policy = setup.build_policy(model, args, peft_config, quantization_config)
         in_process = not backend.capabilities.own_weights
-        source_type.check_model(policy.model, parts.source_settings(args), in_process)
+        source_type.check_model(policy.model, parts.source_settings(args, launch), in_process)
         for name, value in source_type.checkpointing_kwargs(in_process).items():
             compat.default_checkpointing_kwarg(args, name, value)
         self.ref_model, self.router_aux_loss_coef = policy.ref_model, policy.router_aux_loss_coef
@@ -171,23 +173,23 @@ class GRPOTrainer(Trainer):
 
     def _build_parts(self, args: GRPOConfig, backend: rollout.RolloutBackend, processing_class: Any) -> None:
         """The owned parts (module docstring; `trainer.parts`), once the accelerator and the prepared models exist."""
-        schedule = parts.schedule(args)
+        schedule = parts.schedule(args, self.launch)
         self.metrics = MetricsWindow()
         self.completions = CompletionLog(args.output_dir, self.reward_sources.names, args.num_completions_to_print,
                                          args.generation_batch_size, args.log_unique_prompts, args.report_to)
-        self.scorer = parts.scorer(args, schedule, self.ref_model)
-        self.sequence.attach(self.model, self.scorer)
+        self.scorer = self.sequence.scorer(parts.scoring_settings(args), schedule, self.ref_model)
+        self.sequence.attach(self.model)
         self.objective = parts.objective(args, self.scorer, self.router_aux_loss_coef, self.accelerator, self.metrics)
         first_turn = (lambda prompts: self._generate(prompts)) if self.rollout_func else None
         self.rounds = parts.round_builder(args, schedule, processing_class, backend, self.reward_sources,
                                           self.advantage_fn, self.accelerator, self.metrics, self.completions,
                                           self._multi_turn, first_turn, self.train_dataset, self.model)
-        self.corrections = parts.corrections(args, schedule, self.rounds, self.scorer, self.accelerator, self.metrics,
-                                             self.model)
+        self.corrections = parts.corrections(args, self.launch, schedule, self.rounds, self.scorer, self.accelerator,
+                                             self.metrics, self.model)
         self.buffer = RoundBuffer(schedule)
-        self.source = parts.round_source(args, self.train_dataset, self.accelerator, self.rounds, self.corrections,
-                                         self.scorer, self.buffer, lambda rows, mode: self._generate_and_score(
-                                             rows, mode), self.model, backend,
+        self.source = parts.round_source(args, self.launch, self.train_dataset, self.accelerator, self.rounds,
+                                         self.corrections, self.scorer, self.buffer,
+                                         lambda rows, mode: self._generate_and_score(rows, mode), self.model, backend,
                                          self.metrics, lambda: self.state.global_step, self._signal_stop)
         for callback in self.source.callbacks():
             self.add_callback(callback)
@@ -197,8 +199,7 @@ class GRPOTrainer(Trainer):
         self.step_time, self._saving_stuck = StepTime(self.metrics), False
 
     def create_accelerator_and_postprocess(self) -> None:
-        self.sequence = sequence_group(self.args)  # GRPO shards sequences itself, after generation
-        with self.sequence.hidden_from_accelerate(self.args):
+        with self.sequence.hidden_from_accelerate(self.args):  # GRPO shards sequences itself, after generation
             super().create_accelerator_and_postprocess()
         # FSDP2 on CPU; refuse a launch whose processes would not sync
         if distributed.prepare_backend(self.accelerator, getattr(self.args, "fsdp_plugin_args", None)):

@@ -3,9 +3,8 @@ before loading any weight.
 
 Decisions:
 
-1. `plan_settings` is the one place a `GRPOConfig` becomes the planner's `PlanSettings`; launch facts the config
-   does not hold (ZeRO stage, FSDP, processes per machine) come from the DeepSpeed config or the environment
-   `accelerate launch` sets, as the Trainer itself finds them later.
+1. `plan_settings` is the one place a `GRPOConfig` becomes the planner's `PlanSettings`; the launch (processes, ZeRO
+   stage, FSDP, processes per machine, sp_size) is the trainer's one `Launch` (`config.settings.launch`).
 2. The prompt length is the longest of the first `PROMPT_SAMPLE` prompts as the rollout tokenises them (chat
    template and a VLM's images included: `data.images.row_prompts`), at most `max_prompt_length`; the completion
    length is `max_completion_length` (a rollout can always reach it).
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,10 +89,12 @@ def _sampler_scored(args: GRPOConfig) -> bool:
 
 
 def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "float32",
-                  quantization: str | None = None, device: str = "cpu",
-                  device_total_bytes: int = 0, attention: str = "sdpa") -> planning.PlanSettings:
+                  quantization: str | None = None, device: str = "cpu", device_total_bytes: int = 0,
+                  attention: str = "sdpa", launch: Launch | None = None) -> planning.PlanSettings:
     """The planner's settings for `args` on `device` (decision 1); `attention`: the model's attention
-    implementation (what a packed forward's mask is)."""
+    implementation (what a packed forward's mask is); `launch`: the trainer's (read from `args` and the
+    environment when not given)."""
+    launch = launch or typed.launch(args)
     rollout = memory_profile(typed.backend_choice(args), device)  # the runtime's own choice (`rollout.select`)
     mixed = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
     generation_kwargs = args.generation_kwargs or {}
@@ -115,10 +115,10 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         vllm_memory_fraction=args.vllm_gpu_memory_utilization, vllm_max_model_length=args.vllm_max_model_length,
         vllm_sleep=args.vllm_enable_sleep_mode, gather_for_generation=args.ds3_gather_for_generation,
         device_total_bytes=device_total_bytes, heap_held=device != "cpu" or host_memory.would_hold(),
-        rounds=source_type(args).held(source_settings(args)),
+        rounds=source_type(args).held(source_settings(args, launch)),
         varlen_attention=is_varlen(attention),
         resample_rounds=args.max_resample_rounds if args.zero_variance_groups == "resample" else 0,
-        **_distribution(typed.launch(args)))
+        **_distribution(launch))
 
 
 def prompt_length(args: GRPOConfig, dataset: Any, processing_class: Any) -> int:
@@ -192,7 +192,7 @@ def _device(args: GRPOConfig) -> str | None:
 
 def plan_run(model: str | nn.Module, args: GRPOConfig, train_dataset: Any = None, processing_class: Any = None,
              peft_config: Any = None, quantization_config: Any = None, device: str | None = None,
-             with_device: bool = True) -> RunPlan:
+             with_device: bool = True, launch: Launch | None = None) -> RunPlan:
     """The memory plan of training `model` with `args` (no weights are loaded; a loaded model is only read)."""
     config = _model_config(model, args)
     if isinstance(model, nn.Module) and models.is_peft_model(model):
@@ -200,16 +200,16 @@ def plan_run(model: str | nn.Module, args: GRPOConfig, train_dataset: Any = None
     else:
         shape = planning.model_shape(config, peft_config, args.trust_remote_code)
     device = device or _device(args) or "cpu"
-    budget = None
-    if with_device:
-        budget = planning.device_memory(device, int(os.environ.get("LOCAL_WORLD_SIZE", max(1, args.world_size))))
+    launch = launch or typed.launch(args)
+    budget = planning.device_memory(device, launch.processes_per_node) if with_device else None
     total = 0
     if device == "cuda" and torch.cuda.is_available():
         total = torch.cuda.mem_get_info()[1]
     settings = plan_settings(args, prompt_length=prompt_length(args, train_dataset, processing_class),
                              weight_dtype=_weight_dtype(model, config, args),
                              quantization=_quantization(model, args, quantization_config),
-                             device=device, device_total_bytes=total, attention=_attention(model, config, args))
+                             device=device, device_total_bytes=total, attention=_attention(model, config, args),
+                             launch=launch)
     return RunPlan(planning.plan_memory(settings, shape), settings, shape, budget)
 
 
@@ -256,13 +256,13 @@ def prepare_host(args: GRPOConfig) -> None:
 
 
 def check_memory(model: str | nn.Module, args: GRPOConfig, train_dataset: Any, processing_class: Any,
-                 peft_config: Any = None, quantization_config: Any = None) -> None:
+                 peft_config: Any = None, quantization_config: Any = None, launch: Launch | None = None) -> None:
     """The trainer's check before loading weights (decision 3)."""
     auto, args.auto_find_batch_size = args.auto_find_batch_size, False  # decision 3: the Trainer's retry is off
     verdict = typed.memory_verdict(args, _device(args) or "cpu")
     if verdict == "off" or _device(args) is None:
         return
-    run = plan_run(model, args, train_dataset, processing_class, peft_config, quantization_config)
+    run = plan_run(model, args, train_dataset, processing_class, peft_config, quantization_config, launch=launch)
     plan, device = run.plan, run.device
     if plan.device_bytes <= device.total_bytes:
         logger.info("Memory plan: %.2f GiB of %.2f GiB per process (%s); `grpo-train plan` shows the items.",

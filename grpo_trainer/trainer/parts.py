@@ -23,6 +23,7 @@ from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
+from grpo_trainer.runtime.distributed import Launch
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
 from grpo_trainer.trainer.off_policy import OffPolicy, OffPolicySettings
@@ -31,18 +32,28 @@ from grpo_trainer.trainer.resample import Layout, Resampler, ResampleSettings
 from grpo_trainer.trainer.round_builder import PolicyView, RoundBuilder, RoundSettings
 from grpo_trainer.trainer.schedule import RoundBuffer, Schedule
 from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
+from grpo_trainer.trainer.sequence_group import ShardingSettings
 from grpo_trainer.trainer.source import RoundSource, SourceSettings, SyncRounds
 
 __all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder",
-           "round_source", "schedule", "scorer", "source_settings", "source_type"]
+           "round_source", "schedule", "scoring_settings", "sharding_settings", "source_settings", "source_type"]
 
 
-def scorer(args: GRPOConfig, schedule: Schedule, ref_model: nn.Module | None) -> PolicyScorer:
-    """The log-prob forwards (`trainer.scoring`)."""
-    settings = ScoringSettings(typed.forward_settings(args), args.per_device_train_batch_size, args.beta,
-                               skip_zero_advantages=args.zero_variance_groups == "skip",
-                               truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
-    return PolicyScorer(settings, schedule, ref_model)
+def scoring_settings(args: GRPOConfig) -> ScoringSettings:
+    """The log-prob forwards' settings (`trainer.scoring`; the layout's scorer: `SequenceGroup.scorer`)."""
+    return ScoringSettings(typed.forward_settings(args), args.per_device_train_batch_size, args.beta,
+                           skip_zero_advantages=args.zero_variance_groups == "skip",
+                           truncation=typed.truncation(args), keep_sampling_mask=args.keep_sampling_mask)
+
+
+def sharding_settings(args: GRPOConfig, launch: Launch, processing_class: Any, multi_turn: bool) -> ShardingSettings:
+    """What the sequence-parallel group and its refusals read (`trainer.sequence_group`)."""
+    engine = "DeepSpeed" if launch.deepspeed else "FSDP" if launch.fsdp else None
+    return ShardingSettings(launch.sequence_parallel, launch.processes, engine, args.loss_type,
+                            args.top_entropy_quantile, args.padding_free, bool(args.use_vllm),
+                            typed.truncation(args).active, args.routing_replay, args.async_rollouts,
+                            args.activation_offloading, args.recompute_attention, multi_turn,
+                            multimodal.is_processor(processing_class))
 
 
 def objective(args: GRPOConfig, policy_scorer: PolicyScorer, router_aux_loss_coef: float, accelerator: Accelerator,
@@ -96,28 +107,28 @@ def round_builder(args: GRPOConfig, schedule: Schedule, processing_class: Any, b
                         first_turn=first_turn, resampler=resampler(args, dataset, accelerator, reward_sources.weights))
 
 
-def corrections(args: GRPOConfig, schedule: Schedule, rounds: RoundBuilder, policy_scorer: PolicyScorer,
-                accelerator: Accelerator, metrics: MetricsWindow, model: nn.Module) -> OffPolicy:
+def corrections(args: GRPOConfig, launch: Launch, schedule: Schedule, rounds: RoundBuilder,
+                policy_scorer: PolicyScorer, accelerator: Accelerator, metrics: MetricsWindow, model: nn.Module
+                ) -> OffPolicy:
     """Old log-probs, importance weights and the mismatch report (`trainer.off_policy`); the sampler's dtype is read
     from the builder's backend when asked (a test or the trainer may swap it)."""
-    ahead = source_type(args).sampled_ahead(source_settings(args))
-    settings = OffPolicySettings(typed.engine_correction(args), ahead[1])
+    settings = OffPolicySettings(typed.engine_correction(args),
+                                 source_type(args).sampled_ahead(source_settings(args, launch))[1])
     report = mismatch_report(args, model, multimodal.text_tokenizer(rounds.processing_class), accelerator, metrics)
     return OffPolicy(settings, schedule, policy_scorer.sampling_scores, accelerator, metrics, report,
                      lambda lm: rounds.backend.sampler_dtype(causal_lm(lm)))
 
 
-def schedule(args: GRPOConfig) -> Schedule:
+def schedule(args: GRPOConfig, launch: Launch) -> Schedule:
     """Which micro-step trains on which micro-batch of which round (`trainer.schedule`)."""
     return Schedule(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps,
-                    source_type(args).sampled_ahead(source_settings(args))[0])
+                    source_type(args).sampled_ahead(source_settings(args, launch))[0])
 
 
-def source_settings(args: GRPOConfig) -> SourceSettings:
+def source_settings(args: GRPOConfig, launch: Launch) -> SourceSettings:
     """What the round source and its refusals read of the run (`trainer.source`, decision 3)."""
     return SourceSettings(args.async_rollouts, args.async_correction, args.seed, args.async_rollout_timeout,
-                          typed.launch(args), args.vllm_mode, args.vllm_tensor_parallel_size,
-                          args.sampling_mismatch_report)
+                          launch, args.vllm_mode, args.vllm_tensor_parallel_size, args.sampling_mismatch_report)
 
 
 def source_type(args: GRPOConfig) -> type[RoundSource]:
@@ -125,7 +136,7 @@ def source_type(args: GRPOConfig) -> type[RoundSource]:
     return AsyncRounds if args.async_rollouts else SyncRounds
 
 
-def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
+def round_source(args: GRPOConfig, launch: Launch, dataset: Any, accelerator: Accelerator, rounds: RoundBuilder,
                  off_policy: OffPolicy, policy_scorer: PolicyScorer, buffer: RoundBuffer,
                  generate: Callable[[list[dict], str], Any], model: nn.Module, backend: rollout.RolloutBackend,
                  metrics: MetricsWindow, global_step: Callable[[], int], signal_stop: Any) -> RoundSource:
@@ -145,8 +156,8 @@ def round_source(args: GRPOConfig, dataset: Any, accelerator: Accelerator, round
         backend.sync_weights(accelerator.unwrap_model(model), global_step())
 
     backend.sample_off_main_thread()
-    return AsyncRounds(AsyncRounds.settings(source_settings(args), accelerator.process_index), rounds, off_policy,
-                       policy_scorer,
+    return AsyncRounds(AsyncRounds.settings(source_settings(args, launch), accelerator.process_index), rounds,
+                       off_policy, policy_scorer,
                        buffer, generate, rows, view, push if backend.capabilities.own_weights else None, metrics,
                        signal_stop)
 

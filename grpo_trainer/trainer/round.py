@@ -138,6 +138,11 @@ class Round:
                 found.append((f, value, axis))
         return found
 
+    def sequences(self) -> tuple[Tensor, Tensor, int]:
+        """The rows as a log-prob forward takes them: token ids and attention mask `[B, S + T]`, and T."""
+        return (torch.cat([self.prompt_ids, self.completion_ids], dim=1),
+                torch.cat([self.prompt_mask, self.completion_mask], dim=1), self.completion_ids.shape[1])
+
     def trimmed(self) -> Round:
         """This round without the columns that are padding in every row: left of the longest prompt, right of the
         longest completion (at least one completion column is kept; widths rounded up as decision 4 says)."""

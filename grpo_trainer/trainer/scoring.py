@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.algorithms.truncation import Truncation
-from grpo_trainer.modeling import forwards, sequence_parallel
+from grpo_trainer.modeling import forwards
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.routing import ReplayStats
 from grpo_trainer.modeling.support import KeptSupport
@@ -77,8 +77,6 @@ class PolicyScorer:
 
     def __init__(self, settings: ScoringSettings, schedule: Schedule, ref_model: nn.Module | None) -> None:
         self.settings, self.schedule, self.ref_model = settings, schedule, ref_model
-        self.sp_group = None  # a sequence-parallel group: the training forwards are sharded over it (`prepare`)
-        self._shard_no_grad = False  # within `prepare` under a group: the no-grad forwards are sharded too
         self.forward = settings.forward
 
     def support(self, part: Round, collect: bool = False) -> KeptSupport | None:
@@ -99,13 +97,7 @@ class PolicyScorer:
         """Log-probs and entropies `[B, T]` of a trimmed micro-batch. `policy`: the model is the policy that sampled
         this round, on-policy (decision 2). `with_aux_loss`: also the MoE router's auxiliary loss. `collect`: keep
         the kept supports used (decision 4). `routing_stats`: counts the routes replay changed (decision 5)."""
-        input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)  # [B, S + T]
-        attention_mask = torch.cat([inputs.prompt_mask, inputs.completion_mask], dim=1)
-        width = inputs.completion_ids.shape[1]
-        if self.sp_group is not None and (self._shard_no_grad or policy and model.training):  # a slice each
-            scores = sequence_parallel.sharded_scores(model, input_ids, attention_mask, width, self.sp_group,
-                                                      self.forward)
-            return LogProbs(scores.logps, scores.entropy)
+        input_ids, attention_mask, width = inputs.sequences()
         images = multimodal.forward_inputs(model, inputs.images, width)  # None for text prompts
         known = inputs.sampler.stand_ins if policy else (None,) * 3
         replayed = inputs.sampler.replay.layer_outputs if policy and model.training else None
@@ -138,21 +130,8 @@ class PolicyScorer:
                         sampling_mask=joined([p.sampling_mask for p in pieces]))
 
     def prepare(self, part: Round, mode: str, model: nn.Module) -> Round:
-        """`part` trimmed once, with the old and reference log-probs its loss needs (decision 1). Under a
-        sequence-parallel group (training) every process calls this for its micro-batch in the same order: the
-        group's micro-batches are gathered and each is prepared in turn by every process, its no-grad forwards
-        sharded along positions (`modeling.sequence_parallel`), and this process keeps its own."""
-        if self.sp_group is None or mode != "train":
-            return self._prepare(part.trimmed(), mode, model)
-        shares: list[Round | None] = [None] * torch.distributed.get_world_size(self.sp_group)
-        torch.distributed.all_gather_object(shares, part.trimmed(), group=self.sp_group)
-        self._shard_no_grad = True
-        try:
-            prepared = [self._prepare(share, mode, model) for share in shares]
-        finally:
-            self._shard_no_grad = False
-            sequence_parallel.deactivate()
-        return prepared[torch.distributed.get_rank(self.sp_group)]
+        """`part` trimmed once, with the old and reference log-probs its loss needs (decision 1)."""
+        return self._prepare(part.trimmed(), mode, model)
 
     def _prepare(self, part: Round, mode: str, model: nn.Module) -> Round:
         old = ref = None

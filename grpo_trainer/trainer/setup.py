@@ -104,20 +104,6 @@ def check_processor_setup(args: GRPOConfig, processing_class: Any) -> None:
         args.ddp_find_unused_parameters = True
 
 
-def check_sequence_parallel(args: GRPOConfig, processing_class: Any, multi_turn: bool) -> None:
-    """Sequence parallelism (`parallelism_config` sp_size > 1) with what it is untested with, refused by name before
-    the model loads (the config's own refusals: `config.checks`)."""
-    sp_size = getattr(args.parallelism_config, "sp_size", None) or 1
-    if sp_size <= 1:
-        return
-    untested = [what for wrong, what in [
-        (multi_turn, "multi-turn rollouts (tools, environment_factory or rollout_func)"),
-        (multimodal.is_processor(processing_class), "a vision-language model's processor (image inputs)")] if wrong]
-    if untested:
-        raise ValueError(f"parallelism_config sp_size={sp_size} (DeepSpeed Ulysses sequence parallelism) is untested "
-                         f"with {untested[0]}; set sp_size=1 (docs/DISTRIBUTED.md).")
-
-
 def load_processing_class(model: str | nn.Module, processing_class: Any, args: GRPOConfig) -> Any:
     """The given tokenizer or processor, else the model's own (its processor for a vision-language model; left
     padding and truncation), with a pad token (decision 1)."""

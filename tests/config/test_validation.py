@@ -2,6 +2,7 @@
 loaded or any token generated."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -205,35 +206,76 @@ def test_advisories(overrides, expected):
     assert messages == [] if expected is None else (len(messages) == 1 and expected in messages[0])
 
 
-def test_sequence_parallelism_is_accepted_where_wired_and_refuses_what_does_not_combine(monkeypatch):
+@pytest.mark.parametrize("processes, overrides, what, fix", [
+    (1, {}, "1 processes (only one group, of all processes, is wired)", "launch 2 processes"),
+    (2, {"padding_free": True}, "padding_free=True", "set padding_free=False"),
+    (2, {"loss_type": "bnpo"}, "loss_type='bnpo' (untested", "use loss_type='dapo' or 'grpo'"),
+    (2, {"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5 (its quantile pools", "set top_entropy_quantile=1.0"),
+    (2, {"async_rollouts": 1}, "async_rollouts=1 (untested)", "set async_rollouts=0"),
+    (2, {"top_k": 5}, "truncated sampling", "set top_k=0, top_p=1.0, min_p=None"),
+    (2, {"recompute_attention": True}, "recompute_attention=True (untested", "set recompute_attention=False"),
+    (2, {"use_vllm": True}, "use_vllm=True (untested)", "set use_vllm=False"),
+    (2, {"routing_replay": "on"}, "routing_replay='on' (the sharded forward", "set routing_replay='off'"),
+    (2, {"deepspeed": {"zero_optimization": {"stage": 2}}}, "DeepSpeed (only DDP is wired)",
+     "accelerate_configs/cpu/ddp_sp.yaml"),
+])
+def test_sequence_parallelism_refuses_what_does_not_combine_before_loading(tmp_path, tokenizer, monkeypatch,
+                                                                           processes, overrides, what, fix):
     """sp_size=2 (docs/DISTRIBUTED.md, "Sequence parallelism"; trained in tests/distributed/test_multiprocess.py's
-    ddp_sp modes) is accepted on 2 processes with padding_free=False; each combination it is not wired or tested
-    with is refused by name, with its fix."""
+    ddp_sp modes): each combination it is not wired or tested with is refused by the trainer by name, with its fix,
+    before the model (an id never downloaded) loads (`trainer.sequence_group.REFUSALS`)."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    def config(processes: int, **overrides) -> GRPOConfig:
-        monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: processes))
-        return GRPOConfig(**{**BASE, "parallelism_config": ParallelismConfig(sp_size=2), "padding_free": False,
-                             **overrides})
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: processes))
+    fields = {**BASE, "output_dir": str(tmp_path), "parallelism_config": ParallelismConfig(sp_size=2), **overrides}
+    if "deepspeed" in overrides:  # TrainingArguments would start DeepSpeed's engine set-up at construction
+        args = GRPOConfig(**{k: v for k, v in fields.items() if k != "deepspeed"})
+        args.deepspeed = overrides["deepspeed"]
+    else:
+        args = GRPOConfig(**fields)
+    with pytest.raises(ValueError) as error:
+        make(args, tokenizer)
+    message = str(error.value)
+    assert "parallelism_config sp_size=2 (DeepSpeed Ulysses sequence parallelism" in message
+    assert f"does not combine with {what}" in message and fix in message, message
 
-    assert config(2).parallelism_config.sp_size == 2
-    assert config(2, mlp_tile_tokens=64).mlp_tile_tokens == 64  # the sharded forward tiles (tests/distributed)
-    for processes, overrides, what, fix in [
-            (1, {}, "1 processes (only one group, of all processes, is wired)", "launch 2 processes"),
-            (2, {"padding_free": True}, "padding_free=True", "set padding_free=False"),
-            (2, {"loss_type": "bnpo"}, "loss_type='bnpo' (untested", "use loss_type='dapo' or 'grpo'"),
-            (2, {"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5 (its quantile pools",
-             "set top_entropy_quantile=1.0"),
-            (2, {"async_rollouts": 1}, "async_rollouts=1 (untested)", "set async_rollouts=0"),
-            (2, {"top_k": 5}, "truncated sampling", "set top_k=0, top_p=1.0, min_p=None"),
-            (2, {"activation_offloading": True}, "activation_offloading=True (untested)",
-             "set activation_offloading=False"),
-            (2, {"recompute_attention": True}, "recompute_attention=True (untested", "set recompute_attention=False")]:
-        with pytest.raises(ValueError) as error:
-            config(processes, **overrides)
-        message = str(error.value)
-        assert "parallelism_config sp_size=2 (DeepSpeed Ulysses sequence parallelism" in message
-        assert f"does not combine with {what}" in message and fix in message, message
+
+def test_every_sequence_parallel_refusal_fires_alone_by_its_name():
+    """Each row of `trainer.sequence_group.REFUSALS` on settings that break it alone (activation offloading, which
+    the trainer refuses on CPU before, and multi-turn / vision, which need the trainer's inputs, included)."""
+    from grpo_trainer.config.refusals import first
+    from grpo_trainer.trainer.sequence_group import REFUSALS, ShardingSettings
+
+    fine = ShardingSettings(size=2, processes=2)
+    assert first(REFUSALS, fine) is None and first(REFUSALS, ShardingSettings(size=1, use_vllm=True)) is None
+    breaking = {"processes": {"processes": 4}, "engine": {"engine": "FSDP"}, "bnpo": {"loss_type": "bnpo"},
+                "entropy_quantile": {"top_entropy_quantile": 0.5}, "padding_free": {"padding_free": True},
+                "vllm": {"use_vllm": True}, "truncation": {"truncated": True},
+                "routing_replay": {"routing_replay": "on"},
+                "async": {"async_rollouts": 1}, "offloading": {"activation_offloading": True},
+                "recompute_attention": {"recompute_attention": True}, "multi_turn": {"multi_turn": True},
+                "vision": {"vision": True}}
+    assert set(breaking) == {r.name for r in REFUSALS}
+    for name, fields in breaking.items():
+        settings = dataclasses.replace(fine, **fields)
+        refused = first(REFUSALS, settings)
+        assert refused is not None and refused.name == name, name
+        assert refused.message(settings).startswith("parallelism_config sp_size=2")
+
+
+def test_sequence_parallelism_is_accepted_where_wired(tmp_path, monkeypatch):
+    """On 2 processes, with the sharded forward's tiled MLP too; `padding_free` left None resolves off there."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from grpo_trainer.config import settings as typed
+    from grpo_trainer.trainer import parts, sequence_group
+
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 2))
+    args = GRPOConfig(**{**BASE, "output_dir": str(tmp_path), "parallelism_config": ParallelismConfig(sp_size=2),
+                         "mlp_tile_tokens": 64})
+    settings = parts.sharding_settings(args, typed.launch(args), processing_class=None, multi_turn=False)
+    sequence_group.sequence_group(2).check(settings)  # nothing refused
+    assert not typed.forward_settings(args, "cpu").padding_free
 
 
 def test_activation_offloading_is_refused_on_cpu_before_loading(args, tokenizer, monkeypatch):
@@ -270,8 +312,8 @@ def test_sequence_parallelism_refuses_multi_turn_before_loading(args, tokenizer,
         """
         return a + b
 
-    with pytest.raises(ValueError, match=r"sp_size=2 \(DeepSpeed Ulysses sequence parallelism\) is untested with "
-                                         r"multi-turn rollouts"):
+    with pytest.raises(ValueError, match=r"sp_size=2 \(DeepSpeed Ulysses sequence parallelism, docs/DISTRIBUTED.md\) "
+                                         r"does not combine with multi-turn rollouts"):
         make(args, tokenizer, tools=[add])
 
 

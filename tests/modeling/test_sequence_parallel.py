@@ -105,5 +105,5 @@ def test_a_mixture_of_experts_model_is_refused_by_the_sequence_group_before_anyt
     from tests.modeling.test_routing import moe_of_family
 
     with pytest.raises(ValueError, match=r"sp_size > 1 cannot train a Mixture-of-Experts model"):
-        UlyssesGroup(2).attach(moe_of_family(tokenizer, "qwen3_moe"), scorer=None)
+        UlyssesGroup(2).check_model(moe_of_family(tokenizer, "qwen3_moe"))
     assert not sequence_parallel._state["installed"]  # refused before Ulysses replaced any attention function

@@ -343,8 +343,10 @@ def test_one_round_source_interface_for_both_schedules(tmp_path, tokenizer, toy_
     ahead = make_trainer(tmp_path / "async", tokenizer, toy_dataset, model=make_tiny_model(tokenizer, seed=7),
                          **COPY_TASK, **TWO_GROUPS_OF_4, async_rollouts=1, max_steps=1)
     assert isinstance(plain.source, SyncRounds) and plain.source.callbacks() == []
-    assert plain.source.sampled_ahead(parts.source_settings(plain.args)) == (0, None) and not plain.buffer.schedule.rounds_ahead
-    assert isinstance(ahead.source, AsyncRounds) and ahead.source.sampled_ahead(parts.source_settings(ahead.args)) == (1, "behaviour")
+    assert plain.source.sampled_ahead(parts.source_settings(plain.args, plain.launch)) == (0, None)
+    assert not plain.buffer.schedule.rounds_ahead
+    assert isinstance(ahead.source, AsyncRounds)
+    assert ahead.source.sampled_ahead(parts.source_settings(ahead.args, ahead.launch)) == (1, "behaviour")
     assert any(isinstance(c, ProducerPacing) for c in ahead.callback_handler.callbacks)
     plain.train()
     ahead.train()
