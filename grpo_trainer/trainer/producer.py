@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from grpo_trainer.config.refusals import Refusal, check
 from grpo_trainer.data.sampler import RoundSource as PromptRows
 from grpo_trainer.planning.settings import RoundsHeld
 from grpo_trainer.reporting.metrics import MetricsWindow
@@ -56,7 +57,8 @@ from grpo_trainer.trainer.schedule import RoundBuffer
 from grpo_trainer.trainer.scoring import PolicyScorer
 from grpo_trainer.trainer.source import RoundSource, SourceSettings
 
-__all__ = ["AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "RoundProducer", "round_seed"]
+__all__ = ["REFUSALS", "AsyncFacts", "AsyncRounds", "AsyncSettings", "ProducerError", "ProducerPacing", "RoundProducer",
+           "round_seed"]
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,59 @@ def _close_producers() -> None:
         producer.close(timeout=_EXIT_WAIT_S)
 
 
+@dataclass(frozen=True)
+class AsyncFacts:
+    """What the asynchronous source's refusals read: its settings and the run's backend, dataset and rollout_func."""
+
+    settings: SourceSettings
+    backend: str  # the chosen backend's registry name
+    own_weights: bool  # an inference engine holding its own weights (vLLM)
+    streamed: bool  # an IterableDataset
+    rollout_func: bool
+
+
+def _async(name: str, reads: tuple[str, ...], applies: Callable[[AsyncFacts], bool], reason: str
+           ) -> Refusal[AsyncFacts]:
+    return Refusal(name, ("rounds_ahead", *reads), lambda f: f.settings.rounds_ahead > 0 and applies(f),
+                   lambda f: f"async_rollouts={f.settings.rounds_ahead} is not supported here: {reason(f)}.")
+
+
+def _sharded_reason(f: AsyncFacts) -> str:
+    return (f"an in-process backend samples from the live weights on a second thread, which "
+            f"{f.settings.launch.sharded_weights} shards (gathering them is a collective); use a vLLM server "
+            "(use_vllm=True, vllm_mode='server'), DDP or ZeRO-2, or async_rollouts=0")
+
+
+# Asynchronous rollouts where they cannot be made safe, each with the working alternative (`AsyncRounds.check`).
+REFUSALS: tuple[Refusal[AsyncFacts], ...] = (
+    _async("rollout_func", ("rollout_func",), lambda f: f.rollout_func, lambda f:
+           "a rollout_func receives the trainer, which the producer thread would share with the training step; use "
+           "tools or environment_factory, or async_rollouts=0"),
+    _async("streamed", ("streamed",), lambda f: f.streamed, lambda f:
+           "a streamed train_dataset cannot be read rounds ahead; pass a map-style datasets.Dataset, or "
+           "async_rollouts=0"),
+    _async("continuous_batching", ("backend",), lambda f: f.backend == CONTINUOUS_BATCHING, lambda f:
+           "transformers' continuous batching switches the model between train and eval mode while it generates; "
+           "use generation_backend='fast' or 'generate'"),
+    _async("server_processes", ("own_weights", "vllm_mode", "processes"),
+           lambda f: f.own_weights and f.settings.vllm_mode == "server" and f.settings.launch.processes > 1,
+           lambda f: "with several training processes the main process's client serves every process's prompts, a "
+                     "collective the producer thread cannot run; train with one process beside the vLLM server, use "
+                     "vllm_mode='colocate', or async_rollouts=0"),
+    _async("colocated_tensor_parallel", ("own_weights", "vllm_mode", "vllm_tensor_parallel_size"),
+           lambda f: f.own_weights and f.settings.vllm_mode == "colocate" and f.settings.vllm_tensor_parallel_size > 1,
+           lambda f: "tensor-parallel colocated vLLM generates through a collective; use vllm_tensor_parallel_size=1 "
+                     "or a vLLM server"),
+    _async("in_process_sharded", ("own_weights", "sharded_weights"),
+           lambda f: not f.own_weights and f.settings.launch.sharded_weights is not None, _sharded_reason),
+    _async("engine_mismatch_report", ("own_weights", "mismatch_report"),
+           lambda f: f.own_weights and f.settings.mismatch_report, lambda f:
+           "sampling_mismatch_report compares the sampler's log-probs with the trainer's at the weights that sampled "
+           "them, which an inference engine's rounds sampled ahead outlive (`trainer.off_policy`, decision 3); use "
+           "async_rollouts=0 for the report, or an in-process backend ('fast' or 'generate')"),
+)
+
+
 class AsyncRounds(RoundSource):
     """The asynchronous round source (`trainer.source`): at the start of each training round, take it from the
     producer, correct it for being sampled off-policy (`trainer.off_policy`), prepare its micro-batches, then submit
@@ -256,40 +311,12 @@ class AsyncRounds(RoundSource):
 
     @classmethod
     def check(cls, settings: SourceSettings, backend: Any, train_dataset: Any, rollout_func: Any) -> None:
-        """Asynchronous rollouts where they cannot be made safe, refused before any model loads, each with the
-        working alternative."""
+        """Asynchronous rollouts where they cannot be made safe (`REFUSALS`), refused before any model loads, each
+        with the working alternative."""
         from torch.utils.data import IterableDataset
 
-        own_weights = backend.capabilities.own_weights
-        refusals = [
-            (rollout_func is not None,
-             "a rollout_func receives the trainer, which the producer thread would share with the training step; "
-             "use tools or environment_factory, or async_rollouts=0"),
-            (isinstance(train_dataset, IterableDataset),
-             "a streamed train_dataset cannot be read rounds ahead; pass a map-style datasets.Dataset, or "
-             "async_rollouts=0"),
-            (backend.name == CONTINUOUS_BATCHING,
-             "transformers' continuous batching switches the model between train and eval mode while it generates; "
-             "use generation_backend='fast' or 'generate'"),
-            (own_weights and settings.vllm_mode == "server" and settings.launch.processes > 1,
-             "with several training processes the main process's client serves every process's prompts, a "
-             "collective the producer thread cannot run; train with one process beside the vLLM server, use "
-             "vllm_mode='colocate', or async_rollouts=0"),
-            (own_weights and settings.vllm_mode == "colocate" and settings.vllm_tensor_parallel_size > 1,
-             "tensor-parallel colocated vLLM generates through a collective; use vllm_tensor_parallel_size=1 or a "
-             "vLLM server"),
-            (not own_weights and settings.launch.sharded_weights is not None,
-             f"an in-process backend samples from the live weights on a second thread, which "
-             f"{settings.launch.sharded_weights} shards (gathering them is a collective); use a vLLM server "
-             "(use_vllm=True, vllm_mode='server'), DDP or ZeRO-2, or async_rollouts=0"),
-            (own_weights and settings.mismatch_report,
-             "sampling_mismatch_report compares the sampler's log-probs with the trainer's at the weights that "
-             "sampled them, which an inference engine's rounds sampled ahead outlive (`trainer.off_policy`, "
-             "decision 3); use async_rollouts=0 for the report, or an in-process backend ('fast' or 'generate')"),
-        ]
-        for refused, reason in refusals:
-            if refused:
-                raise ValueError(f"async_rollouts={settings.rounds_ahead} is not supported here: {reason}.")
+        check(REFUSALS, AsyncFacts(settings, backend.name, backend.capabilities.own_weights,
+                                   isinstance(train_dataset, IterableDataset), rollout_func is not None))
 
     @staticmethod
     def checkpointing_kwargs(in_process: bool) -> dict[str, bool]:

@@ -354,3 +354,41 @@ def test_one_round_source_interface_for_both_schedules(tmp_path, tokenizer, toy_
     state = ahead.run_parts.state_dict()
     # max_steps=1: round 0 trained, round 1 never submitted (past the run's last round)
     assert state.keys() == {"buffer", "micro_step", "producer"} and state["producer"]["done"] == {}
+
+
+def test_every_async_refusal_fires_alone_by_its_name():
+    """Each row of `trainer.producer.REFUSALS` on facts that break it alone; none with async_rollouts=0."""
+    import dataclasses
+
+    from grpo_trainer.config.refusals import first
+    from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING
+    from grpo_trainer.runtime.distributed import Launch
+    from grpo_trainer.trainer.producer import REFUSALS, AsyncFacts
+    from grpo_trainer.trainer.source import SourceSettings
+
+    fine = AsyncFacts(SourceSettings(rounds_ahead=1), "fast", own_weights=False, streamed=False, rollout_func=False)
+    engine = dataclasses.replace(fine, backend="vllm", own_weights=True)
+    assert first(REFUSALS, fine) is None and first(REFUSALS, engine) is None
+
+    def settings(**fields):
+        return dataclasses.replace(fine.settings, **fields)
+
+    breaking = {
+        "rollout_func": dataclasses.replace(fine, rollout_func=True),
+        "streamed": dataclasses.replace(fine, streamed=True),
+        "continuous_batching": dataclasses.replace(fine, backend=CONTINUOUS_BATCHING),
+        "server_processes": dataclasses.replace(engine, settings=settings(vllm_mode="server",
+                                                                          launch=Launch(processes=2))),
+        "colocated_tensor_parallel": dataclasses.replace(engine, settings=settings(vllm_tensor_parallel_size=2)),
+        "in_process_sharded": dataclasses.replace(fine, settings=settings(launch=Launch(processes=2, zero_stage=3))),
+        "engine_mismatch_report": dataclasses.replace(engine, settings=settings(mismatch_report=True)),
+    }
+    assert set(breaking) == {r.name for r in REFUSALS}
+    for name, facts in breaking.items():
+        refused = first(REFUSALS, facts)
+        assert refused is not None and refused.name == name, name
+        assert refused.message(facts).startswith("async_rollouts=1 is not supported here: ")
+        off = dataclasses.replace(facts, settings=dataclasses.replace(facts.settings, rounds_ahead=0))
+        assert first(REFUSALS, off) is None
+    fsdp = dataclasses.replace(fine, settings=settings(launch=Launch(processes=2, fsdp=True)))
+    assert "FSDP shards" in first(REFUSALS, fsdp).message(fsdp)
