@@ -1,7 +1,8 @@
 """A tied input embedding's gradient added in place into the LM head's (`modeling.tied_embedding`): the same dense
 `.grad` as the dense lookup's within float32 rounding (padded and packed, checkpointed, accumulated over two
 backwards), without the `[V, E]` buffer of its own at the backward's end; left dense where the sum could not be
-dense; the module as loaded once the forward is done."""
+dense; the module as loaded once the forward is done. Under CPU bf16 autocast the gradients are the dense lookup's
+within bf16 rounding, by the body that tests/gpu/test_tied_lookup_cuda.py runs on CUDA (tests/gpu/bodies.py)."""
 
 import contextlib
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from grpo_trainer.modeling import forwards, kernels, tied_embedding
+from tests.gpu.bodies import lookup_gradients, tied_gradients_equal_dense
 from tests.helpers import model_of_kind
 
 VOCAB = 16_384
@@ -89,6 +91,16 @@ def test_tied_gradient_equals_dense_without_its_buffer(tokenizer, padding_free, 
     # activations of 3 x 22 tokens are far smaller); the lookup's rows' gradient is 3 x 22 x E floats.
     matrix = embedding.weight.numel() * 4  # V x E x 4 B = 16,384 x 224 x 4 = 14.7 MB
     assert dense_peak - peak > 0.9 * matrix, (dense_peak, peak, matrix)
+
+
+def test_tied_gradient_equals_dense_under_cpu_bf16_autocast(tokenizer):
+    """bf16 autocast over float32 weights on CPU (the trainer's mixed precision): the tied lookup's gradients are
+    the dense lookup's within bf16 rounding of the products. The autocast is real: without it the embedding's
+    gradient moves by far more than that tolerance."""
+    run = tied_gradients_equal_dense(tokenizer, torch.device("cpu"), vocab_size=4096)
+    fp32, _ = lookup_gradients(run.model, *run.batch, dense=False, autocast=False)
+    name = "model.embed_tokens.weight"
+    assert (fp32[name] - run.grads[name]).abs().max() > 100 * 1e-4, "the bf16 autocast changed nothing"
 
 
 def test_left_dense_where_the_sum_could_not_be(tokenizer):

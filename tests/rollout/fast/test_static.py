@@ -1,7 +1,8 @@
 """`fast.static`: the decoder stepped with finished rows compacted out of its preallocated KV cache ("compact"),
 and at static shapes per batch-size bucket ("graphs"; on CPU the same step runs eagerly, CUDA graphs are tested
-in tests/gpu). Compared with `model.generate` (greedy) and with the eager decoder (sampled: same seed, same
-tokens and log-probs, because token selection and its random draws still see every row)."""
+in tests/gpu/test_static_decode.py, which runs the bodies of tests/gpu/bodies.py that the tests here run on CPU).
+Compared with `model.generate` (greedy) and with the eager decoder (sampled: same seed, same tokens and log-probs,
+because token selection and its random draws still see every row)."""
 
 import pytest
 import torch
@@ -12,8 +13,16 @@ from grpo_trainer.rollout.fast.backend import FastBackend
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import max_new_tokens
 from grpo_trainer.rollout.types import end_at_first_eos
+from tests.gpu.bodies import (
+    bf16_static_logps_within_rounding,
+    compactions_in_place,
+    graphs_against_the_eager_static_step,
+    static_greedy_tokens_equal_generate,
+)
 from tests.helpers import assert_same_rollout, greedy_config, model_of_kind
 from tests.static_helpers import decode, early_eos_config, varied_prompts
+
+CPU = torch.device("cpu")
 
 
 def test_bucket_is_the_smallest_power_of_two_holding_the_live_rows_capped_at_the_batch():
@@ -47,15 +56,28 @@ def test_bad_modes_are_refused_by_name(monkeypatch):
 @pytest.mark.parametrize("mode", ["compact", "graphs"])
 @pytest.mark.parametrize("kind", ["qwen2.5-0.5b", "llama", "qwen3"])
 def test_greedy_tokens_equal_generate_with_rows_compacted(tokenizer, kind, mode):
-    model = model_of_kind(kind, tokenizer)
-    prompts = varied_prompts(tokenizer)
-    config = early_eos_config(tokenizer, model, prompts)
-    with torch.no_grad():
-        reference = generate_rollout(model, prompts, config)
-    lengths = reference.completion_mask.sum(1)
-    assert lengths.min() < lengths.max() == reference.completion_ids.shape[1]  # mixed lengths
-    fast = FastBackend(cpu=mode).generate(model, prompts, config)
-    assert_same_rollout(fast, reference)
+    static_greedy_tokens_equal_generate(tokenizer, kind, mode, CPU)
+
+
+def test_off_cuda_the_graphs_mode_runs_its_static_step_eagerly_and_says_why(tokenizer, caplog):
+    """"graphs" on CPU: the step is refused graphs by device (logged once, with the reason), captures
+    nothing, and compacts onto the same buckets at the same steps as when the test refuses graphs itself; both
+    runs' tokens and log-probs are equal (tests/gpu compares the replayed graphs with the same eager step)."""
+    with caplog.at_level("INFO", logger="grpo_trainer.rollout.fast.static"):
+        run, _ = graphs_against_the_eager_static_step(tokenizer, CPU)
+    assert not run.use_graphs and not run.graphs and run.pool is None
+    assert caplog.text.count("the static decode step runs eagerly: CUDA graphs need a CUDA device, not cpu") == 1
+
+
+def test_graphs_mode_compacts_in_place_onto_buckets(tokenizer):
+    """The static step's compactions (masked full-width attention): onto ever smaller buckets of the 16 rows, inside
+    the caches allocated once; rows of 4 lengths, 12 of which end early, leave the last bucket at 4 rows."""
+    run = compactions_in_place(tokenizer, CPU, mode="graphs")
+    assert run.static and run.n == 4 == run.compactions[-1][1]
+
+
+def test_bf16_static_logps_within_rounding_of_the_eager_decoder(tokenizer):
+    bf16_static_logps_within_rounding(tokenizer, CPU)
 
 
 @pytest.mark.parametrize("mode", ["compact", "graphs"])
