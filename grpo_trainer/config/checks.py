@@ -11,9 +11,10 @@ from typing import Any
 from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
 from grpo_trainer.config import choices as kinds
 from grpo_trainer.config.choices import choices
+from grpo_trainer.config.refusals import Refusal, check
 from grpo_trainer.planning import levers
 
-__all__ = ["advisories", "check_config"]
+__all__ = ["COMBINATIONS", "LONG_COMPLETION_LEVERS", "advisories", "check_config"]
 
 
 def _rules(args: Any) -> list[tuple[bool, str]]:
@@ -66,14 +67,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.zero_variance_groups not in choices(kinds.ZeroVarianceGroups),
          f"unknown zero_variance_groups {args.zero_variance_groups!r}; choose one of "
          f"{choices(kinds.ZeroVarianceGroups)}."),
-        (args.zero_variance_groups == "skip" and _skip_changes_gradient(args) is not None,
-         f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage completion adds "
-         f"nothing to the loss, but {_skip_changes_gradient(args)} gives it a gradient; use 'train' (the same "
-         "gradient, every row run) or 'resample'."),
-        (args.zero_variance_groups == "resample" and isinstance(args.async_rollouts, int) and args.async_rollouts > 0,
-         f"zero_variance_groups='resample' generates its extra prompts while the round is assembled, with the latest "
-         f"weights, but async_rollouts={args.async_rollouts} samples rounds ahead with older ones; use "
-         "async_rollouts=0, or zero_variance_groups='train' or 'skip'."),
         (args.max_resample_rounds < 0,
          f"max_resample_rounds must be >= 0 (got {args.max_resample_rounds}); 0 draws no extra prompt."),
         (not args.sampling_mismatch_threshold > 0,
@@ -108,10 +101,6 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"async_rollout_timeout must be > 0 seconds, or None for no limit (got {args.async_rollout_timeout})."),
         (args.routing_replay not in choices(kinds.RoutingReplay),
          f"routing_replay must be 'auto', 'on' or 'off' (got {args.routing_replay!r})."),
-        (args.routing_replay == "on" and (args.use_vllm or args.use_transformers_continuous_batching),
-         "routing_replay='on' needs the rollout's routing, which is recorded only for rollouts in the trainer's "
-         "process (generate, the fast backends), not by vLLM or transformers' continuous batching; use 'auto' "
-         "(replay off there) or 'off'."),
         (args.vllm_mode not in choices(kinds.VLLMMode),
          f"unknown vllm_mode {args.vllm_mode!r}; choose 'colocate' or 'server'."),
         (args.vllm_importance_sampling_mode not in choices(kinds.VLLMImportanceSamplingMode),
@@ -205,8 +194,32 @@ def advisories(args: Any) -> list[str]:
     return messages
 
 
+# Combinations of valid fields refused by name (`config.refusals`: the combination matrix reads this table), checked
+# after the rules above.
+COMBINATIONS: tuple[Refusal[Any], ...] = (
+    Refusal("skip_with_gradient", ("zero_variance_groups", "beta", "entropy_coef", "use_adaptive_entropy",
+                                   "top_entropy_quantile"),
+            lambda a: a.zero_variance_groups == "skip" and _skip_changes_gradient(a) is not None,
+            lambda a: f"zero_variance_groups='skip' leaves the gradient unchanged only when a zero-advantage "
+                      f"completion adds nothing to the loss, but {_skip_changes_gradient(a)} gives it a gradient; use "
+                      "'train' (the same gradient, every row run) or 'resample'."),
+    Refusal("resample_ahead", ("zero_variance_groups", "async_rollouts"),
+            lambda a: a.zero_variance_groups == "resample" and isinstance(a.async_rollouts, int)
+            and a.async_rollouts > 0,
+            lambda a: f"zero_variance_groups='resample' generates its extra prompts while the round is assembled, "
+                      f"with the latest weights, but async_rollouts={a.async_rollouts} samples rounds ahead with older "
+                      "ones; use async_rollouts=0, or zero_variance_groups='train' or 'skip'."),
+    Refusal("routing_replay_engine", ("routing_replay", "use_vllm", "use_transformers_continuous_batching"),
+            lambda a: a.routing_replay == "on" and bool(a.use_vllm or a.use_transformers_continuous_batching),
+            lambda a: "routing_replay='on' needs the rollout's routing, which is recorded only for rollouts in the "
+                      "trainer's process (generate, the fast backends), not by vLLM or transformers' continuous "
+                      "batching; use 'auto' (replay off there) or 'off'."),
+)
+
+
 def check_config(args: Any) -> None:
-    """Raise the first rule that `args` (a GRPOConfig) breaks."""
+    """Raise the first rule that `args` (a GRPOConfig) breaks, then the first refused combination."""
     for wrong, message in _rules(args):
         if wrong:
             raise ValueError(message)
+    check(COMBINATIONS, args)
