@@ -63,19 +63,25 @@ MODES = {
                          ("--ddp-backend", "gloo", "--no-ds3-gather", "--padding-free")),
 }
 
-MLP_TILE = 4  # tokens per tile of the *_tiled modes: fewer than any row's
+MLP_TILE = 4  # tokens per tile of the *_tiling modes: fewer than any row's
+TILING = ("--sgd", "--mlp-tile-tokens", str(MLP_TILE), "--recompute-attention")
 
 # Launched only by the test that names it (not in the tests parametrized over MODES): loss_type='grpo' under SGD
 # (lr 0.1) with sequence parallelism, compared with the 1-process run of the same settings (`run_reference`).
 EXTRA_MODES = {
     "ddp_sp_grpo": Mode("ddp_sp.yaml", "MULTI_CPU", "DistributedDataParallel",
                         ("--loss-type", "grpo", "--sgd", "--sequence-parallel"), env=CPU),
-    # The sequence-tiled MLP (`mlp_tile_tokens`) over partitioned / sharded parameters, compared with the untiled
-    # 1-process run: tiles of MLP_TILE tokens split every row (a 9-token prompt and 1-10 completion tokens), and the
-    # processes' micro-batches differ in length, so their own numbers of tiles differ (ZeRO-3 agrees on the largest).
-    "zero3_tiled": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
-                        ("--ddp-backend", "gloo", "--no-ds3-gather", "--mlp-tile-tokens", str(MLP_TILE))),
-    "fsdp2_tiled": Mode("fsdp2.yaml", "FSDP", "FSDPModule", ("--mlp-tile-tokens", str(MLP_TILE)), env=CPU),
+    # modeling/tiling.py's two memory levers together, under each launch the memory planner may propose them
+    # under, with SGD (lr 0.1) and compared with the 1-process run without them (test_tiling_multiprocess.py): the
+    # sequence-tiled MLP and norms (`mlp_tile_tokens`: tiles of MLP_TILE tokens split every row, a 9-token prompt
+    # and 1-10 completion tokens, and the processes' micro-batches differ in length, so their own numbers of tiles
+    # differ; ZeRO-3 agrees on the largest) and the recomputed attention (`recompute_attention`: a row at a time,
+    # under ZeRO-3 whole by design).
+    "ddp_tiling": Mode("ddp.yaml", "MULTI_CPU", "DistributedDataParallel", TILING, env=CPU),
+    "zero2_tiling": Mode("deepspeed_zero2.yaml", "DEEPSPEED", "DeepSpeedEngine", ("--ddp-backend", "gloo", *TILING)),
+    "zero3_tiling": Mode("deepspeed_zero3.yaml", "DEEPSPEED", "DeepSpeedEngine",
+                         ("--ddp-backend", "gloo", "--no-ds3-gather", *TILING)),
+    "fsdp2_tiling": Mode("fsdp2.yaml", "FSDP", "FSDPModule", TILING, env=CPU),
 }
 
 

@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -233,6 +234,67 @@ def _counting_tiled_backwards(counts: dict):
         tiling.TiledMLP.backward = staticmethod(backward)
 
 
+@contextlib.contextmanager
+def _counting_recomputed_attention(counts: dict):
+    """Within: counts this process's attention calls under `recompute_attention` (the forwards `tiling._recomputed`
+    checkpoints) into counts: per phase ("forward": with a graph; "backward": run by the autograd engine, i.e. a
+    checkpoint's recomputation; "no_grad") the calls, the rows they saw and the most rows one call saw. One row per
+    call means the block ran a row at a time; backward calls mean its checkpoint recomputed it. Restored after."""
+    from grpo_trainer.modeling import tiling
+
+    counts.update({f"{phase}_{what}": 0 for phase in ("forward", "backward", "no_grad")
+                   for what in ("calls", "rows", "max_rows")})
+    recomputed = tiling._recomputed
+
+    def counted(forward, inner, by_row=True):
+        def attention(*args, **kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            phase = ("backward" if torch._C._current_graph_task_id() >= 0 else
+                     "forward" if torch.is_grad_enabled() else "no_grad")
+            counts[f"{phase}_calls"] += 1
+            counts[f"{phase}_rows"] += hidden.shape[0]
+            counts[f"{phase}_max_rows"] = max(counts[f"{phase}_max_rows"], hidden.shape[0])
+            return forward(*args, **kwargs)
+
+        return recomputed(attention, inner, by_row)
+
+    tiling._recomputed = counted
+    try:
+        yield
+    finally:
+        tiling._recomputed = recomputed
+
+
+@contextlib.contextmanager
+def _recording_logprobs(record: dict, step: Callable[[], int]):
+    """Within: every log-prob forward's (`forwards.score`) log-probs of each row's completion tokens, into
+    record["policy"] (forwards with a graph: the loss's) or record["no_grad"] (the reference model's), keyed by
+    "<optimizer step>:<the row's real token ids>" (whichever process scored the row, and however the micro-batch
+    was split); record["policy_rows"]: the rows of each policy forward. Restored after."""
+    from grpo_trainer.modeling import forwards
+
+    record.update(policy={}, no_grad={}, policy_rows=[])
+    score = forwards.score
+
+    def recorded(model, input_ids, attention_mask, completion_length, *args, **kwargs):
+        out = score(model, input_ids, attention_mask, completion_length, *args, **kwargs)
+        kind = "policy" if torch.is_grad_enabled() else "no_grad"
+        if kind == "policy":
+            record["policy_rows"].append(input_ids.shape[0])
+        completion = attention_mask[:, -completion_length:].bool()
+        for ids, mask, logps, kept in zip(input_ids, attention_mask.bool(), out.logps.detach(), completion,
+                                          strict=True):
+            key = f"{step()}:{' '.join(map(str, ids[mask].tolist()))}"
+            record[kind][key] = logps[kept].tolist()
+        return out
+
+    forwards.score = recorded
+    try:
+        yield
+    finally:
+        forwards.score = score
+
+
 def _sequence_parallel(processes: int) -> dict:
     """Every process one slice of each sequence's positions (DeepSpeed Ulysses), the group being all processes."""
     from accelerate.parallelism_config import ParallelismConfig
@@ -243,13 +305,15 @@ def _sequence_parallel(processes: int) -> dict:
 def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | None = None,
         ds3_gather: bool = True, per_device_batch: int | None = None, padding_free: bool = False,
         logprob_chunk_size: int = 1024, sequence_parallel: bool = False, loss_type: str = "dapo",
-        sgd: bool = False, mlp_tile_tokens: int = 0) -> dict:
+        sgd: bool = False, mlp_tile_tokens: int = 0, recompute_attention: bool = False) -> dict:
     from accelerate import PartialState
     from accelerate.utils import gather_object
     from transformers import set_seed
 
     from grpo_trainer.cli.toy import copy_digits_dataset, copy_digits_reward
     from grpo_trainer.modeling.sequence_parallel import sharded_forwards
+    from grpo_trainer.modeling.unwrap import causal_lm
+    from grpo_trainer.runtime import compat
     from grpo_trainer.runtime.distributed import launched_world_size
     from tests.helpers import make_args, make_trainer
     from tests.parameters import full_parameters, parameter_digest
@@ -265,7 +329,7 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
         reward_weights=[1.0, 0.5, 0.0],
         logging_steps=1, log_completions=True, num_completions_to_print=0, report_to="none", save_strategy="no",
         seed=0, ddp_backend=ddp_backend, ds3_gather_for_generation=ds3_gather, disable_tqdm=True,
-        mlp_tile_tokens=mlp_tile_tokens,
+        mlp_tile_tokens=mlp_tile_tokens, recompute_attention=recompute_attention,
         # RowSeededSampling stands in for generate_rollout (model.generate)
         generation_backend="generate", padding_free=padding_free, logprob_chunk_size=logprob_chunk_size,
         loss_type=loss_type, **_sequence_parallel(processes) if sequence_parallel else {},
@@ -292,10 +356,11 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
 
     trainer.log = log_and_record
     packed_forwards = _count_packed_forwards()
-    tiled: dict = {}
+    tiled, attention, logprobs = {}, {}, {}
 
     start = time.perf_counter()
-    with RowSeededSampling(), _counting_tiled_backwards(tiled):
+    with RowSeededSampling(), _counting_tiled_backwards(tiled), _counting_recomputed_attention(attention), \
+            _recording_logprobs(logprobs, lambda: trainer.state.global_step):
         trainer.train()
     train_seconds = time.perf_counter() - start
 
@@ -309,7 +374,9 @@ def run(out_dir: Path, model_dir: Path, lora: bool = False, ddp_backend: str | N
     reward_model = trainer.reward_funcs[1].model
     mine = {"rank": state.process_index, "rounds": recorder.rounds, "flushes": flushes, "local_metrics": local_metrics,
             "digest": parameter_digest(params), "sharding": sharding, "probe": probe,
-            "packed_forwards": packed_forwards[0], "sharded_forwards": sharded_forwards(), "tiled_mlp": tiled}
+            "packed_forwards": packed_forwards[0], "sharded_forwards": sharded_forwards(), "tiled_mlp": tiled,
+            "recomputed_attention": attention, "logprobs": logprobs,
+            "checkpointing": compat.checkpointing_is_on(causal_lm(trainer.model))}
     every = gather_object([mine])
     if state.is_main_process:
         torch.save(params, out_dir / "params.pt")
@@ -345,12 +412,13 @@ def main() -> None:
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--sgd", action="store_true")
     parser.add_argument("--mlp-tile-tokens", type=int, default=0)
+    parser.add_argument("--recompute-attention", action="store_true")
     cli = parser.parse_args()
     skip_shm_op_build()  # ZeRO and Ulysses launches start a group through deepspeed.comm
     run(cli.out, cli.model_dir, lora=cli.lora, ddp_backend=cli.ddp_backend, ds3_gather=not cli.no_ds3_gather,
         per_device_batch=cli.per_device_batch, padding_free=cli.padding_free, logprob_chunk_size=cli.logprob_chunk_size,
         sequence_parallel=cli.sequence_parallel, loss_type=cli.loss_type, sgd=cli.sgd,
-        mlp_tile_tokens=cli.mlp_tile_tokens)
+        mlp_tile_tokens=cli.mlp_tile_tokens, recompute_attention=cli.recompute_attention)
     leave_cleanly()
 
 
