@@ -109,8 +109,7 @@ def run_child(opts: argparse.Namespace, **changes) -> dict:
             continue
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(changes.get("threads", opts.threads)),
-           "GRPO_TRAINER_ONEDNN": os.environ.get("GRPO_TRAINER_ONEDNN", "0")}
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(changes.get("threads", opts.threads))}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=opts.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

@@ -63,9 +63,8 @@ MODEL_SIZES: dict[str, tuple[int, int, int, int]] = {
     "large": (32000, 512, 2, 8),  # ~21M parameters (16M of them the tied 32k embedding)
 }
 PHASES = ("generation", "reference_forward", "policy_forward", "backward", "optimizer", "rewards")
-# "<impl>_blas": the same run with PyTorch's own float32 CPU matmuls (GRPO_TRAINER_ONEDNN=0, `modeling.kernels`).
 # "ours_packed": ours with padding_free=True (packed log-prob forwards, `modeling.packing`).
-IMPLS = ("ours", "trl", "floor", "ours_blas", "floor_blas", "ours_packed")
+IMPLS = ("ours", "trl", "floor", "ours_packed")
 MIN_SPREAD_LENGTH = 16  # the shortest completion --length-spread draws
 
 
@@ -266,8 +265,6 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    from grpo_trainer.modeling.kernels import fast_linears
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if case.peft == "lora":
         from peft import LoraConfig, get_peft_model
@@ -291,8 +288,6 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
         from grpo_trainer.cli.toy_lengths import install_lengths
 
         install_lengths(model, schedule, tokenizer.pad_token_id)
-    kernels = fast_linears(model)  # the trainer's float32 CPU kernels (a no-op where oneDNN is not the faster)
-    kernels.__enter__()
     for step in range(warmup + steps):
         prompts = tokenize_prompts(tokenizer, [p for p in rows[2 * step:2 * step + 2] for _ in range(4)], None)
         model.eval()
@@ -433,8 +428,6 @@ def run_child(impl: str, case: Case, model_dir: str, opts: argparse.Namespace) -
     a shared machine into swapping or the OOM killer) and reported as over the limit."""
     steps, warmup = (1, 0) if case.memory_only else (opts.steps, opts.warmup)
     env = _child_env(case.threads)
-    if impl.endswith("_blas"):
-        env["GRPO_TRAINER_ONEDNN"] = "0"
     command = [sys.executable, __file__, "--child", impl, "--case", json.dumps(asdict(case)), "--model-dir",
                model_dir, "--steps", str(steps), "--warmup", str(warmup), "--learning-rate",
                str(opts.learning_rate), "--seed", str(opts.seed)]
@@ -515,8 +508,6 @@ def summarise(case: Case, runs: dict[str, list[dict]]) -> dict:
               "wall_ratio": ("ours_wall_s_per_step", "trl_wall_s_per_step"),
               "rss_ratio": ("ours_peak_rss_mb", "trl_peak_rss_mb"),
               "floor_ratio": ("ours_cpu_s_per_step", "floor_cpu_s"),
-              "blas_cpu_ratio": ("ours_blas_cpu_s_per_step", "trl_cpu_s_per_step"),
-              "blas_floor_ratio": ("ours_blas_cpu_s_per_step", "floor_blas_cpu_s"),
               "packed_cpu_ratio": ("ours_packed_cpu_s_per_step", "ours_cpu_s_per_step"),
               "packed_fwd_bwd_ratio": ("ours_packed_fwd_bwd_cpu_s", "ours_fwd_bwd_cpu_s"),
               "packed_trl_ratio": ("ours_packed_cpu_s_per_step", "trl_cpu_s_per_step"),
@@ -555,7 +546,7 @@ def print_table(rows: list[dict]) -> None:
           "bookkeeping):")
     print(f"{'configuration':<40} {'impl':<5} {'step':>8} " + " ".join(f"{p:>17}" for p in (*PHASES, "rest")))
     for r in rows:
-        for impl in ("ours", "ours_blas", "trl"):
+        for impl in ("ours", "trl"):
             if f"{impl}_phases_cpu_s_per_step" not in r:
                 continue
             phases, total = r[f"{impl}_phases_cpu_s_per_step"], r[f"{impl}_step_cpu_s_mean"]
@@ -563,10 +554,10 @@ def print_table(rows: list[dict]) -> None:
             cells = [f"{v:7.2f}s {100 * v / total:5.1f}%" for v in (*(phases.get(p, 0.0) for p in PHASES), rest)]
             print(f"{r['case']:<40} {impl:<5} {total:7.2f}s " + " ".join(f"{c:>17}" for c in cells))
     _print_spread([r for r in rows if r.get("spread")])
-    floors = [(r, impl) for r in rows for impl in ("floor", "floor_blas") if f"{impl}_parts_cpu_s" in r]
+    floors = [(r, impl) for r in rows for impl in ("floor",) if f"{impl}_parts_cpu_s" in r]
     if floors:
         print("\nThe floor (median of the measured repeats): generation + forward/backward; then with the optimizer "
-              "step, and with a reference forward (beta > 0). floor_blas: PyTorch's own float32 CPU matmuls:")
+              "step, and with a reference forward (beta > 0):")
         print(f"{'configuration':<40} {'impl':<10} {'generation':>10} {'fwd+bwd':>8} {'optimizer':>9} {'ref fwd':>8} "
               f"{'floor':>8} {'+opt':>8} {'+opt+ref':>8}")
         for r, impl in floors:

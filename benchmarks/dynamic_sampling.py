@@ -71,7 +71,7 @@ def _train(mode: str, steps: int, seed: int, model_dir: str, save_to: str | None
 def _run(mode: str, steps: int, seed: int, model_dir: str, digits: int, save_to: str | None = None) -> list[dict]:
     command = [sys.executable, __file__, "--child", mode, "--steps", str(steps), "--seeds", str(seed),
                "--model", model_dir, "--digits", str(digits)] + (["--save", save_to] if save_to else [])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GRPO_TRAINER_ONEDNN": "0"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{mode} seed {seed} failed:\n{done.stderr[-3000:]}")

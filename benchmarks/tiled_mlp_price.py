@@ -14,7 +14,6 @@ layers' arithmetic (from the shapes), from which the price on the whole model fo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics

@@ -10,9 +10,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
-# The float32 CPU kernel choice (`modeling.kernels`) is fixed for the suite, so no result depends on this machine's
-# measurement; the oneDNN paths are tested where a test forces them (`tests.helpers.force_onednn`).
-os.environ.setdefault("GRPO_TRAINER_ONEDNN", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -316,17 +316,6 @@ def run_bounded(command: list[str], cwd, env: dict, log, timeout_s: float) -> in
             return -9
 
 
-def force_onednn(monkeypatch) -> None:
-    """Every float32 CPU product that `modeling.kernels` serves goes through oneDNN, however small (the test
-    models' products are below `MIN_MACS`); skips where this torch build has no oneDNN linear."""
-    from grpo_trainer.modeling import kernels
-
-    if kernels._onednn_op() is None:
-        pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(kernels, "_choice", kernels.KernelChoice(True, True, "forced by the test"))
-    monkeypatch.setattr(kernels, "MIN_MACS", 0)
-
-
 def fast_path_blocker(model, config, prompt_length: int) -> str | None:
     """Why the hand-written decoder must not run this model/config (None when it reproduces it): the settings'
     guard, then the architecture's, as `FastBackend.generate` asks them."""

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from grpo_trainer.algorithms.truncation import pack
-from grpo_trainer.modeling import kernels, tied_embedding
+from grpo_trainer.modeling import tied_embedding
 from grpo_trainer.modeling.support import KeptSupport
 from grpo_trainer.modeling.unwrap import causal_lm, output_head
 
@@ -162,7 +162,7 @@ def logits_scores(logits: Tensor, tokens: Tensor, temperature: float, chunk_size
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = kernels.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
+    logits = nn.functional.linear(hidden, weight, bias).float()  # [n, V], a buffer of its own
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
@@ -266,13 +266,13 @@ class _HeadLogProbs(torch.autograd.Function):
             else:
                 dense, dense_scale = probs.to(weight.dtype), scale
             if want_hidden and dense_scale is None:
-                grad_hidden[rows] = scale * weight[token] - kernels.matmul(dense, weight)
+                grad_hidden[rows] = scale * weight[token] - dense @ weight
             elif want_hidden:
-                grad_hidden[rows] = scale * (weight[token] - kernels.matmul(dense, weight))
+                grad_hidden[rows] = scale * (weight[token] - dense @ weight)
             if want_weight or want_bias:
                 scaled = scale * h  # [n, E]
             if want_weight:
-                kernels.addmm_(grad_weight, dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
+                grad_weight.addmm_(dense.T, h if dense_scale is None else dense_scale * h, alpha=-1)
                 grad_weight.index_add_(0, token, scaled)
             if want_bias:
                 row_weights = torch.ones_like(scale[:, 0]) if dense_scale is None else dense_scale[:, 0]

@@ -49,7 +49,6 @@ from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.config.checks import advisories, check_config
 from grpo_trainer.data.sampler import RepeatSampler, repeat_iterable, streaming_eval
-from grpo_trainer.modeling import kernels
 from grpo_trainer.reporting import completions_hub, hub
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow, StepTime
@@ -358,11 +357,7 @@ class GRPOTrainer(Trainer):
                 self.accelerator, lambda: checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir))
             # A save from the watchdog thread is safe only alone: collectives would wait on the stuck processes.
             save_last_step = self._save_last_step if self.accelerator.num_processes == 1 else None
-            # Large float32 CPU linears through the faster library (`modeling.kernels`); engines that shard or hook
-            # the weights (DeepSpeed, FSDP) keep their own.
-            plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-            with self._signal_stop.handling(save_last_step), \
-                    kernels.fast_linears(*(self.model, self.ref_model) if plain else ()):
+            with self._signal_stop.handling(save_last_step):
                 try:
                     output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
                 finally:

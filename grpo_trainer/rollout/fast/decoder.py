@@ -9,8 +9,6 @@ Decisions:
 2. The per-token step (`Decoder.step`) is written for few dispatches, which cost a small model's step more than its
    arithmetic: RMSNorm through one `addmv` (`_row_rms_norm`), `addmm` on transposed views made once, cache columns
    through `select`/`narrow`.
-3. Large float32 CPU weights that are not packed (models over `FUSE_MAX_PARAMETERS`: no copies) and the LM head run
-   through `modeling.kernels`, i.e. oneDNN's kernels where this machine's BLAS is the slower library.
 
 Shapes: `B` rows, `S` prompt tokens, `L` cache columns, `H` query heads, `K` key/value heads, `D` head dim,
 `E` hidden size, `V` vocabulary.
@@ -25,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import SiLUActivation
 
-from grpo_trainer.modeling import kernels, lora
+from grpo_trainer.modeling import lora
 from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 
 __all__ = ["FUSE_MAX_PARAMETERS", "PACK_MIN_ELEMENTS", "STREAMED_HEAD_MIN_ELEMENTS", "Decoder"]
@@ -66,21 +64,13 @@ def _packed_linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Cal
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _onednn_weight(weight: Tensor) -> bool:
-    """A large float32 CPU weight for `modeling.kernels` (decision 3), where oneDNN is the faster library."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= PACK_MIN_ELEMENTS \
-        and kernels.kernel_choice().any  # `kernels.linear` then picks per product (prefill wide, steps narrow)
-
-
 def _linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Callable[[Tensor], Tensor]:
     """`x -> F.linear(x, weight, bias)` for 2-D `x`: packed where that pays, a large unpacked weight through
-    `modeling.kernels`, else one `addmm` (or `mm`) on a transposed view made once, which is what `F.linear` runs
+    else one `addmm` (or `mm`) on a transposed view made once, which is what `F.linear` runs
     after a transpose and a dispatch of its own."""
     packed = _packed_linear(weight, bias, rows)
     if packed is not None:
         return packed
-    if _onednn_weight(weight):
-        return lambda x: kernels.linear(x, weight, bias)
     transposed = weight.t()
     if bias is None:
         return lambda x: torch.mm(x, transposed)
@@ -112,8 +102,6 @@ def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tens
     packed = _packed_linear(weight, bias, rows)
     if packed is not None:
         return lambda h, x: packed(x).add_(h)
-    if _onednn_weight(weight):
-        return lambda h, x: kernels.linear(x, weight, bias).add_(h)
     transposed = weight.t()
     if bias is None:
         return lambda h, x: torch.addmm(h, x, transposed)
@@ -148,8 +136,7 @@ class Decoder:
         packed_head = _packed_linear(head.weight, head.bias, rows) if type(head) is nn.Linear else None
         self.head = packed_head or _projection([head], fuse=False, rows=rows)
         big_cpu_head = packed_head is None and type(head) is nn.Linear and head.bias is None \
-            and head.weight.device.type == "cpu" and head.weight.numel() >= STREAMED_HEAD_MIN_ELEMENTS \
-            and not _onednn_weight(head.weight)
+            and head.weight.device.type == "cpu" and head.weight.numel() >= STREAMED_HEAD_MIN_ELEMENTS
         self.head_weight = head.weight if big_cpu_head else None
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H

@@ -5,7 +5,6 @@ Speed is measured by benchmarks/, never here."""
 import pytest
 import torch
 
-from grpo_trainer.modeling import kernels
 from grpo_trainer.rollout.fast import backend as fast_backend
 from grpo_trainer.rollout.fast import decoder as decoder_module
 from grpo_trainer.rollout.generate import generate_rollout
@@ -15,29 +14,22 @@ from tests.helpers import (
     assert_same_rollout,
     fast_path_blocker,
     fast_rollout,
-    force_onednn,
     greedy_config,
     grouped_prompts,
     model_of_kind,
 )
 
 
-@pytest.mark.parametrize("layout", ["fused", "packed", "unfused", "unfused_onednn"])
+@pytest.mark.parametrize("layout", ["fused", "packed", "unfused"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3", "qwen3", "mistral", "qwen2.5-0.5b"])
 def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `packed`: every projection
     and the LM head run as oneDNN linears on packed weights (large weights do; the tiny test models have none
     that large). `unfused`: the layout of models over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up):
-    each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`, as where PyTorch's
-    BLAS is the faster library. `unfused_onednn`: the same where oneDNN is: every projection and the head through
-    `modeling.kernels` on the unpacked weights."""
-    if layout.startswith("unfused"):
+    each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`."""
+    if layout == "unfused":
         monkeypatch.setattr(decoder_module, "FUSE_MAX_PARAMETERS", 0)
         monkeypatch.setattr(decoder_module, "STREAMED_HEAD_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(kernels, "_choice", kernels.KernelChoice(False, False, "forced by the test"))
-    if layout == "unfused_onednn":
-        force_onednn(monkeypatch)
-        monkeypatch.setattr(decoder_module, "PACK_MIN_ELEMENTS", 0)
     if layout == "packed":
         monkeypatch.setattr(decoder_module, "PACK_MIN_ELEMENTS", 0)
         if decoder_module._packed_linear(torch.ones(4, 4), None, 2) is None:
@@ -48,17 +40,12 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     assert fast_path_blocker(model, config, prompts.ids.shape[1]) is None
     with torch.no_grad():
         reference = generate_rollout(model, prompts, config)
-    calls, decoded = [], []
-    if layout == "unfused_onednn":
-        op = kernels._onednn_linear
-        monkeypatch.setattr(kernels, "_onednn_linear", lambda *args: calls.append(1) or op(*args))
+    decoded = []
     rollout = fast_backend._fast_rollout
     monkeypatch.setattr(fast_backend, "_fast_rollout", lambda *args: decoded.append(1) or rollout(*args))
     assert_same_rollout(fast_rollout(model, prompts, config), reference)
     assert decoded == [1]  # the hand-written decoder served it, not the model-forward tier
     assert reference.completion_ids.shape[1] == MAX_NEW  # nothing ended early: every position compared
-    if layout == "unfused_onednn":  # every projection of every layer, and the head, for every position
-        assert len(calls) >= (4 * model.config.num_hidden_layers + 1) * MAX_NEW
 
 
 def test_packed_linear_equals_f_linear():
