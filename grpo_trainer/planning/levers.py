@@ -94,9 +94,9 @@ OPTIONS: dict[str, Option] = {option.field: option for option in (
     Option("memory_check", "the memory plan's verdict stops a run that would not fit ('error')", _PLANNER,
            on="error", off="warn", default_on=True),
     Option("mlp_tile_tokens", "the sequence-tiled MLP and norms", ("modeling/tiling.py",),
-           on=LONGER_MLP_TILE, off=0, default_on=False, launched=("zero3", "fsdp2")),
+           on=LONGER_MLP_TILE, off=0, default_on=False, launched=LAUNCHES),
     Option("recompute_attention", "each attention block under its own checkpoint, a row at a time",
-           ("modeling/tiling.py",), on=True, off=False, default_on=False),
+           ("modeling/tiling.py",), on=True, off=False, default_on=False, launched=LAUNCHES),
     Option("activation_offloading", "the step's saved tensors in host memory (TRL's manager)",
            ("modeling/recompute.py", "trainer/parts.py"), on=True, off=False, default_on=False),
 )}
