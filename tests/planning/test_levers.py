@@ -194,3 +194,15 @@ def test_the_planner_and_the_scorer_hold_the_runtimes_one_forward_options_object
     assert any(trainer.scorer.forward is options for options in built) and plan.forward is built[-1]
     assert trainer.scorer.forward == plan.forward and isinstance(plan.forward, ForwardSettings)
     assert plan.forward.chunk_size == 777 and plan.forward.mlp_tile_tokens == 16
+
+
+def test_the_memory_page_lists_every_option_and_lever():
+    """docs/MEMORY.md's table names every option of the table and its CUDA state, and every lever is described."""
+    page = (ROOT / "docs" / "MEMORY.md").read_text()
+    section = page[page.index("## The levers, and what is held back on CUDA"):]
+    section = section[:section.index("\n## ", 3)]
+    for option in levers.OPTIONS.values():
+        row = next(line for line in section.splitlines() if line.startswith(f"| `{option.field}` |"))
+        assert ("not proposed" in row or "off unless set" in row or "'warn'" in row) != option.ran_on_gpu(), row
+        assert all(source in row for source in option.sources) or option.field == "memory_check", row
+    assert "Evidence recorded today: none" in section or any(o.ran_on_gpu() for o in levers.OPTIONS.values())
