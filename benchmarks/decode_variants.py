@@ -13,8 +13,8 @@ round.
   read by indexing, `chunk` for gate|up); the committed step differs only in those, so this is what they save.
 - Alternatives (same tokens): `layernorm_rms` (RMSNorm as the LayerNorm of [x, -x], one fused kernel instead of
   torch's composite of ~20 dispatches), `bmm_attention` (one query's grouped attention as baddbmm + softmax + bmm
-  on 3-D views of the cache instead of SDPA's flash kernel), `packed_2e16` (oneDNN-packed weights from 2^16
-  entries instead of `fast_decoder.PACK_MIN_ELEMENTS`, i.e. the 128 x 512 gate|up projection too).
+  on 3-D views of the cache instead of SDPA's flash kernel). (The oneDNN-packed weights its earlier runs measured,
+  `packed_2e16`, were removed from the decoder on 2026-12-01.)
 
     PYTHONPATH=. python benchmarks/decode_variants.py --rounds 30
 """
@@ -119,16 +119,14 @@ def _step(norm: Callable | None | str = "row", attention: str = "sdpa", mlp: boo
     return step
 
 
-# name -> (step, PACK_MIN_ELEMENTS)
-VARIANTS: dict[str, tuple[Callable, int]] = {
-    "committed": (fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS),
-    "functional": (_step(norm=_functional_rms, indexing=True), fast_decoder.PACK_MIN_ELEMENTS),
-    "no_norms": (_step(norm=None), fast_decoder.PACK_MIN_ELEMENTS),
-    "no_attention": (_step(attention="none"), fast_decoder.PACK_MIN_ELEMENTS),
-    "no_mlp": (_step(mlp=False), fast_decoder.PACK_MIN_ELEMENTS),
-    "layernorm_rms": (_step(norm=_layernorm_rms), fast_decoder.PACK_MIN_ELEMENTS),
-    "bmm_attention": (_step(attention="bmm"), fast_decoder.PACK_MIN_ELEMENTS),
-    "packed_2e16": (fast_decoder.Decoder.step, 2**16),
+VARIANTS: dict[str, Callable] = {
+    "committed": fast_decoder.Decoder.step,
+    "functional": _step(norm=_functional_rms, indexing=True),
+    "no_norms": _step(norm=None),
+    "no_attention": _step(attention="none"),
+    "no_mlp": _step(mlp=False),
+    "layernorm_rms": _step(norm=_layernorm_rms),
+    "bmm_attention": _step(attention="bmm"),
 }
 
 
@@ -144,15 +142,15 @@ def main() -> None:
     mask = torch.ones_like(prompts)
     config = GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               eos_token_id=[len(tokenizer) + 1], pad_token_id=0)  # no EOS: every row runs NEW
-    committed_step, committed_pack = fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS
+    committed_step = fast_decoder.Decoder.step
 
     def rollout(name: str):
-        fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS = VARIANTS[name]
+        fast_decoder.Decoder.step = VARIANTS[name]
         try:
             return FastBackend().generate(model, PromptBatch(prompts, mask), config,
                                           Capture(layer_outputs=True, probs=True))
         finally:
-            fast_decoder.Decoder.step, fast_decoder.PACK_MIN_ELEMENTS = committed_step, committed_pack
+            fast_decoder.Decoder.step = committed_step
 
     same = {}
     for name in VARIANTS:

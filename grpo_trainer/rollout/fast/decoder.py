@@ -26,7 +26,7 @@ from transformers.activations import SiLUActivation
 from grpo_trainer.modeling import lora
 from grpo_trainer.rollout.fast.guard import ARCHITECTURES
 
-__all__ = ["FUSE_MAX_PARAMETERS", "PACK_MIN_ELEMENTS", "STREAMED_HEAD_MIN_ELEMENTS", "Decoder"]
+__all__ = ["FUSE_MAX_PARAMETERS", "STREAMED_HEAD_MIN_ELEMENTS", "Decoder"]
 
 # Models up to this many parameters get fused projection weights (q|k|v and gate|up as one matmul each) and LoRA
 # adapters merged into them for the rollout: fewer, larger operations, at the cost of a copy of those weights.
@@ -43,65 +43,41 @@ def _lora_weights(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     return lora.applied_weight(module), lora.applied_bias(module)
 
 
-# Plain fp32 CPU weights with at least this many entries run as oneDNN linears on a copy packed once per rollout
-# (they change after every optimizer step); smaller weights are faster through F.linear (benchmarks/RESULTS.md).
-PACK_MIN_ELEMENTS = 2**18
 # An unpacked fp32 CPU LM head with at least this many entries (e.g. 32k x 512) runs as `W @ h.T` (`logits`).
 STREAMED_HEAD_MIN_ELEMENTS = 2**22
 
 
-def _packed_linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Callable[[Tensor], Tensor] | None:
-    """`x -> F.linear(x, weight, bias)` through oneDNN with `weight` packed for `rows`-row inputs (any row
-    count works), or None where that is not faster or not available (GPU, other dtypes, builds without it), or
-    not wanted (`rows` None)."""
-    if rows is None or weight.device.type != "cpu" or weight.dtype != torch.float32 \
-            or weight.numel() < PACK_MIN_ELEMENTS or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-    except (AttributeError, RuntimeError):  # private op: fall back if a torch version lacks it
-        return None
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _linear(weight: Tensor, bias: Tensor | None, rows: int | None) -> Callable[[Tensor], Tensor]:
-    """`x -> F.linear(x, weight, bias)` for 2-D `x`: packed where that pays, a large unpacked weight through
-    else one `addmm` (or `mm`) on a transposed view made once, which is what `F.linear` runs
-    after a transpose and a dispatch of its own."""
-    packed = _packed_linear(weight, bias, rows)
-    if packed is not None:
-        return packed
+def _linear(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """`x -> F.linear(x, weight, bias)` for 2-D `x`: one `addmm` (or `mm`) on a transposed view made once, which is
+    what `F.linear` runs after a transpose and a dispatch of its own."""
     transposed = weight.t()
     if bias is None:
         return lambda x: torch.mm(x, transposed)
     return lambda x: torch.addmm(bias, x, transposed)
 
 
-def _projection(modules: list[nn.Module], fuse: bool, rows: int | None) -> Callable[[Tensor], Tensor]:
+def _projection(modules: list[nn.Module], fuse: bool) -> Callable[[Tensor], Tensor]:
     """Several projections of one input, outputs concatenated on the last dim. With `fuse`, plain and vanilla
     LoRA linears become one linear on concatenated (merged) weights; otherwise plain linears run on their own
-    weights and anything else (LoRA, quantised) as its own forward. `rows`: the decode batch, for packing."""
+    weights and anything else (LoRA, quantised) as its own forward."""
     weights = [(m.weight, m.bias) if type(m) is nn.Linear else (_lora_weights(m) if fuse else None)
                for m in modules]
     if (fuse or len(modules) == 1) and all(w is not None for w in weights):
         weight = torch.cat([w for w, _ in weights]) if len(weights) > 1 else weights[0][0]
         biases = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in weights]
         bias = None if all(b is None for _, b in weights) else torch.cat(biases)
-        return _linear(weight, bias, rows)
-    parts = [_linear(*w, rows) if w is not None else m for m, w in zip(modules, weights)]
+        return _linear(weight, bias)
+    parts = [_linear(*w) if w is not None else m for m, w in zip(modules, weights)]
     return parts[0] if len(parts) == 1 else (lambda x: torch.cat([part(x) for part in parts], dim=-1))
 
 
-def _residual(module: nn.Module, fuse: bool, rows: int | None) -> Callable[[Tensor, Tensor], Tensor]:
-    """`(h, x) -> h + module(x)` for 2-D `h`, `x`: a packed linear plus an in-place add for large weights, one
-    `addmm` for small plain (or merged LoRA) ones, else the module's forward."""
+def _residual(module: nn.Module, fuse: bool) -> Callable[[Tensor, Tensor], Tensor]:
+    """`(h, x) -> h + module(x)` for 2-D `h`, `x`: one `addmm` for plain (or merged LoRA) linears, else the module's
+    forward."""
     weights = (module.weight, module.bias) if type(module) is nn.Linear else (_lora_weights(module) if fuse else None)
     if weights is None:
         return lambda h, x: h + module(x)
     weight, bias = weights
-    packed = _packed_linear(weight, bias, rows)
-    if packed is not None:
-        return lambda h, x: packed(x).add_(h)
     transposed = weight.t()
     if bias is None:
         return lambda h, x: torch.addmm(h, x, transposed)
@@ -127,15 +103,12 @@ class Decoder:
     def __init__(self, lm: nn.Module, batch: int, length: int, outputs: Tensor | None = None) -> None:
         config, decoder = lm.config, lm.get_decoder()
         fuse = sum(p.numel() for p in lm.parameters()) <= FUSE_MAX_PARAMETERS
-        # Packed weights are copies too: only where fused copies are accepted. The caches always have `batch` rows.
-        rows = batch if fuse else None
         self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         self.row_norm = _row_rms_norm(*self.norm, self.embed.dtype)
         head = lm.get_output_embeddings()
-        packed_head = _packed_linear(head.weight, head.bias, rows) if type(head) is nn.Linear else None
-        self.head = packed_head or _projection([head], fuse=False, rows=rows)
-        big_cpu_head = packed_head is None and type(head) is nn.Linear and head.bias is None \
+        self.head = _projection([head], fuse=False)
+        big_cpu_head = type(head) is nn.Linear and head.bias is None \
             and head.weight.device.type == "cpu" and head.weight.numel() >= STREAMED_HEAD_MIN_ELEMENTS
         self.head_weight = head.weight if big_cpu_head else None
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
@@ -152,12 +125,12 @@ class Decoder:
                 "norm2": norm2,
                 "row_norm1": _row_rms_norm(*norm1, self.embed.dtype),
                 "row_norm2": _row_rms_norm(*norm2, self.embed.dtype),
-                "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse, rows),
-                "o_add": _residual(attn.o_proj, fuse, rows),
+                "qkv": _projection([attn.q_proj, attn.k_proj, attn.v_proj], fuse),
+                "o_add": _residual(attn.o_proj, fuse),
                 "qk_norm": (attn.q_norm, attn.k_norm) if qk_norm else None,
                 "scaling": attn.scaling,
-                "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse, rows) if gated else None,
-                "down_add": _residual(mlp.down_proj, fuse, rows) if gated else None,
+                "gate_up": _projection([mlp.gate_proj, mlp.up_proj], fuse) if gated else None,
+                "down_add": _residual(mlp.down_proj, fuse) if gated else None,
                 # SiLU as a function call: a module call costs more than the activation itself at 8 rows.
                 "act": (F.silu if type(mlp.act_fn) in (nn.SiLU, SiLUActivation) else mlp.act_fn) if gated else None,
                 "mlp": mlp,

@@ -20,20 +20,14 @@ from tests.helpers import (
 )
 
 
-@pytest.mark.parametrize("layout", ["fused", "packed", "unfused"])
+@pytest.mark.parametrize("layout", ["fused", "unfused"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3", "qwen3", "mistral", "qwen2.5-0.5b"])
 def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
-    """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `packed`: every projection
-    and the LM head run as oneDNN linears on packed weights (large weights do; the tiny test models have none
-    that large). `unfused`: the layout of models over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up):
-    each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`."""
+    """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `unfused`: the layout of models
+    over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up): each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`."""
     if layout == "unfused":
         monkeypatch.setattr(decoder_module, "FUSE_MAX_PARAMETERS", 0)
         monkeypatch.setattr(decoder_module, "STREAMED_HEAD_MIN_ELEMENTS", 0)
-    if layout == "packed":
-        monkeypatch.setattr(decoder_module, "PACK_MIN_ELEMENTS", 0)
-        if decoder_module._packed_linear(torch.ones(4, 4), None, 2) is None:
-            pytest.skip("this torch build has no oneDNN packed linear (the decoder uses F.linear)")
     model = model_of_kind(kind, tokenizer)
     prompts = grouped_prompts(tokenizer)
     config = greedy_config(tokenizer)
@@ -46,22 +40,6 @@ def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     assert_same_rollout(fast_rollout(model, prompts, config), reference)
     assert decoded == [1]  # the hand-written decoder served it, not the model-forward tier
     assert reference.completion_ids.shape[1] == MAX_NEW  # nothing ended early: every position compared
-
-
-def test_packed_linear_equals_f_linear():
-    """The oneDNN linear on a packed weight gives F.linear's values for any row count and leading shape; small
-    weights, other dtypes and `rows=None` are left to F.linear."""
-    torch.manual_seed(0)
-    weight, bias = torch.randn(1024, 512) * 0.02, torch.randn(1024)
-    linear = decoder_module._packed_linear(weight, bias, rows=8)
-    if linear is None:
-        pytest.skip("this torch build has no oneDNN packed linear (the decoder uses F.linear)")
-    for shape in [(8, 512), (3, 512), (2, 14, 512)]:
-        x = torch.randn(*shape)
-        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
-    assert decoder_module._packed_linear(torch.randn(64, 64), None, rows=8) is None  # below PACK_MIN_ELEMENTS
-    assert decoder_module._packed_linear(weight.double(), None, rows=8) is None
-    assert decoder_module._packed_linear(weight, None, rows=None) is None
 
 
 def test_decode_step_norm_and_linear_equal_torch_functional():
@@ -85,8 +63,8 @@ def test_decode_step_norm_and_linear_equal_torch_functional():
     assert torch.equal(decoder_module._row_rms_norm(w32, 1e-5, torch.bfloat16)(x16),
                        torch.nn.functional.rms_norm(x16, (64,), w32, 1e-5))
     weight, bias, x = torch.randn(48, 32), torch.randn(48), torch.randn(8, 32)
-    assert torch.equal(decoder_module._linear(weight, bias, rows=None)(x), torch.nn.functional.linear(x, weight, bias))
-    assert torch.equal(decoder_module._linear(weight, None, rows=None)(x), torch.nn.functional.linear(x, weight))
+    assert torch.equal(decoder_module._linear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias))
+    assert torch.equal(decoder_module._linear(weight, None)(x), torch.nn.functional.linear(x, weight))
 
 
 
