@@ -1,7 +1,8 @@
 """The rules a `GRPOConfig` must satisfy, single-field and cross-field, checked when it is built.
 
 Each failure raises one `ValueError` that names the field and says how to fix it. The table in docs/ERRORS.md lists
-them; tests/config/test_validation.py reaches every one.
+them; tests/config/test_validation.py and tests/config/test_config_rules.py reach every one. Combinations of valid
+fields are one `config.refusals` table (`COMBINATIONS`), which the combination matrix reads.
 """
 
 from __future__ import annotations

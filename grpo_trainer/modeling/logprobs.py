@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -151,6 +152,12 @@ def chunked_scores(score: Callable[..., tuple[Tensor, ...]], rows: Tensor, token
         for collected, value in zip(outputs, values):
             collected.append(value)
     return tuple(torch.cat(collected) for collected in outputs)
+
+
+def _takes(lm: nn.Module, name: str) -> bool:
+    """Whether `lm`'s forward takes keyword `name` (by name or through `**kwargs`)."""
+    parameters = inspect.signature(lm.forward).parameters
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def logits_scores(logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor]:
@@ -498,9 +505,11 @@ def completion_logprobs(
         `LogProbs`: logps `[B, T]` float32, entropies `[B, T]` float32 (or None), aux_loss `[]` (or None), and with a
         support the log kept masses `[B, T]` (None where the known values stood in) and the supports used.
     """
-    # Positions count real tokens only, as in `generate`, so left padding does not shift them.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    extra = {"position_ids": position_ids, **(model_inputs or {})}
+    # Positions count real tokens only, as in `generate`, so left padding does not shift them; a forward that takes
+    # none derives its own (as TRL calls every model).
+    extra = dict(model_inputs or {})
+    if _takes(causal_lm(model), "position_ids"):
+        extra.setdefault("position_ids", (attention_mask.long().cumsum(-1) - 1).clamp(min=0))
     if with_aux_loss:
         extra["output_router_logits"] = True
     if head_runs_inside_forward(model):  # see `_logprobs_from_model_logits`

@@ -313,9 +313,9 @@ def test_packing_refuses_a_forward_without_position_ids_by_name(no_positions_mod
     assert f"padding_free: NoPositionsLM is scored padded: {reason}." in caplog.text
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="the padded forward the packing refusal falls back to passes "
-                   "position_ids too (logprobs.completion_logprobs), so a forward without them fails either way")
 def test_a_forward_without_position_ids_is_scored_padded(no_positions_model):
+    """The padded forward the packing refusal falls back to passes no `position_ids` to a forward that takes none
+    (it used to, and such a model failed with a TypeError whatever `padding_free` said)."""
     ids, mask, T = left_padded_batch()
     scored = forwards.score(no_positions_model, ids, mask, T, forwards.ForwardSettings(padding_free=True))
     assert scored.logps.shape == (4, T)
