@@ -197,15 +197,19 @@ def _definitions() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 
 def _names_outside_the_package() -> set[str]:
     """Names the document may use that the package does not define: GRPOConfig's fields (TrainingArguments' too),
-    the tests' shared helpers, and the environment variables the package reads."""
+    the tests' shared helpers, what a test module the document cites defines at its top level (a table a recipe
+    says to extend), and the environment variables the package reads."""
     import dataclasses
 
     from grpo_trainer import GRPOConfig
 
-    helpers = ast.parse((ROOT / "tests" / "helpers.py").read_text())
+    cited = {ROOT / span for span in _code_spans(ARCHITECTURE.read_text())
+             if span.startswith("tests/") and span.endswith(".py") and (ROOT / span).is_file()}
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
-    names |= {n.name for n in helpers.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    names |= {t.id for n in helpers.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    for path in {ROOT / "tests" / "helpers.py"} | cited:
+        tree = ast.parse(path.read_text())
+        names |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     source = "\n".join(path.read_text() for path in PACKAGE.rglob("*.py"))
     return names | set(re.findall(r"\b(GRPO_TRAINER_[A-Z_]+)\b", source))
 

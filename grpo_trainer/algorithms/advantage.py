@@ -1,6 +1,6 @@
 """Advantage estimators: rewards of a group of completions -> one advantage per completion.
 
-Decisions (see README "Design decisions"):
+Decisions (see docs/DESIGN.md, "Design decisions"):
 
 1. Groups are contiguous blocks of `num_generations` (G) rewards: `[p0g0 .. p0g(G-1), p1g0 ..]`. Rewards are
    reshaped once to `(P, G)`; estimators work on that matrix.

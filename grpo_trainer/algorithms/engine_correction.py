@@ -8,7 +8,9 @@ at the sampling weights over the engine's, bounded to keep the variance in check
 
 Decisions:
 
-1. The engine's log-probs never stand in for the trainer's (`old_logps`): they only enter through rho.
+1. In this correction the engine's log-probs never stand in for the trainer's (`old_logps`): they only enter
+   through rho. (Elsewhere they also feed the off-policy mask and the mismatch report, and a round sampled ahead with
+   `async_correction='behaviour'` takes them as its old log-probs: `trainer.off_policy`.)
 2. A token the engine could not score (NaN) gets a log-ratio of 0 (rho = 1, no correction), as do padding tokens.
 3. Modes: `token_*` one rho per token `[B, T]`; `sequence_*` one per completion `[B, 1]`, the exponential of the
    summed token log-ratios. `*_truncate` clamps rho to [clip_min, clip_max]; `*_mask` sets rho to 0 outside it (the

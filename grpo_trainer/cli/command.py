@@ -13,7 +13,7 @@ Decisions:
    wins over the file, and the file over the demo.
 2. Bad input (an unknown field or reward, a missing file or column, an invalid value) is found before any model
    is loaded and reported as one line on stderr naming the thing and the choices, with exit code 2.
-3. `builtin:tiny` and `builtin:copy_digits` name the offline model and toy task of `grpo_trainer.tiny`, so the
+3. `builtin:tiny` and `builtin:copy_digits` name the offline model and toy task of `cli.toy`, so the
    demo needs no network. Any other model or dataset is a Hub id or a local path.
 4. The script only wires; under `accelerate launch` each process runs it and the trainer does the rest.
 5. Recipes written for `trl grpo` or open-r1 run unchanged: their keys are fields here or are translated, warned

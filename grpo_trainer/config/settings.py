@@ -1,8 +1,9 @@
 """`GRPOConfig` -> the typed settings each lower layer takes, built once per run.
 
 Lower layers never read the config: each defines a small frozen dataclass of what it needs (sampling, prompts,
-multi-turn turns, rewards, the objective, the engine correction) and this module is the one place that maps the
-config's field names (TRL's) onto them.
+multi-turn turns, rewards, the objective, the engine correction, the training forward's options, the launch) and
+this module is the one place that maps the config's field names (TRL's) onto them. The trainer's own parts get
+theirs from `trainer.parts`, the memory planner its `PlanSettings` from `trainer.memory`.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def device_of(args: GRPOConfig) -> str:
 def forward_settings(args: GRPOConfig, device: str | None = None) -> ForwardSettings:
     """The training forward's options, built once per run and read by the scorer and the memory plan alike, with the
     defaults held back on `device` resolved (`planning.levers`, decision 2). Sequence parallelism's sharded forward
-    runs the padded layout: there `padding_free=None` resolves off (`True` is refused by `config.checks`)."""
+    runs the padded layout: there `padding_free=None` resolves off (`True` is refused by
+    `trainer.sequence_group.REFUSALS`)."""
     device = device or device_of(args)
     sharded = launch(args).sequence_parallel > 1
     padding_free = False if sharded and args.padding_free is None else args.padding_free

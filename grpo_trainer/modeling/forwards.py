@@ -1,8 +1,10 @@
 """The trainer's log-prob forwards: log-probs (and entropies) of a micro-batch's completion tokens, padded or packed.
 
-`score` is the one entry point of the trainer's log-prob forwards (policy, old, reference). It runs the padded
-forward (`logprobs.completion_logprobs`) or the packed one (`packed_logprobs`, the layout of `modeling.packing`);
-both return the same `LogProbs`: `[B, T]` float32, equal on every completion token up to float rounding. Decisions:
+`score` is the one entry point of the trainer's log-prob forwards (policy, old, reference) whose positions are not
+sharded (under sequence parallelism they run through `modeling.sequence_parallel.sharded_scores`, which enters the
+same `installed` context). It runs the padded forward (`logprobs.completion_logprobs`) or the packed one
+(`packed_logprobs`, the layout of `modeling.packing`); both return the same `LogProbs`: `[B, T]` float32, equal on
+every completion token up to float rounding. Decisions:
 
 1. Packing is used only where it cannot silently be wrong:
    - refused by rule (`REFUSALS`, each rule a function of the model and the call returning its reason or None):

@@ -21,7 +21,7 @@ Decisions:
    are smaller, never larger); and a parameter is partitioned (shape [0]) when the function is applied, so it
    cannot take a full gradient as the function's input: the backward accumulates each tile's gradient into
    `.grad` itself, telling ZeRO to reduce it only after the last tile (`ds_grad_is_ready`). tests/distributed
-   (`test_tiled_mlp_weights_match_the_untiled_runs`) trains with both, as the untiled run.
+   (`test_tiling_multiprocess.py`, its ZeRO-3 launch) trains with both, as the untiled run.
 2. The module's own forward is what each tile runs (LoRA adapters, quantised layers, any activation), so any
    per-token MLP tiles; a Mixture-of-Experts block (routing with a capacity or an auxiliary loss over the whole
    sequence) is not per token, and is left alone (`_per_token`).

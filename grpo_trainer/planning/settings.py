@@ -2,7 +2,8 @@
 (`DeviceMemory`). Frozen dataclasses of plain numbers and names, so that a plan is a pure function of them.
 
 `PlanSettings` is built from a `GRPOConfig` by `trainer.memory.plan_settings`, `ModelShape` from a model config by
-`planning.shape.model_shape`; the planner itself never sees either object.
+`planning.shape.model_shape` (or from an instantiated model by `planning.shape.shape_of`); the estimate itself never
+sees a config or a model.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""A model's `ModelShape`, from its config alone: the model is built on the meta device (shapes, no storage, no
-weights read), its parameters counted, and an adapter config applied to it the way the trainer applies it, so the
-adapter's parameter count is PEFT's own, whatever its `target_modules` say.
+"""A model's `ModelShape`, from its config alone (`model_shape`): the model is built on the meta device (shapes, no
+storage, no weights read), its parameters counted, and an adapter config applied to it the way the trainer applies
+it, so the adapter's parameter count is PEFT's own, whatever its `target_modules` say. `shape_of` reads the same from
+a model already built (the memory check's, for a PEFT model it is given): the one place the planner reads a model
+it is given.
 
 Building on the meta device takes well under a second at any size, and covers every architecture transformers
 builds (tied heads, biases, q/k norms, Mixture-of-Experts) without per-family formulas.

@@ -14,10 +14,12 @@ Every backend returns the tokens and masks. Beyond them:
    the forward), and only the layer outputs need activation checkpointing.
 3. Replay tensors are kept only while they fit together in `Capture.max_bytes`, layer outputs first (they are the
    smaller, and save the most). They live from the rollout to the round's last micro-step.
-4. A multi-turn rollout whose completions hold tool results (`Rollout.env_mask`) keeps no sampling tensor at all:
-   tool tokens were never sampled, so no sampler value exists for them, and the loss must not read one there
-   (on-policy stand-ins, old log-probs, replay). The loss computes what it needs with a forward instead. The turns
-   after a tool result are rolled out keeping nothing (`KEEP_NOTHING`): only their tokens are used.
+4. A multi-turn rollout whose completions hold tool results (`Rollout.env_mask`) keeps no sampling tensor of the
+   trainer's process: tool tokens were never sampled, so no sampler value exists for them, and the loss must not
+   read one there (on-policy stand-ins, old log-probs, replay). The loss computes what it needs with a forward
+   instead. The turns after a tool result are rolled out keeping nothing (`KEEP_NOTHING`): only their tokens are
+   used. An inference engine's log-probs (not the trainer's values: decision 1) are kept, following their tokens
+   turn by turn (`rollout.multiturn.loop`, decision 5), for the importance-sampling correction.
 5. Truncated sampling (top-k / top-p / min-p) with the loss's `keep_sampling_mask` (`Capture.kept_support`): the
    sampling log-probs are those of the softmax over each position's kept support, as the loss computes them, and
    the supports themselves are kept, packed, while they fit in `SUPPORT_MAX_BYTES` (`support_buffer`). Without

@@ -21,7 +21,8 @@ Decisions:
 5. The launch (processes, ZeRO stage and offloads, FSDP, the sequence-parallel group) is one typed object,
    `Launch`, read once from the config and the environment `accelerate launch` sets (`config.settings.launch`,
    before any model loads, as the Trainer itself finds them later) and handed to the memory planner, the round
-   source's refusals and the sequence-parallel part.
+   source's settings (`trainer.source.SourceSettings`: its refusals read it) and the sequence-parallel part (its
+   size, and its refusals' settings).
 """
 
 from __future__ import annotations

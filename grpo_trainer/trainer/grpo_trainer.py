@@ -13,16 +13,20 @@ What this trainer does, and how it differs from the papers and from TRL:
 4. Old log-probs are needed only when a rollout is used after an optimizer step; otherwise the ratio is
    exp(logp - logp.detach()). A rollout backend with the `sampling_logps` capability returns each token's log-prob
    and entropy under the sampling weights: they are the old log-probs, and on-policy the current values too, so the
-   loss forward skips the LM-head projection (`trainer.scoring`). An inference engine's log-probs (vLLM) enter
-   through the importance-sampling correction only (`trainer.off_policy`).
+   loss forward skips the LM-head projection (`trainer.scoring`). An inference engine's log-probs (vLLM) never
+   stand in for the trainer's: they enter through the importance-sampling correction, the off-policy mask and the
+   mismatch report, and are the old log-probs only of rounds sampled ahead with `async_correction='behaviour'`
+   (`trainer.off_policy`).
 5. No reference model when `beta == 0`; under PEFT the reference is the policy with its adapter disabled.
 6. A round travels as one typed `Round`; each micro-batch is trimmed to its own longest prompt and completion once,
    and log-probs never materialise float32 `[B, T, V]` logits (`modeling.logprobs`).
 
-The trainer wires owned parts and keeps `Trainer`'s hooks thin (ARCHITECTURE.md): `RoundBuilder` (prompts ->
-rollout -> rewards -> advantages -> `Round`), `RoundBuffer` (which micro-batch each micro-step trains on),
-`PolicyScorer` (log-prob forwards), `GRPOLoss` (`objective`), `NonFiniteGuard`, and the run's checkpoint state
-(`lifecycle`), metrics window and model card.
+The trainer wires owned parts and keeps `Trainer`'s hooks thin (ARCHITECTURE.md): the round source (`source`:
+where rounds come from, synchronous or asynchronous), `RoundBuilder` (prompts -> rollout -> rewards -> advantages ->
+`Round`), `OffPolicy` (`corrections`: importance weights and the old log-probs they need), `RoundBuffer` (which
+micro-batch each micro-step trains on), `PolicyScorer` (log-prob forwards), the sequence-parallel layout
+(`sequence`), `GRPOLoss` (`objective`), `NonFiniteGuard`, and the run's checkpoint state (`lifecycle`), metrics
+window and model card.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
 """

@@ -1,7 +1,7 @@
-"""What a checkpoint holds beyond the Trainer's own files, so that a resumed run continues exactly: the round buffer
-and its position, and dynamic sampling's prompt stream (each process its own file), and the adaptive entropy
-controller (one file, TRL's name and keys).
-Both live inside the checkpoint folder, so its manifest covers them (`runtime.checkpoints`)."""
+"""What a checkpoint holds beyond the Trainer's own files, so that a resumed run continues exactly: the round
+source's state (the round buffer and its position, and an asynchronous source's rounds sampled ahead) and dynamic
+sampling's prompt stream (each process its own file), and the adaptive entropy controller (one file, TRL's name and
+keys). All live inside the checkpoint folder, so its manifest covers them (`runtime.checkpoints`)."""
 
 from __future__ import annotations
 

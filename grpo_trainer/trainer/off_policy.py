@@ -1,6 +1,9 @@
 """Off-policy corrections: a round's old log-probs and per-token weights, decided from its sampler record
-(`rollout.types.SamplerRecord`) and the trainer's scores, and the mismatch report fed from the same scores. This
-module alone decides them; `RoundBuilder` stops at advantages.
+(`rollout.types.SamplerRecord`) and the trainer's scores, and the mismatch report fed from the same scores.
+`RoundBuilder` stops at advantages. This module decides every weight, and the old log-probs of decision 1's rows 2,
+4 and 5 (an engine's round under the correction, off-policy; every round sampled ahead); a round it leaves without
+old log-probs gets them, off-policy, from `PolicyScorer.prepare` (rows 1 and 3: the exact sampler's own, else a
+forward).
 
 Decisions (docs/ASYNC.md and docs/VLLM.md explain them to users):
 

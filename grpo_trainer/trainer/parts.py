@@ -1,6 +1,9 @@
 """The trainer's owned parts, each built from a `GRPOConfig` and what the trainer has made by then (its accelerator,
-prepared models, metrics window): `GRPOTrainer._build_parts` calls these in order, and each part is otherwise
-constructed from its own typed settings (tests build them alone)."""
+prepared models, metrics window): `GRPOTrainer._build_parts` calls these in order. Each part's constructor takes its
+own typed settings, never the config, so a part can be built without a trainer; tests do so for `OffPolicy`
+(tests/trainer/test_off_policy_alone.py), `PolicyScorer` (tests/trainer/test_policy_scorer_alone.py), `GRPOLoss`
+(tests/trainer/test_loss_options.py) and `Resampler` (tests/trainer/test_resample.py); the others (`RoundBuilder`,
+`MismatchReport`, the round sources) are tested through a trainer."""
 
 from __future__ import annotations
 

@@ -8,8 +8,11 @@ Decisions:
    for the current ones after an update), reference ones only when beta != 0 (under PEFT: the policy with its
    adapter disabled).
 2. On-policy the rollout's values stand in for the policy forward's (`modeling.logprobs`, `known`), and its layer
-   outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`). Every forward goes through
-   `modeling.forwards.score`, which runs it packed (`padding_free`) where the model allows, else padded.
+   outputs, when kept, replace the checkpointed layers' forward (`modeling.replay`). Every forward of this class goes
+   through `modeling.forwards.score`, which runs it packed (`padding_free`) where the model allows, else padded;
+   under sequence parallelism the group's subclass (`trainer.sequence_group.ShardedScorer`) runs the policy's and,
+   within `prepare`, the no-grad forwards through `modeling.sequence_parallel.sharded_scores` instead, with the same
+   forward modifications installed (`modeling.forwards.installed`).
 3. With beta == 0, no entropy mask, no entropy bonus and no auxiliary loss, a completion whose advantage is exactly 0
    adds 0 to the loss and to its gradient whatever its log-probs. With `zero_variance_groups='skip'` only the other
    rows run forward and backward (`policy_logps`), and off-policy only they get old log-probs (`prepare`); skipped
