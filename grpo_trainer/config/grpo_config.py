@@ -272,7 +272,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         None, "Padding-free log-prob forwards (TRL's SFT name): each micro-batch's sequences packed into rows, "
         "positions restarting per sequence, no attention across sequences, so no layer computes padding. Models "
         "it cannot serve are scored padded, by rule or after a once-per-model packed-vs-padded self-check, with "
-        "the reason logged (README, 'Padding-free forwards'). None: on where it has run (planning/levers.py)."
+        "the reason logged (docs/DESIGN.md, 'Padding-free forwards'). None: on where it has run (planning/levers.py)."
         + levers.help_note("padding_free"))
     tied_embedding_lookup: bool | None = _opt(
         None, "With tied input and output embeddings (Qwen2.5 0.5B-3B, Qwen3 0.6B-4B, Llama 3.2), the input lookup's "

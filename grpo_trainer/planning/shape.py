@@ -21,7 +21,7 @@ from torch import nn
 from grpo_trainer.modeling import routing, tied_embedding
 from grpo_trainer.planning.settings import ModelShape
 
-__all__ = ["model_shape"]
+__all__ = ["model_shape", "shape_of"]
 
 
 def model_shape(config: Any, adapter_config: Any = None, trust_remote_code: bool = False) -> ModelShape:
