@@ -16,16 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grpo_trainer"
 ALLOWED: dict[str, set[str]] = {
     "algorithms": set(),
     "data": set(),
+    "diagnosis": set(),
     "modeling": {"algorithms"},
-    "config": {"algorithms", "data", "modeling", "planning", "rewards", "rollout", "runtime"},
+    "config": {"algorithms", "data", "diagnosis", "modeling", "planning", "rewards", "rollout", "runtime"},
     "rewards": {"algorithms", "data"},
     "runtime": {"algorithms", "modeling"},
     "reporting": {"algorithms"},
     "rollout": {"algorithms", "data", "modeling", "runtime"},
     "planning": {"algorithms", "modeling", "rollout"},
-    "trainer": {"algorithms", "config", "data", "modeling", "planning", "reporting", "rewards", "rollout", "runtime"},
-    "cli": {"algorithms", "config", "data", "modeling", "planning", "reporting", "rewards", "rollout", "runtime",
-            "trainer"},
+    "trainer": {"algorithms", "config", "data", "diagnosis", "modeling", "planning", "reporting", "rewards", "rollout",
+                "runtime"},
+    "cli": {"algorithms", "config", "data", "diagnosis", "modeling", "planning", "reporting", "rewards", "rollout",
+            "runtime", "trainer"},
     "experimental": {"config", "trainer"},
 }
 # Top-level modules: the public API (`__init__`) and the seeds' public path for estimators (`advantage`).

@@ -5,6 +5,7 @@
     accelerate launch -m grpo_trainer.cli --config run.yaml   # on CPU: ACCELERATE_USE_CPU=true
     grpo-train vllm-serve --model <model>        # the vLLM server of vllm_mode='server' (`cli.vllm_serve`)
     grpo-train plan --config run.yaml            # the run's memory plan, no weights loaded (`cli.plan`)
+    grpo-train doctor outputs/demo               # a run's training-health diagnosis from its logs (`cli.doctor`)
 
 Decisions:
 
@@ -326,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
         from grpo_trainer.cli import vllm_serve
 
         return vllm_serve.main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from grpo_trainer.cli import doctor
+
+        return doctor.main(argv[1:])
     try:
         script_args, config, reward_funcs, dataset, eval_dataset = prepare(argv)
         model, tokenizer = load_model(script_args, config)
@@ -342,16 +347,20 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     trainer.save_model(config.output_dir)
     if trainer.is_world_process_zero():
-        _print_summary(config.output_dir)
+        _print_summary(config.output_dir, trainer.health.summary)
     # Under `accelerate launch`, a gloo/NCCL group left alive at interpreter exit can abort a rank
     # ("terminate called without an active exception") after everything was saved.
     trainer.accelerator.end_training()
 
 
-def _print_summary(output_dir: str) -> None:
+def _print_summary(output_dir: str, health: Any = None) -> None:
+    """The run's reward rise, its training-health summary (`diagnosis.monitor.Summary`, None with
+    health_checks=False; docs/HEALTH.md) and where its files are."""
     metrics = os.path.join(output_dir, "metrics.jsonl")
     first, last = reward_rise(read_metrics(metrics)) if os.path.exists(metrics) else (float("nan"),) * 2
     print(f"\nreward: {first:.3f} (first 10% of log steps) -> {last:.3f} (last 10%)")
+    if health is not None:
+        print("\n".join(health.lines()))
     for name in ("metrics.jsonl", "metrics.png", "completions"):
         if os.path.exists(os.path.join(output_dir, name)):
             print(f"{name}: {os.path.join(output_dir, name)}")

@@ -13,6 +13,7 @@ from grpo_trainer.algorithms.advantage import ADVANTAGE_ESTIMATORS, SCALES
 from grpo_trainer.config import choices as kinds
 from grpo_trainer.config.choices import choices
 from grpo_trainer.config.refusals import Refusal, check
+from grpo_trainer.diagnosis.settings import threshold_problems
 from grpo_trainer.planning import levers
 
 __all__ = ["COMBINATIONS", "LONG_COMPLETION_LEVERS", "advisories", "check_config"]
@@ -139,6 +140,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          "accelerate's context parallelism (FSDP2 only) replaces the attention mask by a plain causal one, so the "
          "real tokens of GRPO's left-padded prompt+completion rows would attend to the padding. Set cp_size=1; for "
          f"long completions use {LONG_COMPLETION_LEVERS}."),
+        (not isinstance(args.health_checks, bool),
+         f"health_checks must be True or False (got {args.health_checks!r}); False turns the training-health "
+         "warnings and summary off."),
+        *((True, message) for message in threshold_problems(args.health_thresholds)),
         (_evaluates(args) and (args.per_device_eval_batch_size * args.world_size)
          % (args.num_generations_eval or G) != 0,
          f"the global eval batch (per_device_eval_batch_size {args.per_device_eval_batch_size} x "

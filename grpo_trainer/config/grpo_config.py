@@ -11,6 +11,7 @@ warning naming their replacement (`config.legacy`).
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,6 +325,17 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         None, "Also push the completions files to this Hub dataset repo ('user/name', or 'name' in your own "
         "namespace); needs log_completions. Public unless hub_private_repo=True.")
 
+    # Training health (docs/HEALTH.md)
+    health_checks: bool = _opt(
+        True, "Watch the logged metrics for the usual reasons a GRPO run does not learn (completions cut at "
+        "max_completion_length, groups of equal rewards, a reward function that fails or dominates, entropy collapse, "
+        "KL growth, clipping, collapsed importance weights, gradient spikes, non-finite steps): warn once when one "
+        "sets in, naming the metric, the threshold, the likely cause and the fix, and summarise at the end of training "
+        "(run log, console, metrics.jsonl, model card). Reads the metrics already computed: no extra forward.")
+    health_thresholds: dict | str | None = _opt(
+        None, "Overrides of the health checks' thresholds by name, e.g. {\"truncated_fraction\": 0.8} (every name, "
+        "its default and its meaning: docs/HEALTH.md, grpo_trainer/diagnosis/settings.py).")
+
     def __post_init__(self) -> None:
         resolve_legacy(self)  # first: a legacy name's value is then checked and converted like its replacement's
         if self.bf16 is None:
@@ -335,6 +347,7 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         self._resolve_deprecated_names()
         self._resolve_padding()
         self._resolve_generation_batch()
+        self._resolve_health_thresholds()
         check_config(self)
 
     def _resolve_deprecated_names(self) -> None:
@@ -347,6 +360,16 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
             warnings.warn("vllm_importance_sampling_cap is deprecated; use vllm_importance_sampling_clip_max "
                           "instead.", FutureWarning, stacklevel=4)
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+    def _resolve_health_thresholds(self) -> None:
+        """A JSON string (command line, YAML) as its dict; parsed here, not through `_VALID_DICT_FIELDS`, which
+        lists TRL's dict fields only."""
+        if isinstance(self.health_thresholds, str):
+            try:
+                self.health_thresholds = json.loads(self.health_thresholds)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"health_thresholds is not a JSON dict ({exc.msg}): {self.health_thresholds!r}; "
+                                 'write it as \'{"truncated_fraction": 0.8}\' (docs/HEALTH.md).') from None
 
     def _resolve_padding(self) -> None:
         # From the command line the value arrives as a string.

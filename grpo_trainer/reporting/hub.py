@@ -12,7 +12,8 @@ Decisions:
 3. `base_model` is set only when it is a Hub id. A local folder or a model built from a config has no id the
    Hub could link to, so it is left out.
 4. The card lists only the settings that decide what was optimised (estimator, loss, beta, G, clipping, ...) and
-   the reward functions with their weights; the full `GRPOConfig` is saved next to it in training_args.bin.
+   the reward functions with their weights; the full `GRPOConfig` is saved next to it in training_args.bin. It also
+   carries the training-health summary (docs/HEALTH.md): what was diagnosed during training and whether it cleared.
 5. Merging copies the adapter model and merges the copy (`peft`'s `merge_and_unload`): merging in place and
    unmerging afterwards would leave base weights that differ from the originals by rounding. The copy costs
    one more model in memory for the duration of the save; a 4-bit (QLoRA) base is refused, because merging into
@@ -91,6 +92,7 @@ class RunCard:
     settings: dict[str, Any]  # `grpo_settings`
     reward_names: tuple[str, ...]
     reward_weights: tuple[float, ...] | None
+    health: tuple[str, ...] = ()  # the training-health summary's lines (docs/HEALTH.md); () when the checks are off
 
 
 def adapter_settings(model: nn.Module) -> dict[str, Any] | None:
@@ -127,8 +129,9 @@ def _usage(repo: str, base_model: str | None, is_adapter: bool) -> str:
 def render_model_card(*, model_name: str, repo: str, base_model: str | None, is_adapter: bool,
                       settings: dict[str, Any], reward_names: list[str], reward_weights: list[float] | None,
                       adapter: dict[str, Any] | None = None, tags: list[str] | None = None,
-                      dataset_name: str | None = None) -> ModelCard:
-    """A Hub model card: YAML metadata (base model, library, tags) and a text body (usage, settings, rewards)."""
+                      dataset_name: str | None = None, health: list[str] | None = None) -> ModelCard:
+    """A Hub model card: YAML metadata (base model, library, tags) and a text body (usage, settings, rewards, and
+    the training-health summary when there is one)."""
     all_tags = list(dict.fromkeys([*LIBRARY_TAGS, *(["lora", "peft"] if is_adapter else []), *(tags or [])]))
     data = ModelCardData(base_model=base_model, library_name="peft" if is_adapter else "transformers",
                          model_name=model_name, tags=all_tags, pipeline_tag="text-generation",
@@ -146,6 +149,8 @@ def render_model_card(*, model_name: str, repo: str, base_model: str | None, is_
         "## Training settings", _table(settings),
         "## Reward functions", rewards or "- (none recorded)",
     ]
+    if health:
+        sections += ["## Training health", "\n".join(health)]
     if adapter:
         sections += ["## Adapter", _table(adapter)]
     versions = {"grpo_trainer": _version("grpo_trainer"), "transformers": _version("transformers"),
@@ -174,7 +179,7 @@ def write_model_card(run: RunCard, folder: str, model: nn.Module, model_name: st
                              is_adapter=adapter is not None, settings=run.settings,
                              reward_names=list(run.reward_names),
                              reward_weights=None if run.reward_weights is None else list(run.reward_weights),
-                             adapter=adapter, tags=tags, dataset_name=dataset_name)
+                             adapter=adapter, tags=tags, dataset_name=dataset_name, health=list(run.health))
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "README.md")
     card.save(path)

@@ -25,8 +25,8 @@ The trainer wires owned parts and keeps `Trainer`'s hooks thin (ARCHITECTURE.md)
 where rounds come from, synchronous or asynchronous), `RoundBuilder` (prompts -> rollout -> rewards -> advantages ->
 `Round`), `OffPolicy` (`corrections`: importance weights and the old log-probs they need), `RoundBuffer` (which
 micro-batch each micro-step trains on), `PolicyScorer` (log-prob forwards), the sequence-parallel layout
-(`sequence`), `GRPOLoss` (`objective`), `NonFiniteGuard`, and the run's checkpoint state (`lifecycle`), metrics
-window and model card.
+(`sequence`), `GRPOLoss` (`objective`), `NonFiniteGuard`, `TrainingHealth` (`health`: the health checks on the logged
+metrics, docs/HEALTH.md), and the run's checkpoint state (`lifecycle`), metrics window and model card.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward functions.
 """
@@ -63,7 +63,7 @@ from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.rollout.backend import chosen
 from grpo_trainer.rollout.settings import eos_token_ids
 from grpo_trainer.runtime import checkpoints, compat, distributed, interrupts, run_lock
-from grpo_trainer.trainer import lifecycle, memory, parts, setup
+from grpo_trainer.trainer import health, lifecycle, memory, parts, setup
 from grpo_trainer.trainer.loss import NonFiniteGuard, pooled_high_entropy_mask
 from grpo_trainer.trainer.round import Round
 from grpo_trainer.trainer.round_builder import PolicyView
@@ -200,6 +200,7 @@ class GRPOTrainer(Trainer):
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self.offloading = parts.activation_offloading(args, self.model)  # docs/MEMORY.md, "How long can I go?"
         self.step_time, self._saving_stuck = StepTime(self.metrics), False
+        self.health = parts.training_health(args, self.reward_sources, self.accelerator.is_main_process)
 
     def create_accelerator_and_postprocess(self) -> None:
         with self.sequence.hidden_from_accelerate(self.args):  # GRPO shards sequences itself, after generation
@@ -362,10 +363,18 @@ class GRPOTrainer(Trainer):
             # A save from the watchdog thread is safe only alone: collectives would wait on the stuck processes.
             save_last_step = self._save_last_step if self.accelerator.num_processes == 1 else None
             with self._signal_stop.handling(save_last_step):
+                error = None
+                self.health.start()
                 try:
                     output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+                except BaseException as exc:
+                    error = exc
+                    raise
                 finally:
                     self.source.close()  # nothing is left running (`trainer.source`)
+                    stopped = health.stop_reason(self.state.global_step, self.state.max_steps, self._signal_stop.signum,
+                                                 error)  # the health summary however it ends (`trainer.health`)
+                    self.health.finish(stopped, self.callback_handler.callbacks, self.args, self.state, self.control)
         if self._completions_upload is not None:  # the last log steps' files, without waiting for the next tick
             self._completions_upload.push_now()
         return output
@@ -444,6 +453,8 @@ class GRPOTrainer(Trainer):
         # `logs` is updated in place: `evaluate()` returns this same dict, so it carries our metrics too
         super().log(logs, start_time)
         self.metrics.clear(mode)
+        if mode == "train":
+            self.health.observe(self.state.global_step, logs)  # one warning per onset (docs/HEALTH.md)
         if mode == "train" and self.args.log_completions and self.accelerator.is_main_process:
             self.completions.flush(self.state.global_step)
 
@@ -452,10 +463,12 @@ class GRPOTrainer(Trainer):
     def _run_card(self) -> hub.RunCard:
         args = self.args
         fields = {name: getattr(args, name) for name in hub.CARD_FIELDS}
+        checks = getattr(self, "health", None)  # None on a trainer made by `object.__new__` (TRL's white-box tests)
         return hub.RunCard(args.output_dir, getattr(self, "hub_model_id", None) or args.hub_model_id,
                            hub.grpo_settings(fields, self.advantage_fn, args.advantage_estimator),
                            tuple(self.reward_names),
-                           None if args.reward_weights is None else tuple(args.reward_weights))
+                           None if args.reward_weights is None else tuple(args.reward_weights),
+                           health=checks.card_lines(self.state.global_step) if checks is not None else ())
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The Trainer's save (only the adapter and tokenizer for a PeftModel), then the run's model card: every

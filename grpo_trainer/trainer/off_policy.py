@@ -51,6 +51,7 @@ from grpo_trainer.algorithms.engine_correction import (
     engine_importance_ratio,
     engine_mismatch_metrics,
 )
+from grpo_trainer.diagnosis.signals import ess_metrics, weight_totals
 from grpo_trainer.modeling import routing
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.reporting.metrics import MetricsWindow
@@ -130,6 +131,7 @@ class OffPolicy:
         self.metrics.add("train", "async/importance_ratio_raw_mean", math.nan if empty else raw.mean())
         self.metrics.add_min("train", "async/importance_ratio_raw_min", math.inf if empty else float(raw.min()))
         self.metrics.add_max("train", "async/importance_ratio_raw_max", -math.inf if empty else float(raw.max()))
+        self._effective_sample_size(torch.exp(old - record.logps.nan_to_num()), mask, "train", "async/importance_ratio")
         if self.settings.engine_correction is None:
             return dataclasses.replace(round_, old_logps=old), columns
         return self._weighted(round_, old, "train", on_policy=False), columns
@@ -155,7 +157,14 @@ class OffPolicy:
         round_, values = engine_weighted(round_, old, self.settings.engine_correction, on_policy)
         for key, value in values.items():
             self.metrics.add(mode, key, CROSS_PROCESS[key](gather(value.reshape(1).float())))
+        self._effective_sample_size(round_.token_weights, round_.loss_mask, mode, "sampling/importance_sampling")
         return round_
+
+    def _effective_sample_size(self, weights: Tensor, mask: Tensor, mode: str, prefix: str) -> None:
+        """The weights' effective sample size over every process's tokens (`diagnosis.signals`; docs/HEALTH.md)."""
+        totals = gather(weight_totals(weights, mask)[None]).sum(0)
+        for key, value in ess_metrics(totals, prefix).items():
+            self.metrics.add(mode, key, value)
 
     def _report(self, round_: Round, scores: LogProbs | None, mode: str, model: nn.Module, version: int,
                 logged_ratio: bool) -> dict[str, list]:

@@ -21,12 +21,15 @@ from grpo_trainer.algorithms.zero_variance import zero_variance_groups
 from grpo_trainer.config import GRPOConfig
 from grpo_trainer.config import settings as typed
 from grpo_trainer.data.sampler import RoundSource as PromptRows
+from grpo_trainer.diagnosis.monitor import HealthMonitor
+from grpo_trainer.diagnosis.settings import HealthSettings, RunFacts
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
 from grpo_trainer.runtime.distributed import Launch
+from grpo_trainer.trainer.health import TrainingHealth
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
 from grpo_trainer.trainer.mismatch import MismatchReport, MismatchSettings
 from grpo_trainer.trainer.off_policy import OffPolicy, OffPolicySettings
@@ -38,8 +41,9 @@ from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
 from grpo_trainer.trainer.sequence_group import ShardingSettings
 from grpo_trainer.trainer.source import RoundSource, SourceSettings, SyncRounds
 
-__all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler", "round_builder",
-           "round_source", "schedule", "scoring_settings", "sharding_settings", "source_settings", "source_type"]
+__all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler",
+           "round_builder", "round_source", "schedule", "scoring_settings", "sharding_settings", "source_settings",
+           "source_type", "training_health"]
 
 
 def scoring_settings(args: GRPOConfig) -> ScoringSettings:
@@ -120,6 +124,20 @@ def corrections(args: GRPOConfig, launch: Launch, schedule: Schedule, rounds: Ro
     report = mismatch_report(args, model, multimodal.text_tokenizer(rounds.processing_class), accelerator, metrics)
     return OffPolicy(settings, schedule, policy_scorer.sampling_scores, accelerator, metrics, report,
                      lambda lm: rounds.backend.sampler_dtype(causal_lm(lm)))
+
+
+def training_health(args: GRPOConfig, reward_sources: RewardSources, main_process: bool) -> TrainingHealth:
+    """The training-health checks (`trainer.health`, docs/HEALTH.md): a monitor over the logged metrics with the run's
+    settings its rules read and its fixes name; none with `health_checks=False` (nor on other processes)."""
+    if not args.health_checks:
+        return TrainingHealth(None, main_process)
+    facts = RunFacts(max_completion_length=args.max_completion_length, num_generations=args.num_generations,
+                     learning_rate=args.learning_rate, beta=args.beta, epsilon=args.epsilon,
+                     num_iterations=args.num_iterations, max_grad_norm=args.max_grad_norm,
+                     zero_variance_groups=args.zero_variance_groups, reward_error_policy=args.reward_error_policy,
+                     reward_names=tuple(reward_sources.names), reward_weights=tuple(reward_sources.weights.tolist()),
+                     multi_objective_aggregation=args.multi_objective_aggregation)
+    return TrainingHealth(HealthMonitor(HealthSettings.of(args.health_thresholds), facts), main_process)
 
 
 def schedule(args: GRPOConfig, launch: Launch) -> Schedule:

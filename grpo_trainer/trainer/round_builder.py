@@ -39,8 +39,10 @@ from torch import Tensor, nn
 from transformers import TrainerState
 
 from grpo_trainer import rollout
+from grpo_trainer.algorithms.advantage import as_reward_vector
 from grpo_trainer.data.checks import is_conversational
 from grpo_trainer.data.images import row_images, row_prompts, strip_images
+from grpo_trainer.diagnosis.signals import round_signals
 from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.reporting import metrics
@@ -365,6 +367,9 @@ class RoundBuilder:
         round_metrics = {**metrics.completion_length_metrics(lengths, truncated),
                          **metrics.reward_metrics(rewards, self.rewards.weights, self.rewards.names,
                                                   self.num_generations(mode), scale, with_pass_at_k=mode == "eval"),
-                         **reward_logs.gather_metrics(gather_object)}
+                         **reward_logs.gather_metrics(gather_object),
+                         # the health checks' (docs/HEALTH.md): missing rewards, the reward cut completions lose
+                         **round_signals(rewards, as_reward_vector(rewards, self.rewards.weights), truncated,
+                                         self.rewards.names)}
         for key, value in round_metrics.items():
             self.metrics.add(mode, key, value)

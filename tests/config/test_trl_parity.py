@@ -60,6 +60,8 @@ OURS_ONLY = {
     "sampling_mismatch_report": "the per-round report of where sampler and trainer log-probs disagree",
     "sampling_mismatch_threshold": "the mismatch report's warning threshold",
     "routing_replay": "Mixture-of-Experts rollout routing replay (R3, docs/MOE.md)",
+    "health_checks": "the training-health warnings and summary (docs/HEALTH.md)",
+    "health_thresholds": "the training-health checks' thresholds by name (docs/HEALTH.md)",
 }
 # Shared fields whose default differs on purpose: field -> (ours, reason). (`bf16` is None in both dataclasses; TRL
 # resolves it to True, we to what the hardware runs fast: tests/config/test_validation.py.)
