@@ -21,7 +21,9 @@ Decisions:
    process no launch is needed.
 4. Standard paths of transformers and the Trainer (activation checkpointing, smaller micro-batches with more
    accumulation, a lower vLLM memory fraction) and the smaller LM-head chunk of the head every run uses are
-   proposed everywhere: they are not optional code of this project (`Lever.option` None).
+   proposed everywhere: they are not optional code of this project (`Lever.option` None). Nor is bookkeeping over
+   values the step already computed, whatever its device (the health checks, `diagnosis`): it changes no tensor
+   of the step and allocates none of a tensor's size.
 5. Levers combine: a fit is one pull of any subset of levers (`planning.fit`, cost: the product of the pulls'
    costs), a longer completion the strongest pull of each alone and of all together (`planning.longest`).
 """
