@@ -3,14 +3,19 @@ script `accelerate launch` starts on each of 2 processes (`--cells cells.json --
 `DIR/results.json`). Several cells run one after the other in one launch: the start-up is the expensive part.
 
 A cell trains 2 optimizer steps (SGD, so that weights compare exactly) on a tiny model: the toy copy task's
-decoder for text prompts, Qwen2.5-VL's tiny model for image prompts in TRL's placeholder format. What it records,
-for `test_matrix.py` (and the vLLM stage's tests/vllm_integration/test_matrix_vllm.py) to check:
+decoder for text prompts (a tiny Qwen3-MoE at routing_replay 'on' / 'off': `make_tiny_moe`), Qwen2.5-VL's tiny model
+for image prompts in TRL's placeholder format. What it records, for `test_matrix.py` (and the vLLM stage's
+tests/vllm_integration/test_matrix_vllm.py) to check:
   - `losses`: every logged training loss (must be finite);
   - `moved`: whether the trainable parameters changed;
   - `digests`: each process's digest of its full parameters (must be equal);
   - `resume_diff` (resume cells): the largest difference between the run's weights and those of a second run that
     resumes from the first run's step-1 checkpoint (must be 0: the resumed run is the straight run);
   - `twin_diff` (packed cells): the largest difference from the same cell run padded (padding_free=False);
+  - `launch`, `routing_replay`, `sp_size`: the trainer's launch facts (`runtime.distributed.Launch`), whether its
+    rounds replay the routing, its sequence-parallel group's size;
+  - `packed_forwards`: each process's packed log-prob forwards of the training (the packing self-check's not
+    counted);
   - `staleness` (async cells): every logged `async/staleness_max` (must be within async_rollouts);
   - `uninformative_groups`, `extra_rounds` (resample cells): groups with all advantages 0 in the rounds the loss
     used, and the extra rounds drawn (resampling must have run and kept informative groups only);
@@ -37,6 +42,7 @@ STEPS = 2
 VLM_FAMILY = "qwen2_5_vl"
 VLLM_VLM_FAMILY = "idefics3"  # the family vLLM's CPU build loads; served by tests/vllm_integration/conftest.py
 NOT_LOADED = "matrix-refusal/never-loaded"  # a Hub id not in the cache: a refusal cell must stop before reading it
+LAUNCH_FACTS = ("processes", "zero_stage", "deepspeed", "fsdp", "sequence_parallel")  # of runtime.distributed.Launch
 
 
 def reward(prompts, completions, **kwargs) -> list[float]:
@@ -77,11 +83,16 @@ def placeholder_dataset(rows: int = 16):
 
 def settings_of(cell: dict, vllm: dict | None = None) -> dict:
     """The GRPOConfig fields of `cell` where they differ from `tests.helpers.TRAINER_DEFAULTS` (4 rows per process,
-    G = 2, 2 steps at learning rate 0.1), `vllm`: the vLLM stage's servers."""
+    G = 2, 2 steps at learning rate 0.1), `vllm`: the vLLM stage's servers. `factors.refusal` reads the package's
+    refusal tables on these same fields."""
     settings = dict(optim="sgd", disable_dropout=True, zero_variance_groups=cell["zero_variance_groups"],
                     max_resample_rounds=4, async_rollouts=int(cell["async_rollouts"]),
                     padding_free=cell["padding_free"] == "on", beta=float(cell["beta"]),
-                    memory_check=cell["memory_check"])
+                    memory_check=cell["memory_check"], mlp_tile_tokens=int(cell["mlp_tile_tokens"]),
+                    recompute_attention=cell["recompute_attention"] == "on")
+    if cell["routing_replay"] != "dense":  # the MoE model (`make_tiny_moe`), without the router's auxiliary loss,
+        # which would refuse packing (modeling.forwards) and 'skip' (once the model loads); tests/trainer covers it
+        settings.update(routing_replay=cell["routing_replay"], router_aux_loss_coef=0.0)
     if cell["backend"] in ("fast", "generate"):
         settings["generation_backend"] = cell["backend"]
     else:  # the real-vLLM stage: `vllm` holds the servers' URLs by prompt kind ({"text": url, "image": url})
@@ -89,10 +100,27 @@ def settings_of(cell: dict, vllm: dict | None = None) -> dict:
         settings.update(use_vllm=True, vllm_mode=mode, vllm_gpu_memory_utilization=0.2,
                         activation_checkpointing=False)
         if mode == "server":
-            settings.update(vllm_server_base_url=(vllm or {})[cell["prompts"]], vllm_server_timeout=60)
-    if cell["processes"] == "zero2":
-        settings["ddp_backend"] = "gloo"  # accelerate_configs/cpu/deepspeed_zero2.yaml: DeepSpeed counts 2 over gloo
+            settings.update(vllm_server_base_url=(vllm or {}).get(cell["prompts"]), vllm_server_timeout=60)
+    if cell["processes"] in ("zero2", "zero3"):
+        # accelerate_configs/cpu/deepspeed_zero{2,3}.yaml: DeepSpeed counts 2 processes only over gloo
+        settings["ddp_backend"] = "gloo"
+    if cell["sp_size"] != "1":  # accelerate_configs/cpu/ddp_sp.yaml: the group is set in the training config
+        from accelerate.parallelism_config import ParallelismConfig
+
+        settings["parallelism_config"] = ParallelismConfig(sp_size=int(cell["sp_size"]), sp_backend="deepspeed")
     return settings
+
+
+def make_tiny_moe(tokenizer):
+    """A tiny Qwen3-MoE (a family routing replay serves: 2 layers of 4 experts, top 2), seeded, float32."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def build(cell: dict, output_dir: Path, model=None, vllm: dict | None = None, **overrides):
@@ -121,6 +149,8 @@ def build(cell: dict, output_dir: Path, model=None, vllm: dict | None = None, **
             from tests.vllm_integration.vllm_helpers import vllm_tiny_model
 
             built = vllm_tiny_model(processing_class)
+        elif cell["routing_replay"] != "dense":
+            built = make_tiny_moe(processing_class)
         else:
             built = make_tiny_model(processing_class, seed=0)
         dataset = text_dataset()
@@ -234,6 +264,11 @@ def run_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
         "uninformative_groups": sum(all(a == 0 for a in adv[i:i + G]) for adv in rounds
                                     for i in range(0, len(adv), G)),
         "packed_forwards": trainer.packed_forwards,
+        # what the trainer made of the row's settings: its launch facts (`factors.launch_of` read the refusal tables
+        # with these), whether its rounds replay the routing, its sequence-parallel group
+        "launch": {k: getattr(trainer.launch, k) for k in LAUNCH_FACTS},
+        "routing_replay": bool(trainer.rounds.settings.routing_replay),
+        "sp_size": trainer.sequence.size,
     }
     del trainer
     if resume:
@@ -253,12 +288,17 @@ def run_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
 
 
 def refuse_cell(cell: dict, output_dir: Path, vllm: dict | None = None) -> dict:
-    """A refused combination: GRPOConfig or GRPOTrainer must raise before any model loads (the model is a Hub id
-    that is not in the cache: reading it would raise OSError instead)."""
+    """A refused combination: GRPOConfig (`where` "config") or GRPOTrainer ("trainer") must raise before any model
+    loads (the model is a Hub id that is not in the cache: reading it would raise OSError instead)."""
+    from tests.helpers import make_args
+
+    where = "config"
     try:
+        make_args(output_dir, **settings_of(cell, vllm))
+        where = "trainer"
         build(cell, output_dir, model=NOT_LOADED, vllm=vllm)
     except Exception as error:  # noqa: BLE001 - the test checks the type and the message
-        return {"error": [type(error).__name__, " ".join(str(error).split())]}
+        return {"error": [type(error).__name__, " ".join(str(error).split())], "where": where}
     return {"error": None}
 
 
@@ -276,6 +316,8 @@ def run_all(cells: list[dict], output_dir: Path, vllm: dict | None = None) -> li
             record = {"error": [type(error).__name__, " ".join(str(error).split())],
                       "traceback": traceback.format_exc()[-3000:]}
         record["digests"] = gather_object([record.get("digest")])  # every cell, failed or not: a collective
+        # each process decides per micro-batch whether packing pays (modeling.forwards, decision 4): all count
+        record["packed_forwards"] = gather_object([record.get("packed_forwards", 0)])
         record["processes"] = PartialState().num_processes
         results.append(record)
     return results

@@ -1,22 +1,25 @@
-"""The combination matrix of issue 38 on CPU (the vLLM rows: tests/vllm_integration/test_matrix_vllm.py, in the
-real-vLLM stage): every pair of levels of `factors.FACTORS` not refused together is in
-some row (`covering.covering_rows`, greedy and deterministic); each row trains 2 steps on a tiny model and must show
-finite losses, weights that moved, equal weights on every process, a resumed run equal to the straight run
-(resume cells), a packed run equal to its padded twin (packed cells), async staleness within its bound, and
-resampling that ran and kept informative groups only. Each refused combination stops with an error naming both
-settings and what to use instead, before any model loads.
+"""The combination matrix of issues 38 and 50 on CPU (the vLLM rows: tests/vllm_integration/test_matrix_vllm.py, in the
+real-vLLM stage): every pair of levels of `factors.FACTORS` neither refused nor unbuilt together is in some row
+(`covering.covering_rows`, greedy and deterministic); each row trains 2 steps on a tiny model and must show finite
+losses, weights that moved, equal weights on every process, the launch facts the refusal tables were read with,
+routing replay where asked, a resumed run equal to the straight run (resume cells), a packed run equal to its padded
+twin (packed cells), async staleness within its bound, and resampling that ran and kept informative groups only. Each
+package refusal the factors reach stops with its own message (`factors.refusal`: the package's tables), before any
+model loads.
 
 The rows of one process layout run in one launch, one after the other (`cell_run.py`): the 1-process rows here in
-pytest's process, the DDP, ZeRO-2 and FSDP2 rows in one `accelerate launch` each (2 processes over gloo)."""
+pytest's process, the DDP (with the sp_size=2 rows), ZeRO-2, ZeRO-3 and FSDP2 rows in one `accelerate launch` each (2
+processes over gloo); once per session, also under pytest-xdist (`checks.once_per_session`)."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.matrix import cell_run, factors
-from tests.matrix.checks import check_refused, check_trained, launch
+from tests.matrix.checks import check_refused, check_trained, launch, once_per_session
 
 pytestmark = pytest.mark.matrix
 
@@ -24,7 +27,25 @@ ROWS = [row for row in factors.rows() if not factors.uses_vllm(row)]
 REFUSED = [row for row in factors.refusal_cells() if not factors.uses_vllm(row)]
 # Combinations the matrix found broken and not yet fixed: {cell name: the bug}. Each stays xfail(strict=True), so
 # the fix turns its cell into a failure until it is removed from here.
-KNOWN_BUGS: dict[str, str] = {}
+KNOWN_BUGS: dict[str, str] = {
+    "gen=fast-replay=on-proc=zero3-sp=1-prompts=text-zvg=resample-async=0-packed=on-adapter=full-beta=0-resume=none-"
+    "memcheck=error-tile=0-recompute=off":
+        "routing replay finds no router under ZeRO-3: modeling.routing._is_router wants a [E, H] weight, and ZeRO-3 "
+        "partitions it to shape [0] when the model is built, so routing_replay='on' is refused once the model has "
+        "loaded with 'no top-k router was found in Qwen3MoeForCausalLM' (and 'auto' is silently off); no table "
+        "refuses the combination",
+}
+# Combinations that fail only in some runs (a race): xfail without strict, so that a run that passes passes too.
+INTERMITTENT_BUGS: dict[str, str] = {
+    "gen=generate-replay=on-proc=1-sp=1-prompts=text-zvg=train-async=1-packed=on-adapter=full-beta=0.04-resume=save-"
+    "memcheck=off-tile=4-recompute=on":
+        "async_rollouts=1 with the 'generate' backend (its producer thread runs the model's layers), routing replay "
+        "'on', mlp_tile_tokens and recompute_attention together: in about 1 run in 4 the step fails with torch's "
+        "CheckpointError (recomputed tensors of other shapes, [1, 25, 2, 1] among them, than the forward saved), or "
+        "trains on other numbers (step 2's loss -0.0044 in most runs, 0.0050 in one; packed vs padded twin 9e-3); "
+        "0 in 6-10 runs each with replay 'off', a dense model, mlp_tile_tokens=0, recompute_attention=False or the "
+        "'fast' backend",
+}
 
 
 def group(row: dict) -> list[dict]:
@@ -43,13 +64,13 @@ def launched(tmp_path_factory):
         layout = row["processes"]
         cells = group(row)
         if layout not in cache:
-            out = tmp_path_factory.mktemp(f"matrix_{layout}")
-            start = time.perf_counter()
-            if layout == "1":
-                cache[layout] = cell_run.run_all(cells, out)
-            else:
-                cache[layout] = launch(layout, cells, out)
-            print(f"\n[matrix] {layout}: {len(cells)} cells in {time.perf_counter() - start:.1f}s")
+            def run(out: Path) -> list[dict] | str:
+                start = time.perf_counter()
+                records = cell_run.run_all(cells, out) if layout == "1" else launch(layout, cells, out)
+                print(f"\n[matrix] {layout}: {len(cells)} cells in {time.perf_counter() - start:.1f}s")
+                return records
+
+            cache[layout] = once_per_session(tmp_path_factory, f"matrix_{layout}", run)
         if isinstance(cache[layout], str):
             pytest.fail(cache[layout])
         index = next(i for i, c in enumerate(cells) if c == row or (c.get("refused") and
@@ -61,7 +82,8 @@ def launched(tmp_path_factory):
 
 def _param(row: dict, refused: bool = False):
     name = factors.name(row)
-    marks = [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else []
+    marks = [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else \
+        [pytest.mark.xfail(strict=False, reason=INTERMITTENT_BUGS[name])] if name in INTERMITTENT_BUGS else []
     if row["processes"] != "1":
         marks.append(pytest.mark.distributed)
     return pytest.param(row, id=name, marks=marks)

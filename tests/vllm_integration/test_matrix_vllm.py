@@ -4,8 +4,9 @@
 Each row trains 2 steps with vLLM colocated or against a server and shows what a CPU row shows
 (`tests.matrix.checks.check_trained`): finite losses, moved weights, equal weights on every process, resume
 equal to the straight run, the packed run equal to its padded twin, async staleness within its bound, resampling
-that kept informative groups. The refused rows (a server with several training processes and async_rollouts)
-must stop before the model loads, naming both settings. Text rows start from the tiny model the session's server
+that kept informative groups. The refusal cells of the vLLM rows (the package's own refusals, `factors.refusal`: a
+server with several training processes and async_rollouts, routing_replay='on' with an engine, sp_size=2 with vLLM)
+must stop with that refusal's message before the model loads. Text rows start from the tiny model the session's server
 serves, and their server rows use that server, which gets the served weights back after the module (they push
 trained weights to it); image rows start from the tiny Idefics3 (TRL's placeholder format), served by the session's
 image server (conftest.py), which gets its weights back the same way. A server samples from one unseeded random
@@ -24,6 +25,15 @@ pytestmark = pytest.mark.matrix
 
 ROWS = [row for row in factors.rows() if factors.uses_vllm(row)]
 REFUSED = [row for row in factors.refusal_cells() if factors.uses_vllm(row)]
+# As tests/matrix/test_matrix.py's: {cell name: the bug}, each xfail(strict=True) until fixed.
+KNOWN_BUGS: dict[str, str] = {
+    "gen=vllm_colocate-replay=dense-proc=1-sp=1-prompts=text-zvg=resample-async=0-packed=off-adapter=lora-beta=0.04-"
+    "resume=save-memcheck=off-tile=4-recompute=on":
+        "zero_variance_groups='resample' under vLLM colocated: the run resumed from checkpoint-1 differs from the "
+        "straight run (largest weight difference 7.2e-3; 2.0e-3 with full fine-tuning, with or without the tiled MLP "
+        "and recomputed attention; 0 with 'train', and with 'fast' / 'generate'): step 2's first rollout is the "
+        "straight run's, but its extra round, on the same prompts, samples other completions",
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,13 @@ def launched(request, tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=factors.name(r)) for r in ROWS])
+def _param(row: dict):
+    name = factors.name(row)
+    marks = [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else []
+    return pytest.param(row, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
 def test_vllm_cell_trains(row, launched):
     check_trained(row, launched(row))
 
