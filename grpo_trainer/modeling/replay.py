@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.recompute import transient_saves
+from grpo_trainer.modeling.swaps import swapped
 
 __all__ = ["replayed_layers"]
 
@@ -82,14 +83,9 @@ def replayed_layers(layers: nn.ModuleList, outputs: Tensor, layout: tuple[Tensor
     `layout` = (rows `[R, W]`, columns `[R, W]`): the forward runs on another arrangement of the same tokens (a
     packed forward, `modeling.packing`), whose position (r, w) holds the token at (rows[r, w], columns[r, w]) of
     `outputs`; each layer's output is gathered into it (a copy per layer, as the unpacked path's clone)."""
-    saved = []
-    try:
+    with contextlib.ExitStack() as stack:
         for index, layer in enumerate(layers):
-            checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-            if checkpoint is not None:
-                saved.append((layer, checkpoint))
-                layer._gradient_checkpointing_func = _replay(outputs[:, index], checkpoint, layout)
+            if getattr(layer, "_gradient_checkpointing_func", None) is not None:
+                stack.enter_context(swapped(layer, "_gradient_checkpointing_func", lambda checkpoint, i=index:
+                                            _replay(outputs[:, i], checkpoint, layout)))
         yield
-    finally:
-        for layer, checkpoint in saved:
-            layer._gradient_checkpointing_func = checkpoint

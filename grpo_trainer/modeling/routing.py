@@ -57,6 +57,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_trainer.modeling.swaps import swapped
+
 __all__ = ["FAMILIES", "ReplayStats", "Router", "RoutingError", "assemble", "code_dtype", "find_routers",
            "moe_family", "recording", "replayed", "replaying", "unsupported_reason"]
 
@@ -115,10 +117,12 @@ def _expert_count(module: nn.Module) -> int | None:
 
 
 def _is_router(module: nn.Module) -> bool:
-    """Decision 1's structure: integer `top_k` and expert count, and a `[E, H]` weight."""
+    """Decision 1's structure: integer `top_k` and expert count, and a `[E, H]` weight (its full shape under ZeRO-3,
+    which partitions it to `[0]` on every process: `ds_shape`)."""
     experts, weight = _expert_count(module), getattr(module, "weight", None)
+    shape = getattr(weight, "ds_shape", None) or getattr(weight, "shape", ())
     return (isinstance(getattr(module, "top_k", None), int) and experts is not None
-            and isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == experts)
+            and isinstance(weight, Tensor) and len(shape) == 2 and shape[0] == experts)
 
 
 def _config(lm: nn.Module) -> Any:
@@ -352,18 +356,15 @@ def replaying(lm: nn.Module, routes: Tensor, layout: tuple[Tensor, Tensor] | Non
         return [m.register_forward_hook(_replay_hook(per_layer[id(m)], rule, family, stats)) for m in modules]
 
     handles = hooked([r.module for r in routers])
-    wrapped = []
-    for index, layer in enumerate(_decoder_layers(lm)):
-        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-        modules = [r.module for r in routers if r.layer == index]
-        if checkpoint is not None and modules:
-            wrapped.append((layer, checkpoint))
-            layer._gradient_checkpointing_func = _recomputable(checkpoint, lambda m=modules: hooked(m), open_)
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            for index, layer in enumerate(_decoder_layers(lm)):
+                modules = [r.module for r in routers if r.layer == index]
+                if getattr(layer, "_gradient_checkpointing_func", None) is not None and modules:
+                    stack.enter_context(swapped(layer, "_gradient_checkpointing_func", lambda checkpoint, m=modules:
+                                                _recomputable(checkpoint, lambda: hooked(m), open_)))
+            yield
     finally:
         open_[0] = False
         for handle in handles:
             handle.remove()
-        for layer, checkpoint in wrapped:
-            layer._gradient_checkpointing_func = checkpoint

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from grpo_trainer.modeling import tiling
+from grpo_trainer.modeling import swaps
 
 __all__ = ["Link", "TiedLookup", "claim", "plain_lookup", "lookup_applies", "tied_lookup"]
 
@@ -119,7 +119,7 @@ def tied_lookup(lm: nn.Module) -> Iterator[None]:
     the same matrix can be `claim`ed once (decision 5); where decision 4 does not hold, or without gradients, as
     is."""
     embedding = lm.get_input_embeddings()
-    if not torch.is_grad_enabled() or "forward" in embedding.__dict__ or not lookup_applies(lm):
+    if not torch.is_grad_enabled() or swaps.patched(embedding) or not lookup_applies(lm):
         yield
         return
     weight, link = embedding.weight, Link()
@@ -129,7 +129,7 @@ def tied_lookup(lm: nn.Module) -> Iterator[None]:
 
     _open[id(weight)] = link
     try:
-        with tiling.installed(embedding, lookup):
+        with swaps.installed(embedding, lookup):
             yield
     finally:
         _open.pop(id(weight), None)

@@ -70,6 +70,8 @@ Decisions:
    broadcast (1 leading); otherwise the block runs whole (`_rows_of`). Not under ZeRO-3 either: each call of the
    block's projections gathers their partitioned parameters, and processes whose micro-batches pack into
    different numbers of rows would gather different numbers of times.
+8. Every replacement is this thread's alone (`modeling.swaps`): an asynchronous producer thread runs the same
+   modules while the step trains.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from grpo_trainer.modeling.recompute import transient_saves
+from grpo_trainer.modeling.swaps import base_forward, installed, patched, swapped
 
 __all__ = ["TiledMLP", "installed", "tiled_layers", "tiled_mlp"]
 
@@ -237,19 +240,6 @@ def _tiled_modules(layer: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def installed(module: nn.Module, forward: Callable[..., object]) -> Iterator[None]:
-    """`module.forward` is `forward` within this context (nested: the outer one's stays)."""
-    if "forward" in module.__dict__:
-        yield
-        return
-    module.forward = forward
-    try:
-        yield
-    finally:
-        del module.forward
-
-
-@contextlib.contextmanager
 def _all_installed(replaced: list[tuple[nn.Module, Callable[..., object]]]) -> Iterator[None]:
     """Each module's forward is its replacement within this context (`installed`, nested alike)."""
     with contextlib.ExitStack() as stack:
@@ -375,13 +365,13 @@ def _joined_rows(outputs: list[object]) -> object:
 def _replacements(layer: nn.Module, tokens: int, recompute_attention: bool
                   ) -> list[tuple[nn.Module, Callable[..., object]]]:
     """A decoder layer's modules and the forwards `tiled_layers` gives them (decisions 1, 5, 6)."""
-    replaced = [(m, tiled_mlp(m, m.forward, tokens, norm=_is_norm(m))) for m in _tiled_modules(layer)
-                if "forward" not in m.__dict__] if tokens > 0 else []
+    replaced = [(m, tiled_mlp(m, base_forward(m), tokens, norm=_is_norm(m))) for m in _tiled_modules(layer)
+                if not patched(m)] if tokens > 0 else []
     attention = getattr(layer, "self_attn", None)
-    if recompute_attention and attention is not None and "forward" not in attention.__dict__:
+    if recompute_attention and attention is not None and not patched(attention):
         children = set(attention.children())
         inner = [(m, f) for m, f in replaced if m in children]
-        replaced.append((attention, _recomputed(attention.forward, inner, by_row=not _partitioned(attention))))
+        replaced.append((attention, _recomputed(base_forward(attention), inner, by_row=not _partitioned(attention))))
     return replaced
 
 
@@ -400,13 +390,12 @@ def tiled_layers(lm: nn.Module, tokens: int, recompute_attention: bool = False) 
              if m is not None and _is_norm(m)] if tokens > 0 else []
     with contextlib.ExitStack() as stack:
         for module in final:
-            if "forward" not in module.__dict__:
-                stack.enter_context(installed(module, tiled_mlp(module, module.forward, tokens)))
+            if not patched(module):
+                stack.enter_context(installed(module, tiled_mlp(module, base_forward(module), tokens)))
         for layer in layers:
             replaced = _replacements(layer, tokens, recompute_attention)
             stack.enter_context(_all_installed(replaced))
-            checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
-            if checkpoint is not None and replaced:
-                layer._gradient_checkpointing_func = _checkpointed(checkpoint, replaced)
-                stack.callback(setattr, layer, "_gradient_checkpointing_func", checkpoint)
+            if getattr(layer, "_gradient_checkpointing_func", None) is not None and replaced:
+                stack.enter_context(swapped(layer, "_gradient_checkpointing_func",
+                                            lambda checkpoint, replaced=replaced: _checkpointed(checkpoint, replaced)))
         yield

@@ -27,25 +27,9 @@ ROWS = [row for row in factors.rows() if not factors.uses_vllm(row)]
 REFUSED = [row for row in factors.refusal_cells() if not factors.uses_vllm(row)]
 # Combinations the matrix found broken and not yet fixed: {cell name: the bug}. Each stays xfail(strict=True), so
 # the fix turns its cell into a failure until it is removed from here.
-KNOWN_BUGS: dict[str, str] = {
-    "gen=fast-replay=on-proc=zero3-sp=1-prompts=text-zvg=resample-async=0-packed=on-adapter=full-beta=0-resume=none-"
-    "memcheck=error-tile=0-recompute=off":
-        "routing replay finds no router under ZeRO-3: modeling.routing._is_router wants a [E, H] weight, and ZeRO-3 "
-        "partitions it to shape [0] when the model is built, so routing_replay='on' is refused once the model has "
-        "loaded with 'no top-k router was found in Qwen3MoeForCausalLM' (and 'auto' is silently off); no table "
-        "refuses the combination",
-}
+KNOWN_BUGS: dict[str, str] = {}
 # Combinations that fail only in some runs (a race): xfail without strict, so that a run that passes passes too.
-INTERMITTENT_BUGS: dict[str, str] = {
-    "gen=generate-replay=on-proc=1-sp=1-prompts=text-zvg=train-async=1-packed=on-adapter=full-beta=0.04-resume=save-"
-    "memcheck=off-tile=4-recompute=on":
-        "async_rollouts=1 with the 'generate' backend (its producer thread runs the model's layers), routing replay "
-        "'on', mlp_tile_tokens and recompute_attention together: in about 1 run in 4 the step fails with torch's "
-        "CheckpointError (recomputed tensors of other shapes, [1, 25, 2, 1] among them, than the forward saved), or "
-        "trains on other numbers (step 2's loss -0.0044 in most runs, 0.0050 in one; packed vs padded twin 9e-3); "
-        "0 in 6-10 runs each with replay 'off', a dense model, mlp_tile_tokens=0, recompute_attention=False or the "
-        "'fast' backend",
-}
+INTERMITTENT_BUGS: dict[str, str] = {}
 
 
 def group(row: dict) -> list[dict]:

@@ -349,3 +349,4 @@ def test_a_checkpointed_layer_keeps_no_attention_input(tokenizer, tile):
     model.zero_grad()
     forwards.score(model, ids, mask, T, dataclasses.replace(plain, recompute_attention=True)).logps.sum().backward()
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+

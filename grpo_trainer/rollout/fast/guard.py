@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode, LogitsProcessorList
 
+from grpo_trainer.modeling import swaps
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.generate import generate_override
 from grpo_trainer.rollout.settings import max_new_tokens
@@ -109,7 +110,7 @@ def _runs_own_forward(module: nn.Module, cls: type | None) -> str | None:
     """Why `module` does not compute `cls.forward` (None when it does)."""
     if cls is None or not isinstance(module, nn.Module):
         return f"{type(module).__name__} is not an nn.Module of the expected class"
-    if "forward" in vars(module):
+    if swaps.patched(module):
         return f"{type(module).__name__}.forward is patched on the instance"
     if type(module).forward is not cls.forward:
         return f"{type(module).__name__} runs its own forward, not {cls.__name__}.forward"
