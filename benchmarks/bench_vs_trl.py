@@ -26,7 +26,7 @@ and one-step memory-only runs at a longer completion length:
 
 Completion lengths as real runs have them (a random model never samples EOS, so without this every completion has
 exactly `max_completion_length` tokens and padding never shows): `--length-spread MEDIAN,SIGMA` ends each
-completion with EOS at a seeded log-normal length between 16 and T, in both trainers alike (`cli.toy_lengths`: a
+completion with EOS at a seeded log-normal length between 16 and T, in both trainers alike (`tests/toy_lengths.py`: a
 logits processor added where transformers builds them, which `model.generate` and our rollouts both call; a row's
 length depends only on its prompt, its copy number and the seed). `ours_packed` is ours with `padding_free=True`.
 Each run then also reports the padding fraction of its policy forward's input (1 - real / computed tokens of the
@@ -86,10 +86,10 @@ class Case:
                 + (f"/spread{self.spread}" if self.spread else ""))
 
     def lengths(self, seed: int):
-        """The `--length-spread` schedule (`cli.toy_lengths.LogNormalLengths`), or None."""
+        """The `--length-spread` schedule (`tests.toy_lengths.LogNormalLengths`), or None."""
         if not self.spread:
             return None
-        from grpo_trainer.cli.toy_lengths import LogNormalLengths
+        from tests.toy_lengths import LogNormalLengths
 
         median, sigma = (float(x) for x in self.spread.split(","))
         return LogNormalLengths(maximum=self.max_completion_length, median=median, sigma=sigma,
@@ -157,7 +157,7 @@ def _child(impl: str, case: Case, model_dir: str, steps: int, warmup: int, learn
         rss_after_init = _peak_rss_mb()  # model loading's own peak (the same for both trainers)
         schedule = case.lengths(seed)
         if schedule is not None:
-            from grpo_trainer.cli.toy_lengths import install_lengths
+            from tests.toy_lengths import install_lengths
 
             install_lengths(trainer.model, schedule, trainer.processing_class.pad_token_id)
         _instrument_tokens(trainer, impl, clock.tokens)
@@ -285,7 +285,7 @@ def _floor(case: Case, model_dir: str, steps: int, warmup: int, learning_rate: f
     tokens = []
     schedule = case.lengths(seed)
     if schedule is not None:
-        from grpo_trainer.cli.toy_lengths import install_lengths
+        from tests.toy_lengths import install_lengths
 
         install_lengths(model, schedule, tokenizer.pad_token_id)
     for step in range(warmup + steps):

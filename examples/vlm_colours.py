@@ -8,7 +8,7 @@ for each correct leading letter (so a small model has a signal to climb from the
 
     python examples/vlm_colours.py                                    # Qwen/Qwen2.5-VL-3B-Instruct, LoRA
     python examples/vlm_colours.py --model HuggingFaceTB/SmolVLM-256M-Instruct --full_finetune
-    python examples/vlm_colours.py --smoke --output_dir /tmp/colours  # offline: tiny random Qwen2-VL, 2 steps
+    PYTHONPATH=. python examples/vlm_colours.py --smoke --output_dir /tmp/c  # offline: tests/toy_vlm.py's Qwen2-VL
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
     args = parse_args(argv)
     peft_config = None
     if args.smoke:
-        from grpo_trainer.cli.toy_vlm import make_tiny_vlm
+        from tests.toy_vlm import make_tiny_vlm
 
         model, processor = make_tiny_vlm("qwen2_vl")
         dataset = colour_dataset(8, size=48)

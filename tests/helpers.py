@@ -271,10 +271,10 @@ def train_and_compare(trainer) -> dict:
 
 
 def vlm_families(families) -> list:
-    """`families` (keys of `cli.toy_vlm.VLM_FAMILIES`) as pytest parameters; one whose processor the installed
+    """`families` (keys of `tests.toy_vlm.VLM_FAMILIES`) as pytest parameters; one whose processor the installed
     transformers cannot build offline (Gemma 4's imports torchvision before transformers 5.24) is skipped with the
     import error as the reason."""
-    from grpo_trainer.cli.toy_vlm import VLM_FAMILIES
+    from tests.toy_vlm import VLM_FAMILIES
 
     params = []
     for family in families:

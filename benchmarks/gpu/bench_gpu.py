@@ -24,7 +24,7 @@ and the rewards. The last line of stdout is one JSON object (also written to `--
     PYTHONPATH=. python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --runs ours/fast,trl/generate --lengths 256
 
 `--length-spread MEDIAN,SIGMA` ends completions with EOS at seeded log-normal lengths in [16, T] in every run alike
-(`grpo_trainer.cli.toy_lengths`; a random model never samples EOS, so otherwise all completions have T tokens).
+(`tests.toy_lengths`; a random model never samples EOS, so otherwise all completions have T tokens).
 
 Without a CUDA device it prints why and exits with status 0 and a JSON object saying it was skipped.
 """
@@ -90,7 +90,7 @@ def _child(run: str, model_dir: str, length: int, beta: float, steps: int, warmu
                               train_dataset=copy_digits_dataset(num_prompts=256, seed=0),
                               processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[clock])
         if spread:
-            from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
+            from tests.toy_lengths import LogNormalLengths, install_lengths
 
             median, sigma = (float(x) for x in spread.split(","))
             install_lengths(trainer.model, LogNormalLengths(maximum=length, median=median, sigma=sigma),

@@ -1,7 +1,7 @@
 """Generation alone, in one process, on one GPU: generated tokens per second of `model.generate`, of what TRL 1.16
 runs without vLLM, and of this project's decoder (eager, rows compacted, CUDA graphs), against the physical bound.
 
-Variants (the same model, prompts and seeded log-normal completion lengths for all; `grpo_trainer.cli.toy_lengths`):
+Variants (the same model, prompts and seeded log-normal completion lengths for all; `tests.toy_lengths`):
 
     generate            model.generate(do_sample=True): TRL's default rollout, and our backend's on CUDA (decision 5)
     generate/static     the same with cache_implementation="static": TRL with
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     import torch
 
-    from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
+    from tests.toy_lengths import LogNormalLengths, install_lengths
 
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():

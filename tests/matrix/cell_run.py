@@ -139,7 +139,7 @@ def build(cell: dict, output_dir: Path, model=None, vllm: dict | None = None, **
 
             built, processing_class = vllm_tiny_vlm(VLLM_VLM_FAMILY)
         else:
-            from grpo_trainer.cli.toy_vlm import make_tiny_vlm
+            from tests.toy_vlm import make_tiny_vlm
 
             built, processing_class = make_tiny_vlm(VLM_FAMILY)
         dataset = placeholder_dataset()

@@ -160,8 +160,8 @@ def config_of(row: Row) -> SimpleNamespace:
 def _processing_class(prompts: str):
     """What `cell_run.build` passes as processing_class, for what the tables read of it (a processor or not)."""
     if prompts == "image":
-        from grpo_trainer.cli.toy_vlm import VLM_FAMILIES
         from tests.matrix.cell_run import VLM_FAMILY
+        from tests.toy_vlm import VLM_FAMILIES
 
         return VLM_FAMILIES[VLM_FAMILY]()[1]
     from grpo_trainer.cli.toy import make_tokenizer

@@ -316,7 +316,7 @@ def test_refusal_rules(tokenizer):
 
 
 def test_vision_language_models_are_scored_padded(tokenizer):
-    from grpo_trainer.cli.toy_vlm import make_tiny_vlm
+    from tests.toy_vlm import make_tiny_vlm
 
     for family in ("qwen2_vl", "gemma3"):
         model, _ = make_tiny_vlm(family)

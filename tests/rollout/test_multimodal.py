@@ -9,7 +9,6 @@ import torch
 from PIL import Image
 from transformers import GenerationConfig
 
-from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 from grpo_trainer.data.images import with_images
 from grpo_trainer.modeling.logprobs import completion_logprobs
 from grpo_trainer.rollout.backend import BACKENDS, serving
@@ -27,6 +26,7 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import SamplingSettings, make_generation_config
 from grpo_trainer.rollout.types import ImageInputs
 from tests.helpers import vlm_families
+from tests.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 
 FAMILIES = vlm_families(sorted(VLM_FAMILIES))
 

@@ -113,11 +113,11 @@ def test_auto_find_batch_size_trains_what_its_settings_train_by_hand(tmp_path, t
 
 
 def _trained_with_lengths(model_dir, tokenizer, args) -> dict:
-    """`_trained` with completions of 2 to 12 tokens (`cli.toy_lengths`: the random model never samples EOS itself):
+    """`_trained` with completions of 2 to 12 tokens (`tests/toy_lengths.py`: the random model never samples EOS):
     with equal lengths every aggregation gives the split the same gradient, `bnpo` too, and nothing would be shown."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
+    from tests.toy_lengths import LogNormalLengths, install_lengths
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     install_lengths(model, LogNormalLengths(maximum=12, median=5, sigma=0.8, minimum=2))

@@ -1,5 +1,5 @@
 """`padding_free=True` trains exactly as padded: a real run on completions of spread lengths (ended by EOS at seeded
-log-normal lengths, `cli.toy_lengths`) ends with the same weights and losses within 1e-5, while its forwards really
+log-normal lengths, `tests/toy_lengths.py`) ends with the same weights and losses within 1e-5, while its forwards really
 ran packed; on-policy (replay), off-policy with a reference model, and with LoRA."""
 
 import math
@@ -9,8 +9,8 @@ import torch
 
 from grpo_trainer import GRPOConfig, GRPOTrainer
 from grpo_trainer.cli.toy import copy_digits_reward, make_tiny_model
-from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
 from grpo_trainer.modeling import forwards
+from tests.toy_lengths import LogNormalLengths, install_lengths
 
 TOL = 1e-5
 PACKED_LOGPROBS = forwards.packed_logprobs

@@ -66,7 +66,7 @@ def loads(monkeypatch) -> list[str]:
 
 def llava_processor():
     """A vision-language processor (the tiny LLaVA's), built offline."""
-    from grpo_trainer.cli.toy_vlm import VLM_FAMILIES
+    from tests.toy_vlm import VLM_FAMILIES
 
     return VLM_FAMILIES["llava"]()[1]
 

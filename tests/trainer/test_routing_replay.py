@@ -7,12 +7,12 @@ import contextlib
 import pytest
 import torch
 
-from grpo_trainer.cli.toy_lengths import LogNormalLengths, install_lengths
 from grpo_trainer.modeling import routing
 from grpo_trainer.modeling.unwrap import causal_lm
 from grpo_trainer.rollout.backend import BACKENDS, register_backend
 from grpo_trainer.rollout.fast.forward import ForwardBackend
 from tests.helpers import StopAt, make_args, make_trainer, train_and_compare, varied_reward
+from tests.toy_lengths import LogNormalLengths, install_lengths
 from tests.trainer.test_model_options import moe_model
 
 

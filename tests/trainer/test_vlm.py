@@ -1,4 +1,4 @@
-"""GRPO on vision-language models, one tiny model per family (built offline, `cli.toy_vlm`): training moves every
+"""GRPO on vision-language models, one tiny model per family (built offline, `tests/toy_vlm.py`): training moves every
 trainable parameter, vision tower included (so the images reach the loss forward), with TRL's options around
 images: several images per prompt, the reference model, off-policy micro-batches, pad_to_multiple_of, LoRA,
 rewards that read the images, and `log_multimodal`."""
@@ -12,9 +12,9 @@ from peft import LoraConfig
 from PIL import Image
 
 from grpo_trainer import GRPOTrainer
-from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 from grpo_trainer.rollout import backend
 from tests.helpers import StopAt, make_args, make_trainer, train_and_compare, vlm_families
+from tests.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 # LLaVA's vision features are the encoder's hidden states, never its post-layernorm (the pooler's): by design those

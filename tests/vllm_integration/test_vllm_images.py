@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from grpo_trainer import GRPOTrainer
-from grpo_trainer.cli.toy_vlm import make_tiny_vlm
 from grpo_trainer.data.images import attach_images
 from grpo_trainer.rollout import backend as backends
 from grpo_trainer.rollout import multimodal
@@ -22,6 +21,7 @@ from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import make_generation_config
 from grpo_trainer.rollout.vllm import checks
 from tests.matrix.cell_run import VLLM_VLM_FAMILY
+from tests.toy_vlm import make_tiny_vlm
 from tests.trainer.test_vlm import image_dataset, varied_reward
 from tests.vllm_integration.test_vllm_colocate import LOGP_ATOL
 from tests.vllm_integration.vllm_helpers import (

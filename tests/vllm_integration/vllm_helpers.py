@@ -60,11 +60,11 @@ def vllm_tiny_moe(tokenizer, seed: int = 0):
 
 
 def vllm_tiny_vlm(family: str, seed: int = 0):
-    """`cli.toy_vlm`'s tiny VLM of `family` with a text model vLLM's CPU build can run (head size 32, hidden 128),
+    """`tests/toy_vlm.py`'s tiny VLM of `family` with a text model vLLM's CPU build can run (head size 32, hidden 128),
     its text config tying the embeddings as the model does (vLLM reads the text config's flag), and its processor."""
     from transformers import AutoModelForImageTextToText
 
-    from grpo_trainer.cli.toy_vlm import VLM_FAMILIES, make_tiny_vlm
+    from tests.toy_vlm import VLM_FAMILIES, make_tiny_vlm
 
     config, processor = VLM_FAMILIES[family]()
     text = config.text_config

@@ -24,7 +24,8 @@ from tests.helpers import (
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3", "qwen3", "mistral", "qwen2.5-0.5b"])
 def test_greedy_tokens_equal_generate(tokenizer, kind, layout, monkeypatch):
     """`fused`: the tiny models' own layout (q|k|v and gate|up as one matmul each). `unfused`: the layout of models
-    over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up): each projection on its own weight, no copies, and a large CPU head streamed as `W @ h.T`."""
+    over FUSE_MAX_PARAMETERS (every real checkpoint from 0.5B up): each projection on its own weight, no copies, and
+    a large CPU head streamed as `W @ h.T`."""
     if layout == "unfused":
         monkeypatch.setattr(decoder_module, "FUSE_MAX_PARAMETERS", 0)
         monkeypatch.setattr(decoder_module, "STREAMED_HEAD_MIN_ELEMENTS", 0)

@@ -1,4 +1,4 @@
-"""Scripted completion lengths (`cli.toy_lengths`): the EOS-forcing logits processor by hand, the seeded draws, and
+"""Scripted completion lengths (`tests/toy_lengths.py`): the EOS-forcing logits processor by hand, the seeded draws, and
 the same lengths from `model.generate` (TRL's rollout) and this package's fast rollout."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import torch
 
 from grpo_trainer.cli.toy import make_tiny_model
-from grpo_trainer.cli.toy_lengths import ForcedLengths, LogNormalLengths, install_lengths
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from tests.helpers import fast_rollout, greedy_config
+from tests.toy_lengths import ForcedLengths, LogNormalLengths, install_lengths
 
 
 def test_forced_lengths_by_hand():
