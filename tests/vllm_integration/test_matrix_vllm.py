@@ -26,14 +26,7 @@ pytestmark = pytest.mark.matrix
 ROWS = [row for row in factors.rows() if factors.uses_vllm(row)]
 REFUSED = [row for row in factors.refusal_cells() if factors.uses_vllm(row)]
 # As tests/matrix/test_matrix.py's: {cell name: the bug}, each xfail(strict=True) until fixed.
-KNOWN_BUGS: dict[str, str] = {
-    "gen=vllm_colocate-replay=dense-proc=1-sp=1-prompts=text-zvg=resample-async=0-packed=off-adapter=lora-beta=0.04-"
-    "resume=save-memcheck=off-tile=4-recompute=on":
-        "zero_variance_groups='resample' under vLLM colocated: the run resumed from checkpoint-1 differs from the "
-        "straight run (largest weight difference 7.2e-3; 2.0e-3 with full fine-tuning, with or without the tiled MLP "
-        "and recomputed attention; 0 with 'train', and with 'fast' / 'generate'): step 2's first rollout is the "
-        "straight run's, but its extra round, on the same prompts, samples other completions",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -261,9 +261,15 @@ class VLLMBackend(RolloutBackend):
     # ------------------------------------------------------------------------------------- weight-sync check
 
     def _run_check(self, model: nn.Module, prompts: PromptBatch, out: Rollout) -> None:
+        """The check leaves torch's generator as it found it: the engine draws from it when it scores (decision 3 of
+        `colocate`), and a check that ran in a resumed run but not at the same point of the straight one (the first
+        push of each is checked) would otherwise change every later sample (dynamic sampling's extra round first)."""
+        import torch
+
         self.schedule.due = False
         self.schedule.checks += 1
-        self._check_sync(model, prompts, out)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            self._check_sync(model, prompts, out)
 
     def _check_sync(self, model: nn.Module, prompts: PromptBatch, out: Rollout) -> None:
         """The weight-sync check on the rollout the engine just sampled (`sync_check`); WeightSyncError on every

@@ -174,3 +174,19 @@ def test_sampling_off_the_main_thread_moves_the_check_to_the_push(tiny_model):
     asynchronous._probe = ("prompts", "rollout")  # what `generate` keeps on the producer thread
     asynchronous.sync_weights(tiny_model, 2)
     assert asynchronous.checked == [(tiny_model, "prompts", "rollout")]
+
+
+def test_the_check_leaves_torchs_generator_as_it_found_it():
+    """The engine draws from torch's generator when it scores the probe: a check that runs in a resumed run but not at
+    the same point of the straight one must not change the samples after it (the vLLM matrix's resumed run with
+    dynamic sampling differed from the straight run until it did not)."""
+    from grpo_trainer.rollout.vllm.backend import VLLMBackend
+
+    backend = object.__new__(VLLMBackend)
+    backend.schedule = sync_check.SyncSchedule(1)
+    backend._check_sync = lambda model, prompts, out: torch.rand(1000)  # a scoring that consumes the generator
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    backend._run_check(None, None, None)
+    assert torch.equal(torch.rand(3), expected) and backend.schedule.checks == 1 and not backend.schedule.due
