@@ -43,6 +43,10 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.max_prompt_length is not None and args.max_prompt_length < 1,
          f"max_prompt_length must be >= 1 or None (got {args.max_prompt_length})."),
         (args.num_iterations < 1, f"num_iterations must be >= 1 (got {args.num_iterations})."),
+        (args.speculative_draft_tokens < 1,
+         f"speculative_draft_tokens must be >= 1 (got {args.speculative_draft_tokens}); 8 is the default."),
+        (args.speculative_verify_tokens < 1,
+         f"speculative_verify_tokens must be >= 1 (got {args.speculative_verify_tokens}); 64 is the default."),
         (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,
          f"max_tool_calling_iterations must be >= 0 or None (got {args.max_tool_calling_iterations}); None lets the "
          "model call tools until it stops or its completion budget runs out."),
@@ -215,12 +219,31 @@ COMBINATIONS: tuple[Refusal[Any], ...] = (
             lambda a: f"zero_variance_groups='resample' generates its extra prompts while the round is assembled, "
                       f"with the latest weights, but async_rollouts={a.async_rollouts} samples rounds ahead with older "
                       "ones; use async_rollouts=0, or zero_variance_groups='train' or 'skip'."),
+    Refusal("speculative_backend", ("speculative_rollouts", "use_vllm", "use_transformers_continuous_batching",
+                                    "generation_backend"),
+            lambda a: a.speculative_rollouts and _speculative_backend(a) is not None,
+            lambda a: f"speculative_rollouts=True drafts and verifies inside the fast decoder, but "
+                      f"{_speculative_backend(a)}; use generation_backend='fast' without use_vllm and continuous "
+                      "batching, or "
+                      "speculative_rollouts=False."),
     Refusal("routing_replay_engine", ("routing_replay", "use_vllm", "use_transformers_continuous_batching"),
             lambda a: a.routing_replay == "on" and bool(a.use_vllm or a.use_transformers_continuous_batching),
             lambda a: "routing_replay='on' needs the rollout's routing, which is recorded only for rollouts in the "
                       "trainer's process (generate, the fast backends), not by vLLM or transformers' continuous "
                       "batching; use 'auto' (replay off there) or 'off'."),
 )
+
+
+def _speculative_backend(args: Any) -> str | None:
+    """Why the rollouts `args` chooses are not the fast decoder's (`speculative_backend`), or None."""
+    if args.use_vllm:
+        return ("use_vllm=True samples in vLLM (its own speculative decoding is not passed through: its log-probs "
+                "under speculation and its sampling-mask replay are not yet shown exact here, docs/SPECULATIVE.md)")
+    if args.use_transformers_continuous_batching:
+        return "use_transformers_continuous_batching=True samples in transformers' engine"
+    if args.generation_backend != "fast":
+        return f"generation_backend={args.generation_backend!r}"
+    return None
 
 
 def check_config(args: Any) -> None:

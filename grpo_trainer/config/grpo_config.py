@@ -111,6 +111,20 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         "other architectures run 'forward', and anything neither reproduces falls back to model.generate). "
         "'forward': the model's own forward over the same shared-prefix cache. 'generate': always "
         "model.generate, the reference path. use_transformers_continuous_batching overrides this field.")
+    speculative_rollouts: bool = _opt(
+        False, "Speculative rollouts drafted from the group (generation_backend='fast', the decoder's models): each "
+        "decoder forward feeds a row's last token and a draft of its next ones (the continuation of its last few "
+        "tokens in its siblings' completions so far, in the same prompt's earlier completions, or in the prompt) and "
+        "commits every drafted token the sampler draws anyway: the same distribution, the same log-probs, fewer "
+        "forwards where siblings share spans (a policy that has learnt a format). Rounds under logits processors that "
+        "read the sequence decode without drafts. Off: the plain decode loop, unchanged. docs/SPECULATIVE.md."
+        + levers.help_note("speculative_rollouts"))
+    speculative_draft_tokens: int = _opt(
+        8, "speculative_rollouts: a row's most draft tokens per forward (each row's own count grows while its drafts "
+        "are accepted and backs off when they miss).")
+    speculative_verify_tokens: int = _opt(
+        64, "speculative_rollouts: the most positions one forward verifies (rows x (1 + draft)): a full batch "
+        "drafts little, the batch's tail of a few long rows drafts the most.")
     pad_to_multiple_of: int | str | None = _opt(
         "auto", "Pad prompt and completion ids to a multiple of this many columns (fixed shapes for compilers). "
         "'auto': 128 on Neuron (AWS Trainium), no padding elsewhere; None: no padding.")

@@ -27,12 +27,14 @@ from grpo_trainer.rewards.sources import RewardSettings
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
 from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
+from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from grpo_trainer.rollout.vllm.checks import routed_experts_unavailable
 from grpo_trainer.runtime.distributed import Launch
 
 __all__ = ["backend_choice", "device_of", "engine_correction", "entropy_control", "forward_settings", "launch",
            "loss_settings", "memory_verdict", "prompt_settings",
-           "reward_settings", "routing_replay", "sampling_settings", "surrogate_params", "truncation",
+           "reward_settings", "routing_replay", "sampling_settings", "speculative_settings", "surrogate_params",
+           "truncation",
            "turn_settings", "vllm_settings"]
 
 
@@ -115,7 +117,15 @@ def backend_choice(args: GRPOConfig) -> BackendChoice:
     continuous = args.use_transformers_continuous_batching or getattr(args, "use_transformers_paged", False)
     name = VLLM if args.use_vllm else CONTINUOUS_BATCHING if continuous else args.generation_backend
     return BackendChoice(name, vllm_settings(args) if name == VLLM else None,
-                         args.transformers_continuous_batching_config)
+                         args.transformers_continuous_batching_config, speculative_settings(args))
+
+
+def speculative_settings(args: GRPOConfig) -> SpeculativeSettings | None:
+    """The fast decoder's drafts (`speculative_rollouts`; None: off, the plain loop)."""
+    if not args.speculative_rollouts:
+        return None
+    return SpeculativeSettings(max_draft_tokens=args.speculative_draft_tokens,
+                               max_verify_tokens=args.speculative_verify_tokens)
 
 
 def routing_replay(args: GRPOConfig, model: Any) -> bool:

@@ -99,6 +99,9 @@ OPTIONS: dict[str, Option] = {option.field: option for option in (
            on=LONGER_MLP_TILE, off=0, default_on=False, launched=LAUNCHES),
     Option("recompute_attention", "each attention block under its own checkpoint, a row at a time",
            ("modeling/tiling.py",), on=True, off=False, default_on=False, launched=LAUNCHES),
+    Option("speculative_rollouts", "rollout drafts verified by the fast decoder",
+           ("rollout/speculative/loop.py", "rollout/speculative/drafts.py", "rollout/speculative/policy.py",
+            "rollout/speculative/verify.py", "rollout/fast/decoder.py"), on=True, off=False, default_on=False),
     Option("activation_offloading", "the step's saved tensors in host memory (TRL's manager)",
            ("modeling/recompute.py", "trainer/parts.py"), on=True, off=False, default_on=False),
 )}

@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
+
 __all__ = ["PromptSettings", "SamplingSettings", "eos_token_ids", "make_generation_config", "max_new_tokens"]
 
 
@@ -112,3 +114,4 @@ class BackendChoice:
     name: str = "fast"
     vllm: VLLMSettings | None = None  # with name "vllm"
     continuous_batching: dict | None = None  # `transformers_continuous_batching_config`
+    speculative: SpeculativeSettings | None = None  # with name "fast": drafts verified by the decoder

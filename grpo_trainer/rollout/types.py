@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
-__all__ = ["ImageInputs", "KeptSupports", "PromptBatch", "ReplayCapture", "Rollout", "SamplerKind", "SamplerRecord",
-           "completion_mask", "end_at_first_eos", "special_tokens"]
+__all__ = ["DecodeCounts", "ImageInputs", "KeptSupports", "PromptBatch", "ReplayCapture", "Rollout", "SamplerKind",
+           "SamplerRecord", "completion_mask", "end_at_first_eos", "special_tokens"]
 
 
 def _index(index: slice | Tensor, rows: int, device: torch.device) -> Tensor:
@@ -228,6 +228,32 @@ class PromptBatch:
         return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
 
 
+@dataclass(frozen=True)
+class DecodeCounts:
+    """What a round's decoding cost, in units that transfer between devices (`rollout.speculative`): a decode step
+    costs about the same for few rows as for many on a GPU, so `forwards` (sequential decoder forwards after the
+    prefill) is its time; `row_forwards / generated` is decoder forwards per generated token (1 without drafts)."""
+
+    forwards: int = 0  # decoder forwards after the prefill
+    row_forwards: int = 0  # rows fed, summed over those forwards
+    positions: int = 0  # query positions fed, summed (N x Q per forward: the compute)
+    generated: int = 0  # tokens committed, every row's up to its end
+    drafted: int = 0  # draft tokens fed for verification
+    accepted: int = 0  # of them, committed
+
+    def metrics(self) -> dict[str, float]:
+        """The round's `speculative/...` metrics."""
+        return {
+            "speculative/decode_steps": float(self.forwards),
+            "speculative/forwards_per_token": self.row_forwards / max(1, self.generated),
+            "speculative/drafted_tokens": float(self.drafted),
+            "speculative/accepted_tokens": float(self.accepted),
+            "speculative/acceptance_rate": self.accepted / max(1, self.drafted),
+            "speculative/mean_accepted_length": self.generated / max(1, self.row_forwards),
+            "speculative/draft_share": self.accepted / max(1, self.generated),
+        }
+
+
 @dataclass
 class Rollout:
     """One generation round's completions on one process, as a backend returns them."""
@@ -242,6 +268,8 @@ class Rollout:
     # Multi-turn rollouts (`rollout.multiturn`): 1 for completion tokens the policy sampled, 0 for tokens a tool or
     # environment wrote. None: the policy sampled every completion token.
     env_mask: Tensor | None = None  # [B, T] int
+    # What decoding cost, where a backend counts it (the fast decoder with speculative rollouts); None elsewhere.
+    decode: DecodeCounts | None = None
 
     @property
     def sampled_mask(self) -> Tensor:

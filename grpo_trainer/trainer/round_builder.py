@@ -317,6 +317,9 @@ class RoundBuilder:
                                              lambda: backend.generate(model, prompts, config, plan))
                     else:
                         out = backend.generate(model, prompts, config, plan)
+        if out.decode is not None:  # speculative rollouts: what the round's decoding cost (rollout.speculative)
+            for key, value in out.decode.metrics().items():
+                self.metrics.add(mode, key, value)
         return capture.drop_unusable(out, config, sampling.temperature, plan)
 
     def _turns(self, mode: str, policy: PolicyView) -> Callable:

@@ -26,6 +26,11 @@ Decisions:
    the environment variable `GRPO_TRAINER_FAST_CUDA_DECODE=compact|graphs` (read when the backend is built): no GPU has
    measured them yet, so decision 5 stands until one does (benchmarks/gpu/decode_bench.py). On CPU the default
    stays the eager decoder (`FastBackend(cpu=...)` selects the others, for tests and measurement).
+7. `FastBackend(speculative=...)` (`GRPOConfig.speculative_rollouts`) decodes with drafts (`rollout.speculative`):
+   the eager decoder only (its static steps feed one position per row), under the processors that read the scores
+   alone; a round that cannot is decoded without drafts, with the reason logged. The backend keeps the prompts'
+   earlier completions (`PromptHistory`) across rounds, for the "history" drafts. Off (None), the decoder runs the
+   plain loop as before.
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `E` hidden
 size, `V` vocabulary.
@@ -47,10 +52,13 @@ from grpo_trainer.rollout.backend import BACKENDS, Capabilities, MemoryProfile, 
 from grpo_trainer.rollout.capture import KEEP_NOTHING, Capture
 from grpo_trainer.rollout.fast import forward, loop, selfcheck, static
 from grpo_trainer.rollout.fast.decoder import Decoder
-from grpo_trainer.rollout.fast.guard import ARCHITECTURES, decoder_blocker, resolved, settings_blocker
+from grpo_trainer.rollout.fast.guard import ARCHITECTURES, decoder_blocker, processors, resolved, settings_blocker
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import BackendChoice, max_new_tokens
-from grpo_trainer.rollout.types import PromptBatch, Rollout, special_tokens
+from grpo_trainer.rollout.speculative import loop as speculative_loop
+from grpo_trainer.rollout.speculative.drafts import Drafter, PromptHistory
+from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
+from grpo_trainer.rollout.types import DecodeCounts, PromptBatch, Rollout, special_tokens
 
 __all__ = ["CUDA_CHOICES", "CUDA_DECODE_ENV", "FastBackend"]
 
@@ -70,7 +78,8 @@ class FastBackend(RolloutBackend):
 
     capabilities = Capabilities(sampling_logps=True, layer_outputs=True, sampling_probs=True)
 
-    def __init__(self, cuda: str | None = None, cpu: str = "eager") -> None:
+    def __init__(self, cuda: str | None = None, cpu: str = "eager",
+                 speculative: SpeculativeSettings | None = None) -> None:
         source = f"FastBackend(cuda={cuda!r})"
         if cuda is None:  # decision 6: the static path is opt-in until a GPU measures it
             cuda = os.environ.get(CUDA_DECODE_ENV, "generate")
@@ -81,6 +90,12 @@ class FastBackend(RolloutBackend):
         if cpu not in static.MODES:
             raise ValueError(f"FastBackend(cpu={cpu!r}): choose one of {', '.join(map(repr, static.MODES))}.")
         self.cuda, self.cpu = cuda, cpu  # decisions 5 and 6
+        # decision 7: drafts and the prompts' earlier completions they read, kept across rounds
+        self.speculation = None if speculative is None else (speculative, PromptHistory(speculative))
+
+    @classmethod
+    def from_settings(cls, choice: BackendChoice) -> FastBackend:
+        return cls(speculative=choice.speculative)
 
     def decode_mode(self, device_type: str) -> str:
         """How the decoder steps on this device type (`static.MODES`), where it runs at all."""
@@ -118,7 +133,8 @@ class FastBackend(RolloutBackend):
         reason = decoder_blocker(lm, S + max_new_tokens(settings, S)) or selfcheck.decoder_mismatch(
             lm, prompts, _decode)
         if reason is None:
-            return _fast_rollout(lm, prompts, settings, capture, self.decode_mode(prompts.ids.device.type))
+            return _fast_rollout(lm, prompts, settings, capture, self.decode_mode(prompts.ids.device.type),
+                                 self.speculation)
         unserved = forward.forward_blocker(lm)
         if unserved is None:
             logger.info("generation_backend='fast' runs the model's own forward: the decoder does not reproduce "
@@ -129,7 +145,7 @@ class FastBackend(RolloutBackend):
 
 
 def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig, capture: Capture,
-                  mode: str = "eager") -> Rollout:
+                  mode: str = "eager", speculation: tuple[SpeculativeSettings, PromptHistory] | None = None) -> Rollout:
     B, S = prompts.ids.shape
     decoder_stack = lm.get_decoder()
     embed = decoder_stack.embed_tokens.weight
@@ -145,10 +161,17 @@ def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
     try:
         torch.set_num_threads(min(threads, decode_threads))
         with torch.inference_mode():
-            decoded = _decode(lm, config, prompts, outputs, probs, masks, capture.kept_support, mode)
+            if speculation is not None and (reason := _speculation_blocker(lm, config, prompts, mode)) is not None:
+                logger.info("speculative_rollouts: this round decodes without drafts: %s.", reason)
+                speculation = None
+            if speculation is None:
+                decoded, counts = _decode(lm, config, prompts, outputs, probs, masks, capture.kept_support, mode), None
+            else:
+                decoded, counts = _speculative_decode(lm, config, prompts, *speculation, outputs, probs, masks,
+                                                      capture.kept_support)
     finally:
         torch.set_num_threads(threads)
-    return loop.to_rollout(prompts, config, decoded, probs, masks, outputs)
+    return dataclasses.replace(loop.to_rollout(prompts, config, decoded, probs, masks, outputs), decode=counts)
 
 
 def _decode_threads(lm: nn.Module, rows: int) -> int:
@@ -172,20 +195,7 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outpu
     decoder = Decoder(lm, B, S + max_new, outputs)
     device = prompt_ids.device
     real = prompt_mask.long().cumsum(1)  # [B, S]
-    first, group = prompts.distinct_rows()
-
-    # Prefill the P distinct prompts. A padding query attends to itself only, so no softmax row is empty.
-    ids, mask = prompt_ids[first], prompt_mask[first].bool()  # [P, S]
-    positions = (real[first] - 1).masked_fill(~mask, 0)  # as generate's position ids
-    eye = torch.eye(S, dtype=torch.bool, device=device)
-    allowed = (torch.ones_like(eye).tril() & mask[:, None, None, :]) | eye  # [P, 1, S, S]
-    last_hidden = decoder.forward(ids, 0, *decoder.rotation_tables(positions), allowed)  # [P, E]
-    if first.numel() < B:  # each row takes its prompt's keys and values (the gather copies before writing)
-        for cache in (*decoder.keys, *decoder.values):
-            cache[:, :, :S] = cache[group, :, :S]
-        if decoder.outputs is not None:
-            decoder.outputs[:, :, :S] = decoder.outputs[group, :, :S]
-    scores = decoder.logits(last_hidden)[group]  # [B, V]
+    scores = _prefill(decoder, prompts)  # [B, V]
 
     cos, sin = decoder.rotation_tables(real[:, -1:] + torch.arange(max_new, device=device))  # [B, T, 1, D]
     # Additive key mask [B, 1, 1, L] (0 or -inf): SDPA takes it as is, where a bool mask is converted every call.
@@ -201,3 +211,48 @@ def _decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, outpu
 
     sequences = torch.cat([prompt_ids, prompt_ids.new_full((B, max_new), special_tokens(config)[1])], 1)
     return loop.run(lm, config, prompts, scores, next_scores, sequences, max_new, probs, masks, renormalise)
+
+
+def _prefill(decoder: Decoder, prompts: PromptBatch) -> Tensor:
+    """The P distinct prompts prefilled once, each row given its prompt's keys and values (decision 2); the logits
+    after each row's prompt `[B, V]`. A padding query attends to itself only, so no softmax row is empty."""
+    B, S = prompts.ids.shape
+    first, group = prompts.distinct_rows()
+    ids, mask = prompts.ids[first], prompts.mask[first].bool()  # [P, S]
+    positions = (prompts.mask[first].long().cumsum(1) - 1).masked_fill(~mask, 0)  # as generate's position ids
+    eye = torch.eye(S, dtype=torch.bool, device=ids.device)
+    allowed = (torch.ones_like(eye).tril() & mask[:, None, None, :]) | eye  # [P, 1, S, S]
+    last_hidden = decoder.forward(ids, 0, *decoder.rotation_tables(positions), allowed)  # [P, E]
+    if first.numel() < B:  # each row takes its prompt's keys and values (the gather copies before writing)
+        for cache in (*decoder.keys, *decoder.values):
+            cache[:, :, :S] = cache[group, :, :S]
+        if decoder.outputs is not None:
+            decoder.outputs[:, :, :S] = decoder.outputs[group, :, :S]
+    return decoder.logits(last_hidden)[group]
+
+
+def _speculation_blocker(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, mode: str) -> str | None:
+    """Why this round cannot decode with drafts (decision 7), or None."""
+    if mode != "eager":
+        return f"the decoder's {mode!r} steps run one position per row (the verifying forward compacts by itself)"
+    return speculative_loop.blocker(processors(lm, config, prompts.ids, prompts.mask))
+
+
+def _speculative_decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, settings: SpeculativeSettings,
+                        history: PromptHistory, outputs: Tensor | None = None, probs: Tensor | None = None,
+                        masks: Tensor | None = None, renormalise: bool = False) -> tuple[loop.Decoded, DecodeCounts]:
+    """`speculative.loop.run` over the decoder (decision 7): its cache `max_draft_tokens` columns longer, for the
+    draft positions of a row's last forward."""
+    B, S = prompts.ids.shape
+    max_new = max_new_tokens(config, S)
+    decoder = Decoder(lm, B, S + max_new + settings.max_draft_tokens, outputs)
+    # A verifying forward reads columns past a shorter row's own (masked): zeros, never uninitialised memory, which
+    # may hold a NaN, and a NaN value times a zero attention weight is NaN.
+    for cache in (*decoder.keys, *decoder.values):
+        cache[:, :, S:].zero_()
+    scores = _prefill(decoder, prompts)
+    first, group = prompts.distinct_rows()
+    prompt_tokens = [tuple(prompts.ids[r][prompts.mask[r].bool()].tolist()) for r in first.tolist()]
+    drafter = Drafter(settings, group.tolist(), prompt_tokens, history)
+    return speculative_loop.run(lm, decoder, config, prompts, scores, processors(lm, config, prompts.ids, prompts.mask),
+                                max_new, settings, drafter, probs, masks, renormalise)

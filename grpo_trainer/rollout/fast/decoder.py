@@ -194,6 +194,51 @@ class Decoder:
                 self.outputs[:N, index, start:end] = hidden
         return hidden[:, -1]
 
+    def verify(self, rows: Tensor, ids: Tensor, columns: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+               kept: Tensor | None = None) -> Tensor:
+        """Tokens `[N, Q]` of cache rows `rows` `[N]` at each row's own cache columns `columns` `[N, Q]`
+        (speculative rounds, `rollout.speculative`: rows advance by different counts): writes their keys and values
+        there and returns every position's hidden state `[N, Q, E]`. cos/sin `[N, Q, 1, D]`; mask `[N, 1, Q, W]`
+        additive over the first W cache columns (a column a query may not read, stale ones included, is -inf).
+        `kept` `[N, Q]` bool: the positions whose layer outputs are written (None: all).
+
+        Grouped-query attention without copying keys and values (as in `step`): the H / K query heads of a
+        key/value head become G * Q query rows of that head, and the mask is repeated for them."""
+        N, Q = ids.shape
+        H, K, D = self.H, self.K, self.D
+        G, W = H // K, mask.shape[-1]
+        every_row = N == self.keys[0].shape[0] and bool((rows == torch.arange(N, device=rows.device)).all())
+        grouped_mask = mask.unsqueeze(2).expand(N, 1, G, Q, W).reshape(N, 1, G * Q, W)
+        r = rows[:, None]  # [N, 1]
+        hidden = self.embed[ids]  # [N, Q, E]
+        for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
+            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
+            qkv = layer["qkv"](x.view(N * Q, -1)).view(N, Q, H + 2 * K, D)
+            qk = qkv[:, :, :H + K]
+            if layer["qk_norm"] is not None:
+                q_norm, k_norm = layer["qk_norm"]
+                qk = torch.cat([q_norm(qk[:, :, :H]), k_norm(qk[:, :, H:])], dim=2)
+            qk = qk * cos + torch.roll(qk, D // 2, dims=-1) * sin  # rotary embedding
+            keys[r, :, columns] = qk[:, :, H:]  # [N, Q, K, D] at (row, column)
+            values[r, :, columns] = qkv[:, :, H + K:]
+            read_keys = keys[:, :, :W] if every_row else keys[rows, :, :W]  # [N, K, W, D]
+            read_values = values[:, :, :W] if every_row else values[rows, :, :W]
+            q = qk[:, :, :H].permute(0, 2, 1, 3).reshape(N, K, G * Q, D)  # head h = kv * G + g
+            attn = F.scaled_dot_product_attention(q, read_keys, read_values, attn_mask=grouped_mask,
+                                                  scale=layer["scaling"])  # [N, K, G * Q, D]
+            attn = attn.view(N, H, Q, D).transpose(1, 2).reshape(N * Q, H * D)
+            hidden = layer["o_add"](hidden.reshape(N * Q, -1), attn).view(N, Q, -1)
+            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm2"])
+            if layer["gate_up"] is None:
+                hidden = hidden + layer["mlp"](x)
+            else:
+                gate, up = layer["gate_up"](x.view(N * Q, -1)).chunk(2, dim=-1)
+                hidden = layer["down_add"](hidden.view(N * Q, -1), layer["act"](gate) * up).view(N, Q, -1)
+            if self.outputs is not None:
+                at = torch.ones_like(ids, dtype=torch.bool) if kept is None else kept
+                self.outputs[r.expand(N, Q)[at], index, columns[at]] = hidden[at]
+        return hidden
+
     def step(self, tokens: Tensor, column: int | Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
              rows: Tensor | None = None) -> Tensor:
         """One token for each of the first `B` cache rows, `[B]` (every row unless `fast.static` compacted them),

@@ -66,18 +66,20 @@ class Draw(NamedTuple):
 
 
 def choose(scores: Tensor, sequences: Tensor, processor_list: LogitsProcessorList, config: GenerationConfig,
-           temperature: float, probs_out: Tensor | None = None, renormalise: bool = False) -> Draw:
+           temperature: float, probs_out: Tensor | None = None, renormalise: bool = False,
+           u: Tensor | None = None) -> Draw:
     """Next tokens `[B]`, and their log-probs and the entropies `[B]` under the tempered softmax of the raw logits
     `scores` `[B, V]` (also written to `probs_out` when given); over the kept support with `renormalise`
     (decision 5). When the only processor is the temperature (the trainer's default settings), the distribution
-    sampled from is that softmax, computed once."""
+    sampled from is that softmax, computed once. `u` `[B, 2]`: the draw's uniforms (`sampling.sample_from_probs`;
+    drawn there when None)."""
     log_p = torch.log_softmax(scores if temperature == 1.0 else scores / temperature, dim=-1)  # [B, V]
     if config.do_sample and all(type(p) is TemperatureLogitsWarper for p in processor_list):
         probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
-        tokens = sample_from_probs(probs)
+        tokens = sample_from_probs(probs, u=u)
         return Draw(tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, log_p))
     processed = processor_list(sequences, scores)  # [B, V]
-    tokens = sample_from_logits(processed, config.do_sample)
+    tokens = sample_from_logits(processed, config.do_sample, u)
     if not config.do_sample:  # greedy: no sampling distribution (`capture` drops the sampler's values)
         probs = log_p.exp() if probs_out is None else torch.exp(log_p, out=probs_out)
         return Draw(tokens, log_p.gather(1, tokens[:, None]).squeeze(1), -torch.linalg.vecdot(probs, log_p))

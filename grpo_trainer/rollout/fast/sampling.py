@@ -16,11 +16,12 @@ from torch import Tensor
 __all__ = ["ONE_LEVEL_MAX_VOCAB", "SAMPLE_BLOCK", "sample_from_logits", "sample_from_probs"]
 
 
-def sample_from_logits(scores: Tensor, do_sample: bool) -> Tensor:
-    """One token per row from processed logits `[B, V]` (float32): argmax, or a draw by CDF inversion."""
+def sample_from_logits(scores: Tensor, do_sample: bool, u: Tensor | None = None) -> Tensor:
+    """One token per row from processed logits `[B, V]` (float32): argmax, or a draw by CDF inversion (with the
+    uniforms `u` `[B, 2]` where given, see `sample_from_probs`)."""
     if not do_sample:
         return scores.argmax(dim=-1)
-    return sample_from_probs(torch.softmax(scores, dim=-1, dtype=torch.float64))
+    return sample_from_probs(torch.softmax(scores, dim=-1, dtype=torch.float64), u=u)
 
 
 # `sample_from_probs`: tokens per block of the two-level draw, and the vocabulary size up to which one cumulative sum
@@ -29,13 +30,17 @@ SAMPLE_BLOCK = 128
 ONE_LEVEL_MAX_VOCAB = 4096
 
 
-def sample_from_probs(probs: Tensor, block: int = SAMPLE_BLOCK, one_level_max: int | None = None) -> Tensor:
+def sample_from_probs(probs: Tensor, block: int = SAMPLE_BLOCK, one_level_max: int | None = None,
+                      u: Tensor | None = None) -> Tensor:
     """One token per row of probabilities `[B, V]` (filtered tokens 0), in two draws: a block of `block`
     consecutive tokens with probability equal to its mass, then a token inside it with probability equal to its
     share of that mass. Their product is the categorical distribution. A cumulative sum runs sequentially; this
-    needs one vectorised sum over V and two cumulative sums of <= V / block and `block` entries."""
+    needs one vectorised sum over V and two cumulative sums of <= V / block and `block` entries. `u` `[B, 2]`
+    float64 uniforms in [0, 1) (drawn here when None): the token is a function of them and `probs` alone, which
+    the speculative loop uses to draw each position's token from uniforms fixed before any draft is verified."""
     B, V = probs.shape
-    u = torch.rand((B, 2), dtype=torch.float64, device=probs.device)
+    if u is None:
+        u = torch.rand((B, 2), dtype=torch.float64, device=probs.device)
     if V <= max(block, ONE_LEVEL_MAX_VOCAB if one_level_max is None else one_level_max):
         return _inverse_cdf(probs, u[:, :1])
     full = V // block * block

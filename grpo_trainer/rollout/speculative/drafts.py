@@ -1,0 +1,165 @@
+"""Point-mass drafts: the tokens most likely to follow a row's current suffix, read off token sequences the row's
+sampler has reason to repeat.
+
+Decisions:
+
+1. A draft is the continuation, in some source sequence, of the longest suffix of the row's context (up to
+   `max_match` tokens) that occurs there: n-gram lookup, as vLLM's `ngram` method and prompt-lookup decoding do,
+   over an index updated as tokens are committed (`NgramIndex`, one dictionary insertion per suffix length per
+   token), so a lookup costs no scan.
+2. Sources, tried in order (`settings.SOURCES`), the first with a continuation wins: "group", the completions of
+   the same prompt in this round so far, the row's own included (a repeated step of its own); "history", that
+   prompt's completions in earlier rounds (epochs > 1, a repeated prompt, `PromptHistory`); "prompt", the prompt's
+   own tokens (prompt lookup). Among occurrences of the same suffix, the one with the longest continuation.
+3. A completion's context starts with a marker (`START`), so the first tokens of a completion are drafted from the
+   first tokens of its siblings' and earlier completions.
+4. Drafts change how many tokens a forward commits, never which (`verify`): the history is not part of a
+   checkpoint, and a resumed run samples what the straight run did.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
+
+from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
+
+__all__ = ["START", "Drafter", "NgramIndex", "PromptHistory"]
+
+START = -1  # before a completion's first token (decision 3); never a token id
+
+# Occurrences of one n-gram looked at per lookup, the most recent first: a frequent n-gram (a space) would
+# otherwise make a lookup scan every place it occurred.
+_OCCURRENCES = 8
+
+
+class NgramIndex:
+    """Where every n-gram (n = 1..max_match) of some sequences ends, for continuation lookups (decision 1)."""
+
+    def __init__(self, max_match: int) -> None:
+        self.max_match = max_match
+        self.sequences: list[list[int]] = []
+        self.ends: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)  # n-gram -> (sequence, end)
+
+    def add(self, tokens: Sequence[int]) -> int:
+        """A new sequence (indexed); its id for `extend`."""
+        self.sequences.append([])
+        self.extend(len(self.sequences) - 1, tokens)
+        return len(self.sequences) - 1
+
+    def extend(self, sequence: int, tokens: Sequence[int]) -> None:
+        seq = self.sequences[sequence]
+        for token in tokens:
+            seq.append(token)
+            end = len(seq)
+            for n in range(1, min(self.max_match, end) + 1):
+                self.ends[tuple(seq[end - n:])].append((sequence, end))
+
+    def continuation(self, context: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens following the longest suffix of `context` found here; [] if none is."""
+        for n in range(min(self.max_match, len(context)), 0, -1):
+            occurrences = self.ends.get(tuple(context[-n:]))
+            if not occurrences:
+                continue
+            best: list[int] = []
+            for sequence, end in occurrences[-_OCCURRENCES:][::-1]:
+                following = self.sequences[sequence][end:end + limit]
+                if len(following) > len(best):
+                    best = following
+                    if len(best) == limit:
+                        break
+            if best:
+                return best
+        return []
+
+
+class PromptHistory:
+    """Each prompt's most recent completions, across rounds (source "history"), indexed per prompt; the least
+    recently used prompt is dropped once `history_prompts` are kept. A lock guards it: asynchronous rounds sample on
+    a producer thread while evaluation rounds sample on the main one."""
+
+    def __init__(self, settings: SpeculativeSettings) -> None:
+        self.settings = settings
+        self.prompts: OrderedDict[tuple[int, ...], tuple[NgramIndex, int]] = OrderedDict()  # -> (index, added)
+        self.lock = threading.Lock()
+
+    def index(self, prompt: tuple[int, ...]) -> NgramIndex | None:
+        with self.lock:
+            entry = self.prompts.get(prompt)
+            if entry is None:
+                return None
+            self.prompts.move_to_end(prompt)
+            return entry[0]
+
+    def add(self, prompt: tuple[int, ...], completions: list[list[int]]) -> None:
+        """A round's completions of `prompt` (each up to and including its EOS). Past `history_per_prompt`, the
+        prompt's index is rebuilt from its most recent ones (a round that drafts from the old index keeps it)."""
+        with self.lock:
+            self._add(prompt, completions)
+
+    def _add(self, prompt: tuple[int, ...], completions: list[list[int]]) -> None:
+        index, added = self.prompts.pop(prompt, (None, 0))
+        keep = self.settings.history_per_prompt
+        if index is None or added + len(completions) > keep:
+            older = [] if index is None else [s[1:] for s in index.sequences]
+            recent = (older + completions)[-keep:]
+            index, added = NgramIndex(self.settings.max_match), 0
+            completions = recent
+        for completion in completions:
+            index.add([START, *completion])
+        self.prompts[prompt] = (index, added + len(completions))
+        while len(self.prompts) > self.settings.history_prompts:
+            self.prompts.popitem(last=False)
+
+
+class Drafter:
+    """A round's drafts (decision 2). `groups[b]`: row b's group (its prompt's rows); `prompts[g]`: group g's real
+    prompt tokens. Rows' committed tokens come in through `commit`."""
+
+    def __init__(self, settings: SpeculativeSettings, groups: list[int], prompts: list[tuple[int, ...]],
+                 history: PromptHistory | None) -> None:
+        self.settings, self.groups, self.prompt_tokens = settings, groups, prompts
+        self.siblings = [NgramIndex(settings.max_match) for _ in prompts]
+        self.rows = [self.siblings[g].add([START]) for g in groups]  # row -> its sequence in its group's index
+        use_history = history is not None and "history" in settings.sources
+        self.earlier = [history.index(p) if use_history else None for p in prompts]
+        self.prompt_index = []
+        for tokens in prompts:
+            index = NgramIndex(settings.max_match)
+            index.add(tokens)
+            self.prompt_index.append(index)
+        self.history = history
+
+    def context(self, row: int) -> list[int]:
+        return self.siblings[self.groups[row]].sequences[self.rows[row]]
+
+    def commit(self, row: int, tokens: Sequence[int]) -> None:
+        self.siblings[self.groups[row]].extend(self.rows[row], tokens)
+
+    def draft(self, row: int, limit: int) -> list[int]:
+        """Up to `limit` draft tokens for `row`'s next positions (decision 2); [] for none."""
+        if limit <= 0:
+            return []
+        group, context = self.groups[row], self.context(row)
+        for source in self.settings.sources:
+            if source == "group":
+                found = self.siblings[group].continuation(context, limit)
+            elif source == "history":
+                index = self.earlier[group]
+                found = [] if index is None else index.continuation(context, limit)
+            else:
+                found = self.prompt_index[group].continuation(context[1:], limit)  # the prompt has no START
+            if found:
+                return found
+        return []
+
+    def remember(self, completions: list[list[int]]) -> None:
+        """The round's completions (each to its EOS) into the history, per prompt, for later rounds."""
+        if self.history is None:
+            return
+        by_group: dict[int, list[list[int]]] = defaultdict(list)
+        for row, completion in enumerate(completions):
+            by_group[self.groups[row]].append(completion)
+        for group, rows in by_group.items():
+            self.history.add(self.prompt_tokens[group], rows)

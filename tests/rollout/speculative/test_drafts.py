@@ -1,0 +1,78 @@
+"""Drafts (`speculative.drafts`) and draft lengths (`speculative.policy`), by hand."""
+
+from grpo_trainer.rollout.speculative.drafts import START, Drafter, NgramIndex, PromptHistory
+from grpo_trainer.rollout.speculative.policy import DraftPolicy
+from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
+
+
+def test_the_longest_suffix_found_gives_the_continuation():
+    index = NgramIndex(max_match=3)
+    index.add([1, 2, 3, 4, 5, 2, 3, 9])
+    # "2 3" ends twice: the later occurrence continues [9] (the sequence ends), the earlier [4, 5]: the longest wins
+    assert index.continuation([7, 2, 3], 2) == [4, 5]
+    assert index.continuation([1, 2, 3], 3) == [4, 5, 2]  # the 3-gram "1 2 3" wins over "2 3"
+    assert index.continuation([8], 3) == []  # not found
+    assert index.continuation([5], 10) == [2, 3, 9]  # cut at the sequence's end
+
+
+def test_siblings_first_then_history_then_the_prompt():
+    settings = SpeculativeSettings(max_match=2)
+    history = PromptHistory(settings)
+    prompt = (40, 41, 42, 43)
+    history.add(prompt, [[10, 11, 12, 1]])
+    drafter = Drafter(settings, groups=[0, 0], prompts=[prompt], history=history)
+    # Nothing committed yet: the first tokens come from the history's completion (its START), no sibling has any.
+    assert drafter.draft(0, 3) == [10, 11, 12]
+    drafter.commit(1, [10, 20, 21, 22])  # row 1 went another way
+    assert drafter.draft(0, 3) == [10, 20, 21]  # a sibling's tokens beat the history
+    drafter.commit(0, [42])
+    assert drafter.draft(0, 5) == [43]  # only the prompt has "42": prompt lookup
+    assert drafter.draft(0, 0) == []
+    drafter.remember([[42, 1], [10, 20, 21, 22, 1]])
+    later = Drafter(settings, groups=[0], prompts=[prompt], history=history)
+    assert later.draft(0, 2) == [10, 20]  # the most recent completion with the longest continuation
+    assert START not in later.draft(0, 50)
+
+
+def test_history_keeps_the_latest_completions_and_prompts():
+    settings = SpeculativeSettings(max_match=1, history_per_prompt=2, history_prompts=2)
+    history = PromptHistory(settings)
+    history.add((1,), [[5, 6]])
+    history.add((1,), [[7, 8], [9, 10]])  # three completions: the oldest drops out
+    assert [s[1:] for s in history.index((1,)).sequences] == [[7, 8], [9, 10]]
+    history.add((2,), [[3]])
+    history.index((1,))  # prompt 1 used: prompt 2 is the least recently used
+    history.add((3,), [[4]])
+    assert history.index((2,)) is None and history.index((1,)) is not None and history.index((3,)) is not None
+
+
+def test_draft_lengths_grow_back_off_and_pause():
+    policy = DraftPolicy(SpeculativeSettings(max_draft_tokens=8, max_verify_tokens=64), rows=1)
+    assert policy.limits([0], [100]) == [4]
+    policy.update([0], [4], [4])  # all held: doubles
+    assert policy.limits([0], [100]) == [8]
+    policy.update([0], [8], [8])
+    assert policy.limits([0], [100]) == [8]  # capped
+    assert policy.limits([0], [3]) == [3]  # the length cap
+    policy.update([0], [8], [2])  # partial: what held plus one
+    assert policy.limits([0], [100]) == [3]
+    policy.update([0], [3], [0])  # none held: halves
+    assert policy.limits([0], [100]) == [1]
+    policy.update([0], [1], [0])  # none held at one token: a pause of one forward
+    assert policy.limits([0], [100]) == [0]
+    policy.update([0], [0], [0])
+    assert policy.limits([0], [100]) == [1]  # tries one token again
+    policy.update([0], [1], [0])  # and misses: the next pause is twice as long
+    for _ in range(2):
+        assert policy.limits([0], [100]) == [0]
+        policy.update([0], [0], [0])
+    assert policy.limits([0], [100]) == [1]
+
+
+def test_a_full_batch_drafts_less_than_its_tail():
+    policy = DraftPolicy(SpeculativeSettings(max_draft_tokens=8, max_verify_tokens=32), rows=16)
+    assert policy.limits(list(range(16)), [100] * 16) == [1] * 16  # 32 positions over 16 rows: 1 draft token
+    assert policy.limits(list(range(32 // 3)), [100] * 10) == [2] * 10
+    assert policy.limits([3, 7], [100, 100]) == [4, 4]  # the tail: the row's own length (4 at the start)
+    assert DraftPolicy(SpeculativeSettings(max_verify_tokens=16), rows=17).limits(list(range(17)), [9] * 17) == \
+        [0] * 17  # fewer positions than rows: no drafts
