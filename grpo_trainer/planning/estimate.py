@@ -531,12 +531,19 @@ def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     kv = _kv_bytes(s, m, rows, kv_element)
     if not fast:  # transformers' cache grows by concatenation: one layer's old and new cache side by side
         kv += kv // m.layers
+    # speculative rollouts: a row's last draft writes past its completion, and one forward verifies up to
+    # `verify_positions` positions (their logits, softmax and draws, and one layer's transient over them)
+    draft = s.rollout.draft_columns if fast else 0
+    kv = kv * (s.sequence_length + draft) // s.sequence_length
     b.add("KV cache", dict.fromkeys(during, kv),
-          f"{rows} rows x {s.sequence_length} tokens x {m.layers} layers x {kv_element} B")
+          f"{rows} rows x {s.sequence_length + draft} tokens x {m.layers} layers x {kv_element} B")
     distinct = rows // s.num_generations if fast else rows
-    step = _no_grad_layer_bytes(s, m, distinct, S) + 4 * rows * m.vocab * 4
+    positions = max(rows, s.rollout.verify_positions) if fast else rows
+    layer = max(_no_grad_layer_bytes(s, m, distinct, S), _no_grad_layer_bytes(s, m, 1, positions) if draft else 0)
+    step = layer + 4 * positions * m.vocab * 4
     b.add("generation working set", dict.fromkeys(during, step + (0 if fast else _autocast_copies(s, m))),
-          "prefill of one layer, per-token logits and softmax"
+          ("prefill of one layer, per-token logits and softmax" if not draft else
+           f"prefill of one layer or a verifying forward's, logits and softmax of up to {positions} positions")
           + ("" if fast or not s.mixed_precision else "; autocast's weight copies in each forward"))
     if fast and m.parameters <= FUSE_MAX_PARAMETERS:
         copies = m.linear_parameters * s.weight_bytes + (0 if gpu else m.head_parameters * s.weight_bytes)

@@ -77,6 +77,10 @@ class MemoryProfile:
     sampling_probs: bool = False  # `Capabilities.sampling_probs`
     sampling_logps: bool = False  # `Capabilities.sampling_logps`: the loss forward reuses the rollout's values
     decode_mode: str = "eager"  # the decoder's static steps (`rollout.fast.static.MODES`)
+    # speculative rollouts (`rollout.speculative`): the most positions one verifying forward feeds, and the cache
+    # columns a row's last draft adds; 0 without drafts
+    verify_positions: int = 0
+    draft_columns: int = 0
 
     def describe(self) -> str:
         """A few words for the plan's header."""

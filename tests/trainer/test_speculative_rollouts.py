@@ -35,7 +35,6 @@ def test_a_step_with_drafts_equals_one_without(tmp_path, tokenizer):
     plain, plain_log = _sgd_step(path, tokenizer,
                                  sgd_step_args(tmp_path / "none", speculative_verify_tokens=1, **common))
     assert drafted_log[0]["speculative/accepted_tokens"] > 0 and plain_log[0]["speculative/drafted_tokens"] == 0
-    assert drafted_log[0]["speculative/decode_steps"] < plain_log[0]["speculative/decode_steps"]
     assert max(plain[n].abs().max().item() for n in plain) > 1e-4  # the step moved the weights
     for name in plain:
         torch.testing.assert_close(drafted[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)

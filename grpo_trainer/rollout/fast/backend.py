@@ -30,7 +30,8 @@ Decisions:
    the eager decoder only (its static steps feed one position per row), under the processors that read the scores
    alone; a round that cannot is decoded without drafts, with the reason logged. The backend keeps the prompts'
    earlier completions (`PromptHistory`) across rounds, for the "history" drafts. Off (None), the decoder runs the
-   plain loop as before.
+   plain loop as before. On CUDA, asking for drafts asks for the eager decoder (decision 5's `generate` cannot
+   verify them): opt-in there, with no GPU measurement yet (`planning.levers`).
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `E` hidden
 size, `V` vocabulary.
@@ -57,6 +58,7 @@ from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import BackendChoice, max_new_tokens
 from grpo_trainer.rollout.speculative import loop as speculative_loop
 from grpo_trainer.rollout.speculative.drafts import Drafter, PromptHistory
+from grpo_trainer.rollout.speculative.policy import ForwardCost
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from grpo_trainer.rollout.types import DecodeCounts, PromptBatch, Rollout, special_tokens
 
@@ -82,16 +84,22 @@ class FastBackend(RolloutBackend):
                  speculative: SpeculativeSettings | None = None) -> None:
         source = f"FastBackend(cuda={cuda!r})"
         if cuda is None:  # decision 6: the static path is opt-in until a GPU measures it
-            cuda = os.environ.get(CUDA_DECODE_ENV, "generate")
+            # decision 7: drafts are verified by the decoder, so asking for them asks for it on CUDA too
+            cuda = os.environ.get(CUDA_DECODE_ENV, "generate" if speculative is None else "decoder")
             source = f"{CUDA_DECODE_ENV}={cuda!r}"
+        if speculative is not None and cuda == "generate":
+            raise ValueError(f"speculative_rollouts=True drafts and verifies inside the fast decoder, but {source} "
+                             "samples with model.generate on CUDA; unset it (the eager decoder then serves the "
+                             "drafts on CUDA), or set speculative_rollouts=False.")
         if cuda not in CUDA_CHOICES:
             raise ValueError(f"{source}: choose 'generate' or 'decoder', or the decoder's static steps 'compact' "
                              "or 'graphs' (fast.static; opt-in, not yet measured on a GPU).")
         if cpu not in static.MODES:
             raise ValueError(f"FastBackend(cpu={cpu!r}): choose one of {', '.join(map(repr, static.MODES))}.")
         self.cuda, self.cpu = cuda, cpu  # decisions 5 and 6
-        # decision 7: drafts and the prompts' earlier completions they read, kept across rounds
-        self.speculation = None if speculative is None else (speculative, PromptHistory(speculative))
+        # decision 7: drafts, the prompts' earlier completions they read and the forwards' timings, across rounds
+        self.speculation = None if speculative is None else (
+            speculative, PromptHistory(speculative), ForwardCost() if speculative.policy == "measured" else None)
 
     @classmethod
     def from_settings(cls, choice: BackendChoice) -> FastBackend:
@@ -110,9 +118,12 @@ class FastBackend(RolloutBackend):
         backend = cls.from_settings(choice)
         if backend.uses_generate_on(device_type):
             return BACKENDS["generate"].memory_profile(choice, device_type)
+        spec = choice.speculative
         return dataclasses.replace(super().memory_profile(choice, device_type),
                                    decoder_architectures=frozenset(ARCHITECTURES),
-                                   decode_mode=backend.decode_mode(device_type))
+                                   decode_mode=backend.decode_mode(device_type),
+                                   verify_positions=0 if spec is None else spec.max_verify_tokens,
+                                   draft_columns=0 if spec is None else spec.max_draft_tokens)
 
     def uses_generate_on(self, device_type: str) -> bool:
         """Whether every rollout on this device type goes through `model.generate` (decision 5): the memory
@@ -145,7 +156,8 @@ class FastBackend(RolloutBackend):
 
 
 def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig, capture: Capture,
-                  mode: str = "eager", speculation: tuple[SpeculativeSettings, PromptHistory] | None = None) -> Rollout:
+                  mode: str = "eager",
+                  speculation: tuple[SpeculativeSettings, PromptHistory, ForwardCost | None] | None = None) -> Rollout:
     B, S = prompts.ids.shape
     decoder_stack = lm.get_decoder()
     embed = decoder_stack.embed_tokens.weight
@@ -239,8 +251,9 @@ def _speculation_blocker(lm: nn.Module, config: GenerationConfig, prompts: Promp
 
 
 def _speculative_decode(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, settings: SpeculativeSettings,
-                        history: PromptHistory, outputs: Tensor | None = None, probs: Tensor | None = None,
-                        masks: Tensor | None = None, renormalise: bool = False) -> tuple[loop.Decoded, DecodeCounts]:
+                        history: PromptHistory, cost: ForwardCost | None, outputs: Tensor | None = None,
+                        probs: Tensor | None = None, masks: Tensor | None = None,
+                        renormalise: bool = False) -> tuple[loop.Decoded, DecodeCounts]:
     """`speculative.loop.run` over the decoder (decision 7): its cache `max_draft_tokens` columns longer, for the
     draft positions of a row's last forward."""
     B, S = prompts.ids.shape
@@ -255,4 +268,4 @@ def _speculative_decode(lm: nn.Module, config: GenerationConfig, prompts: Prompt
     prompt_tokens = [tuple(prompts.ids[r][prompts.mask[r].bool()].tolist()) for r in first.tolist()]
     drafter = Drafter(settings, group.tolist(), prompt_tokens, history)
     return speculative_loop.run(lm, decoder, config, prompts, scores, processors(lm, config, prompts.ids, prompts.mask),
-                                max_new, settings, drafter, probs, masks, renormalise)
+                                max_new, settings, drafter, cost, probs, masks, renormalise)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +67,7 @@ from grpo_trainer.algorithms.truncation import pack
 from grpo_trainer.rollout.fast.decoder import Decoder
 from grpo_trainer.rollout.fast.loop import Decoded, NonFiniteLogitsError, choose
 from grpo_trainer.rollout.speculative.drafts import Drafter
-from grpo_trainer.rollout.speculative.policy import DraftPolicy
+from grpo_trainer.rollout.speculative.policy import DraftPolicy, ForwardCost, width
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from grpo_trainer.rollout.speculative.verify import committed_counts
 from grpo_trainer.rollout.types import DecodeCounts, PromptBatch, special_tokens
@@ -159,11 +160,12 @@ class _Kept:
 
 def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: PromptBatch, scores: Tensor,
         processor_list: LogitsProcessorList, max_new: int, settings: SpeculativeSettings, drafter: Drafter,
-        probs: Tensor | None = None, masks: Tensor | None = None,
+        cost: ForwardCost | None = None, probs: Tensor | None = None, masks: Tensor | None = None,
         renormalise: bool = False) -> tuple[Decoded, DecodeCounts]:
     """Completion tokens `[B, T']` and what the plain loop (`fast.loop.run`) keeps of them, decoded with drafts, and
     what the decoding cost. `decoder`: prefilled, its cache at least `S + max_new + max_draft_tokens` columns;
-    `scores` `[B, V]`: float32 logits after the prompt. Fills `probs[:, :T']` and `masks[:, :T']` when given."""
+    `scores` `[B, V]`: float32 logits after the prompt; `cost`: the forwards' timings, for policy "measured"
+    (`policy.width`; None: policy "fixed"). Fills `probs[:, :T']` and `masks[:, :T']` when given."""
     eos, pad = special_tokens(config)
     B, S = prompts.ids.shape
     device = scores.device
@@ -200,7 +202,11 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
         N = len(live)
         limits = policy.limits(live, [max_new - committed[r] - 1 for r in live])
         drafts = [drafter.draft(r, k) for r, k in zip(live, limits)]
+        if cost is not None:  # policy "measured": as wide as pays
+            Q = width([len(d) for d in drafts], policy.acceptance(live), cost)
+            drafts = [d[:Q - 1] for d in drafts]
         Q = 1 + max(len(d) for d in drafts)
+        started = time.perf_counter()
         rows = torch.tensor(live, device=device)
         n = torch.tensor([committed[r] for r in live], device=device)  # [N]
         ids = torch.full((N, Q), pad, dtype=torch.long, device=device)
@@ -236,7 +242,9 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
         _check_finite(draw.logps[at], flat_rows[at], flat_steps[at], B)
         kept.write(flat_rows, flat_steps, at, draw, draw.probs)
 
-        tokens = draw.tokens.view(N, Q).tolist()
+        tokens = draw.tokens.view(N, Q).tolist()  # (on an accelerator, waits for the forward and the draws)
+        if cost is not None:
+            cost.observe(N * Q, time.perf_counter() - started)
         accepted = [c - 1 for c in m.tolist()]
         for i, row in enumerate(live):
             new = tokens[i][:accepted[i] + 1]

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SOURCES", "SpeculativeSettings"]
+__all__ = ["POLICIES", "SOURCES", "SpeculativeSettings"]
 
 # Where drafts come from, tried in this order for every draft (`drafts.Drafter`): the other completions of the same
 # prompt in the round, the same prompt's completions in earlier rounds, the prompt itself.
 SOURCES = ("group", "history", "prompt")
+# How wide a forward is made (`policy`): "measured" times the forwards and drafts where that pays; "fixed" drafts
+# what the per-row lengths and `max_verify_tokens` allow.
+POLICIES = ("measured", "fixed")
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,14 @@ class SpeculativeSettings:
     sources: tuple[str, ...] = SOURCES
     history_per_prompt: int = 16  # completions kept per prompt for later rounds' drafts ("history")
     history_prompts: int = 4096  # prompts kept, the least recently drafted dropped first
+    policy: str = "measured"
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sources if s not in SOURCES]
         if unknown or not self.sources:
             raise ValueError(f"speculative sources {list(self.sources)}: choose from {list(SOURCES)}.")
+        if self.policy not in POLICIES:
+            raise ValueError(f"speculative policy {self.policy!r}: choose from {list(POLICIES)}.")
         for name in ("max_draft_tokens", "max_verify_tokens", "max_match", "history_per_prompt", "history_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"speculative {name}={getattr(self, name)}: must be at least 1.")

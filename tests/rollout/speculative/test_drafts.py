@@ -1,7 +1,9 @@
 """Drafts (`speculative.drafts`) and draft lengths (`speculative.policy`), by hand."""
 
+import pytest
+
 from grpo_trainer.rollout.speculative.drafts import START, Drafter, NgramIndex, PromptHistory
-from grpo_trainer.rollout.speculative.policy import DraftPolicy
+from grpo_trainer.rollout.speculative.policy import DraftPolicy, ForwardCost, expected_tokens, width
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 
 
@@ -76,3 +78,39 @@ def test_a_full_batch_drafts_less_than_its_tail():
     assert policy.limits([3, 7], [100, 100]) == [4, 4]  # the tail: the row's own length (4 at the start)
     assert DraftPolicy(SpeculativeSettings(max_verify_tokens=16), rows=17).limits(list(range(17)), [9] * 17) == \
         [0] * 17  # fewer positions than rows: no drafts
+
+
+def test_expected_tokens_of_a_geometric_run():
+    assert expected_tokens(0, 0.5) == 1
+    assert expected_tokens(3, 0.5) == 1 + 0.5 + 0.25 + 0.125
+
+
+def test_acceptance_counts_held_tokens_against_missed_drafts():
+    policy = DraftPolicy(SpeculativeSettings(), rows=2)
+    assert policy.acceptance([0, 1]) == [0.5, 0.5]  # nothing seen: the prior's 1 / 2
+    policy.update([0], [4], [4])  # 4 held, no miss
+    policy.update([0], [8], [2])  # 2 held, then a miss
+    # row 0: 6 held, 1 miss; the round: prior (6 + 1) / (7 + 2) = 7 / 9, weighted as two drafts
+    assert policy.acceptance([0, 1]) == pytest.approx([(6 + 14 / 9) / (7 + 2), 14 / 9 / 2])
+
+
+def test_the_width_follows_the_measured_cost():
+    lengths, acceptance = [3, 3], [0.5, 0.5]
+    assert width(lengths, acceptance, ForwardCost()) == 4  # nothing timed: what the rows drafted
+    flat = ForwardCost()
+    flat.observe(4, 1.0)
+    flat.observe(8, 1.0)  # positions are free (memory-bound): the widest forward
+    assert flat.coefficients() == pytest.approx((1.0, 0.0))
+    assert width(lengths, acceptance, flat) == 4
+    linear = ForwardCost()
+    linear.observe(4, 4.0)
+    linear.observe(8, 8.0)  # every position costs its share (compute-bound): 1 + p + ... < Q, never worth it
+    assert linear.coefficients()[1] == pytest.approx(1.0)
+    assert width(lengths, [0.99, 0.99], linear) == 1
+    mixed = ForwardCost()
+    mixed.observe(2, 1.2)
+    mixed.observe(8, 1.8)  # a = 1, b = 0.1: with N = 2, Q = 2 costs 1.4 for 2 x 1.5 tokens, Q = 1 1.2 for 2
+    assert width(lengths, acceptance, mixed) == 3  # 2 x 1.75 / 1.6 = 2.19 per second beats 2.14 (Q=2), 1.67 (Q=1)
+    for _ in range(30):  # plain forwards 2 to 31 in a row
+        assert width(lengths, [0.01, 0.01], linear) == 1
+    assert width(lengths, [0.01, 0.01], linear) == 2  # the 32nd: a wider one is timed instead

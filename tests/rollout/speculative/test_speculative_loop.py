@@ -14,8 +14,8 @@ from grpo_trainer.rollout.fast.loop import NonFiniteLogitsError
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from tests.helpers import assert_same_rollout, greedy_config, grouped_prompts, model_of_kind
 
-ON = SpeculativeSettings()
-NO_DRAFTS = SpeculativeSettings(max_verify_tokens=1)  # one position per row per forward: never a draft
+ON = SpeculativeSettings(policy="fixed")  # forward counts reproduce (no timings)
+NO_DRAFTS = SpeculativeSettings(max_verify_tokens=1, policy="fixed")  # one position per row per forward: never a draft
 
 
 def _rollout(model, prompts, config, settings, seed=0, **capture):
@@ -167,7 +167,7 @@ def test_earlier_rounds_draft_a_prompts_later_completions(tokenizer):
     model = model_of_kind("qwen2", tokenizer)
     prompts = grouped_prompts(tokenizer, repeats=1)
     config = greedy_config(tokenizer, max_new_tokens=40)
-    backend = FastBackend(cuda="decoder", speculative=SpeculativeSettings(sources=("group", "history")))
+    backend = FastBackend(cuda="decoder", speculative=SpeculativeSettings(sources=("group", "history"), policy="fixed"))
     first, second = backend.generate(model, prompts, config), backend.generate(model, prompts, config)
     assert_same_rollout(second, first)
     assert second.decode.accepted > first.decode.accepted
