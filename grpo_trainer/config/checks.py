@@ -46,7 +46,7 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.speculative_draft_tokens < 1,
          f"speculative_draft_tokens must be >= 1 (got {args.speculative_draft_tokens}); 8 is the default."),
         (args.speculative_verify_tokens < 1,
-         f"speculative_verify_tokens must be >= 1 (got {args.speculative_verify_tokens}); 64 is the default."),
+         f"speculative_verify_tokens must be >= 1 (got {args.speculative_verify_tokens}); 256 is the default."),
         (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,
          f"max_tool_calling_iterations must be >= 0 or None (got {args.max_tool_calling_iterations}); None lets the "
          "model call tools until it stops or its completion budget runs out."),

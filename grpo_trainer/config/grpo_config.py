@@ -123,8 +123,10 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
         8, "speculative_rollouts: a row's most draft tokens per forward (each row's own count grows while its drafts "
         "are accepted and backs off when they miss).")
     speculative_verify_tokens: int = _opt(
-        64, "speculative_rollouts: the most positions one forward verifies (rows x (1 + draft)): a full batch "
-        "drafts little, the batch's tail of a few long rows drafts the most.")
+        256, "speculative_rollouts: the most positions one forward verifies (rows x (1 + draft)), a bound on its "
+        "logits' memory; within it each forward is made as wide as its measured cost and the drafts' acceptance "
+        "make pay (a full batch on a compute-bound device drafts little, the batch's tail of a few long rows the "
+        "most).")
     pad_to_multiple_of: int | str | None = _opt(
         "auto", "Pad prompt and completion ids to a multiple of this many columns (fixed shapes for compilers). "
         "'auto': 128 on Neuron (AWS Trainium), no padding elsewhere; None: no padding.")

@@ -7,10 +7,12 @@ Decisions:
    `max_match` tokens) that occurs there: n-gram lookup, as vLLM's `ngram` method and prompt-lookup decoding do,
    over an index updated as tokens are committed (`NgramIndex`, one dictionary insertion per suffix length per
    token), so a lookup costs no scan.
-2. Sources, tried in order (`settings.SOURCES`), the first with a continuation wins: "group", the completions of
-   the same prompt in this round so far, the row's own included (a repeated step of its own); "history", that
-   prompt's completions in earlier rounds (epochs > 1, a repeated prompt, `PromptHistory`); "prompt", the prompt's
-   own tokens (prompt lookup). Among occurrences of the same suffix, the one with the longest continuation.
+2. Sources (`settings.SOURCES`): "group", the completions of the same prompt in this round so far, the row's own
+   included (a repeated step of its own); "history", that prompt's completions in earlier rounds (epochs > 1, a
+   repeated prompt, `PromptHistory`); "prompt", the prompt's own tokens (prompt lookup). The longest suffix match
+   over all of them wins (a sibling that matches one token is weaker evidence than an earlier completion that
+   matches `max_match`); at equal length the earlier source in that order. Among occurrences of the same suffix,
+   the one with the longest continuation.
 3. A completion's context starts with a marker (`START`), so the first tokens of a completion are drafted from the
    first tokens of its siblings' and earlier completions.
 4. Drafts change how many tokens a forward commits, never which (`verify`): the history is not part of a
@@ -56,9 +58,10 @@ class NgramIndex:
             for n in range(1, min(self.max_match, end) + 1):
                 self.ends[tuple(seq[end - n:])].append((sequence, end))
 
-    def continuation(self, context: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens following the longest suffix of `context` found here; [] if none is."""
-        for n in range(min(self.max_match, len(context)), 0, -1):
+    def continuation(self, context: Sequence[int], limit: int, longest: int | None = None) -> tuple[int, list[int]]:
+        """The longest suffix of `context` (at most `longest` tokens) found here with something after it: its length
+        and up to `limit` tokens following it; (0, []) if there is none."""
+        for n in range(min(self.max_match if longest is None else longest, len(context)), 0, -1):
             occurrences = self.ends.get(tuple(context[-n:]))
             if not occurrences:
                 continue
@@ -70,8 +73,8 @@ class NgramIndex:
                     if len(best) == limit:
                         break
             if best:
-                return best
-        return []
+                return n, best
+        return 0, []
 
 
 class PromptHistory:
@@ -142,17 +145,20 @@ class Drafter:
         if limit <= 0:
             return []
         group, context = self.groups[row], self.context(row)
-        for source in self.settings.sources:
+        best_match, best = 0, []
+        for source in self.settings.sources:  # a longer match wins; at equal length the earlier source
             if source == "group":
-                found = self.siblings[group].continuation(context, limit)
+                match, found = self.siblings[group].continuation(context, limit)
             elif source == "history":
                 index = self.earlier[group]
-                found = [] if index is None else index.continuation(context, limit)
-            else:
-                found = self.prompt_index[group].continuation(context[1:], limit)  # the prompt has no START
-            if found:
-                return found
-        return []
+                match, found = (0, []) if index is None else index.continuation(context, limit)
+            else:  # the prompt has no START
+                match, found = self.prompt_index[group].continuation(context[1:], limit)
+            if match > best_match:
+                best_match, best = match, found
+                if match == min(self.settings.max_match, len(context)):
+                    break
+        return best
 
     def remember(self, completions: list[list[int]]) -> None:
         """The round's completions (each to its EOS) into the history, per prompt, for later rounds."""

@@ -25,7 +25,7 @@ class SpeculativeSettings:
     max_draft_tokens: int = 8  # a row's most draft tokens per forward (`policy.DraftPolicy`)
     # the most query positions in one forward, N x Q: past it drafts are cut (a compute-bound forward costs per
     # position, so a full batch drafts little and a batch's tail, a few long rows, drafts the most)
-    max_verify_tokens: int = 64
+    max_verify_tokens: int = 256
     max_match: int = 4  # the longest suffix (in tokens) matched against a source; 1 is the shortest
     sources: tuple[str, ...] = SOURCES
     history_per_prompt: int = 16  # completions kept per prompt for later rounds' drafts ("history")

@@ -11,13 +11,14 @@ def test_the_longest_suffix_found_gives_the_continuation():
     index = NgramIndex(max_match=3)
     index.add([1, 2, 3, 4, 5, 2, 3, 9])
     # "2 3" ends twice: the later occurrence continues [9] (the sequence ends), the earlier [4, 5]: the longest wins
-    assert index.continuation([7, 2, 3], 2) == [4, 5]
-    assert index.continuation([1, 2, 3], 3) == [4, 5, 2]  # the 3-gram "1 2 3" wins over "2 3"
-    assert index.continuation([8], 3) == []  # not found
-    assert index.continuation([5], 10) == [2, 3, 9]  # cut at the sequence's end
+    assert index.continuation([7, 2, 3], 2) == (2, [4, 5])
+    assert index.continuation([1, 2, 3], 3) == (3, [4, 5, 2])  # the 3-gram "1 2 3" wins over "2 3"
+    assert index.continuation([1, 2, 3], 3, longest=2) == (2, [4, 5, 2])
+    assert index.continuation([8], 3) == (0, [])  # not found
+    assert index.continuation([5], 10) == (1, [2, 3, 9])  # cut at the sequence's end
 
 
-def test_siblings_first_then_history_then_the_prompt():
+def test_the_longest_match_wins_and_sources_break_ties_in_order():
     settings = SpeculativeSettings(max_match=2)
     history = PromptHistory(settings)
     prompt = (40, 41, 42, 43)
@@ -26,11 +27,15 @@ def test_siblings_first_then_history_then_the_prompt():
     # Nothing committed yet: the first tokens come from the history's completion (its START), no sibling has any.
     assert drafter.draft(0, 3) == [10, 11, 12]
     drafter.commit(1, [10, 20, 21, 22])  # row 1 went another way
-    assert drafter.draft(0, 3) == [10, 20, 21]  # a sibling's tokens beat the history
+    assert drafter.draft(0, 3) == [10, 20, 21]  # START 10 matches both: at equal length the sibling wins
+    drafter.commit(0, [10, 11])  # row 0 follows the history: "10 11" (2 tokens) there, only "11" nowhere else
+    assert drafter.draft(0, 3) == [12, 1]
     drafter.commit(0, [42])
     assert drafter.draft(0, 5) == [43]  # only the prompt has "42": prompt lookup
     assert drafter.draft(0, 0) == []
-    drafter.remember([[42, 1], [10, 20, 21, 22, 1]])
+    drafter.commit(1, [42, 7])  # now the sibling has "42" too, followed by 7; the prompt's 43 has the same match
+    assert drafter.draft(0, 1) == [7]  # equal length (1): the group source comes first
+    drafter.remember([[10, 11, 42, 1], [10, 20, 21, 22, 42, 7, 1]])
     later = Drafter(settings, groups=[0], prompts=[prompt], history=history)
     assert later.draft(0, 2) == [10, 20]  # the most recent completion with the longest continuation
     assert START not in later.draft(0, 50)
