@@ -9,6 +9,7 @@
 # bench_gpu.py ours (graphs, default) vs TRL (generate, static cache, paged) at the Qwen2.5-0.5B shape with varied
 # completion lengths;
 # memory_grid.py (the planner against torch.cuda's peaks); packing_gpu.py (packed vs padded forward + backward);
+# speculative_verify_cost.py (a verifying forward over Q positions against the plain step, Qwen2.5-0.5B, bf16);
 # fingerprints.json: the sources each result measured (planning/levers.py: what an option's GPU evidence records).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -50,4 +51,6 @@ step bench_gpu 220 python benchmarks/gpu/bench_gpu.py --shapes qwen2.5-0.5b --le
 step memory_grid 110 python benchmarks/gpu/memory_grid.py --configs T256_full,T256_lora --phase-runs "" \
     --timeout 50 --json-out "$OUT/memory_grid.json"
 step packing_gpu 60 python benchmarks/gpu/packing_gpu.py --no-trainer --repeats 3 --json-out "$OUT/packing_gpu.json"
+step speculative_verify 45 python benchmarks/speculative_verify_cost.py --device cuda --dtype bfloat16 \
+    --rows 1,16,64 --positions 1,2,5,9 --repeats 5 --out "$OUT/speculative_verify_cost.json"
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$OUT/session.log"

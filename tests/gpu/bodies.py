@@ -10,7 +10,9 @@ Which test runs which body, on CUDA (tests/gpu/) and on CPU:
 - test_static_decode.py, tests/rollout/fast/test_static.py: `static_greedy_tokens_equal_generate`,
   `graphs_against_the_eager_static_step`, `compactions_in_place`, `bf16_static_logps_within_rounding`;
 - test_tied_lookup_cuda.py, tests/modeling/test_tied_embedding.py: `tied_gradients_equal_dense`;
-- test_offloading_cuda.py, tests/modeling/test_offloaded_backward.py: `offloaded_backward`.
+- test_offloading_cuda.py, tests/modeling/test_offloaded_backward.py: `offloaded_backward`;
+- test_speculative_cuda.py, tests/rollout/speculative/test_speculative_loop.py: `speculative_greedy_equals_plain`,
+  `speculative_logps_equal_a_forward`.
 """
 
 from __future__ import annotations
@@ -247,3 +249,45 @@ def offloaded_backward(model, ids, mask, T, context, at_backward: AtBackward = l
         measured = at_backward(context)
         loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, measured
+
+
+# ---------------------------------------------------------------------------------------- speculative rollouts
+
+
+def speculative_greedy_equals_plain(tokenizer, kind: str, device: torch.device) -> None:
+    """float32: greedy completions with drafts equal the plain decoder's, and drafts were accepted (fewer
+    forwards than tokens)."""
+    from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
+
+    model = model_of_kind(kind, tokenizer).to(device).eval()
+    prompts = grouped_prompts(tokenizer, repeats=4).to(device)
+    config = greedy_config(tokenizer, max_new_tokens=40)
+    with torch.no_grad():
+        plain = FastBackend(cuda="decoder").generate(model, prompts, config)
+        spec = FastBackend(cuda="decoder", speculative=SpeculativeSettings(policy="fixed")).generate(
+            model, prompts, config)
+    assert_same_rollout(spec, plain)
+    assert spec.decode.accepted > 0 and spec.decode.forwards < plain.completion_ids.shape[1] - 1
+
+
+def speculative_logps_equal_a_forward(tokenizer, dtype: torch.dtype, device: torch.device) -> None:
+    """Sampled with drafts (the measured policy, as the trainer runs it): each committed token's log-prob equals the
+    model's own forward over prompt + completion, within `dtype`'s rounding."""
+    from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
+
+    model = model_of_kind("qwen2.5-0.5b", tokenizer).to(device=device, dtype=dtype).eval()
+    prompts = grouped_prompts(tokenizer, repeats=4).to(device)
+    config = greedy_config(tokenizer, max_new_tokens=30, do_sample=True, temperature=0.7)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        spec = FastBackend(speculative=SpeculativeSettings()).generate(model, prompts, config)
+        ids = torch.cat([spec.prompt_ids, spec.completion_ids], 1)
+        mask = torch.cat([spec.prompt_mask, spec.completion_mask], 1)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    S, T = spec.prompt_ids.shape[1], spec.completion_ids.shape[1]
+    expected = torch.log_softmax(logits[:, S - 1:S + T - 1] / 0.7, -1).gather(2, spec.completion_ids[..., None])
+    valid = spec.completion_mask.bool()
+    tolerance = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(spec.sampler.logps[valid], expected[..., 0][valid], atol=tolerance, rtol=0)
+    assert spec.decode is not None and spec.decode.drafted > 0

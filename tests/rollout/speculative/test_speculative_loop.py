@@ -219,3 +219,14 @@ def test_models_outside_the_decoder_sample_as_without_drafts(tokenizer):
     spec = _rollout(model, prompts, config, ON)
     assert spec.decode is None
     assert_same_rollout(spec, _plain(model, prompts, config))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_gpu_bodies_on_cpu(tokenizer, dtype):
+    """tests/gpu/test_speculative_cuda.py's bodies, here on CPU (so a break in them fails without a GPU too)."""
+    from tests.gpu.bodies import speculative_greedy_equals_plain, speculative_logps_equal_a_forward
+
+    cpu = torch.device("cpu")
+    if dtype == torch.float32:
+        speculative_greedy_equals_plain(tokenizer, "qwen2.5-0.5b", cpu)
+    speculative_logps_equal_a_forward(tokenizer, dtype, cpu)
