@@ -23,14 +23,15 @@ def _sgd_step(path, tokenizer, args) -> tuple[dict, list]:
     return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer.state.log_history
 
 
-def test_a_step_with_drafts_equals_one_without(tmp_path, tokenizer):
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+def test_a_step_with_drafts_equals_one_without(tmp_path, tokenizer, padding_free):
     """`speculative_verify_tokens=1` leaves no room for a draft: the same loop, every token drawn one forward at a
     time from the same uniforms. Drafts then change the forward count and not the update (SGD, so float noise in
-    near-zero gradients stays small)."""
+    near-zero gradients stays small), with packed and padded log-prob forwards."""
     path = tmp_path / "model"
     make_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    common = dict(speculative_rollouts=True, temperature=0.2, max_completion_length=24)
+    common = dict(speculative_rollouts=True, temperature=0.2, max_completion_length=24, padding_free=padding_free)
     drafted, drafted_log = _sgd_step(path, tokenizer, sgd_step_args(tmp_path / "drafts", **common))
     plain, plain_log = _sgd_step(path, tokenizer,
                                  sgd_step_args(tmp_path / "none", speculative_verify_tokens=1, **common))

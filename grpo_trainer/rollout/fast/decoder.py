@@ -205,15 +205,20 @@ class Decoder:
         Grouped-query attention without copying keys and values (as in `step`): the H / K query heads of a
         key/value head become G * Q query rows of that head, and the mask is repeated for them."""
         N, Q = ids.shape
+        M = N * Q
         H, K, D = self.H, self.K, self.D
         G, W = H // K, mask.shape[-1]
         every_row = N == self.keys[0].shape[0] and bool((rows == torch.arange(N, device=rows.device)).all())
         grouped_mask = mask.unsqueeze(2).expand(N, 1, G, Q, W).reshape(N, 1, G * Q, W)
         r = rows[:, None]  # [N, 1]
-        hidden = self.embed[ids]  # [N, Q, E]
+        written = None
+        if self.outputs is not None:
+            at = torch.ones_like(ids, dtype=torch.bool) if kept is None else kept
+            written = (r.expand(N, Q)[at], columns[at], at.view(-1))
+        # As in `step`, in 2-D tensors `[N * Q, E]` with the row norms and the residual adds inside the projections.
+        hidden = self.embed[ids.view(-1)]  # [M, E]
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
-            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm1"])
-            qkv = layer["qkv"](x.view(N * Q, -1)).view(N, Q, H + 2 * K, D)
+            qkv = layer["qkv"](layer["row_norm1"](hidden)).view(N, Q, H + 2 * K, D)
             qk = qkv[:, :, :H + K]
             if layer["qk_norm"] is not None:
                 q_norm, k_norm = layer["qk_norm"]
@@ -226,18 +231,18 @@ class Decoder:
             q = qk[:, :, :H].permute(0, 2, 1, 3).reshape(N, K, G * Q, D)  # head h = kv * G + g
             attn = F.scaled_dot_product_attention(q, read_keys, read_values, attn_mask=grouped_mask,
                                                   scale=layer["scaling"])  # [N, K, G * Q, D]
-            attn = attn.view(N, H, Q, D).transpose(1, 2).reshape(N * Q, H * D)
-            hidden = layer["o_add"](hidden.reshape(N * Q, -1), attn).view(N, Q, -1)
-            x = F.rms_norm(hidden, hidden.shape[-1:], *layer["norm2"])
+            hidden = layer["o_add"](hidden, attn.view(N, H, Q, D).transpose(1, 2).reshape(M, H * D))
+            x = layer["row_norm2"](hidden)
             if layer["gate_up"] is None:
                 hidden = hidden + layer["mlp"](x)
             else:
-                gate, up = layer["gate_up"](x.view(N * Q, -1)).chunk(2, dim=-1)
-                hidden = layer["down_add"](hidden.view(N * Q, -1), layer["act"](gate) * up).view(N, Q, -1)
-            if self.outputs is not None:
-                at = torch.ones_like(ids, dtype=torch.bool) if kept is None else kept
-                self.outputs[r.expand(N, Q)[at], index, columns[at]] = hidden[at]
-        return hidden
+                gate_up = layer["gate_up"](x)  # [M, 2 I]
+                inner = gate_up.shape[1] // 2
+                hidden = layer["down_add"](hidden, layer["act"](gate_up.narrow(1, 0, inner))
+                                           .mul_(gate_up.narrow(1, inner, inner)))
+            if written is not None:
+                self.outputs[written[0], index, written[1]] = hidden[written[2]]
+        return hidden.view(N, Q, -1)
 
     def step(self, tokens: Tensor, column: int | Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
              rows: Tensor | None = None) -> Tensor:
