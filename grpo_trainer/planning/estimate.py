@@ -537,6 +537,12 @@ def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     kv = kv * (s.sequence_length + draft) // s.sequence_length
     b.add("KV cache", dict.fromkeys(during, kv),
           f"{rows} rows x {s.sequence_length + draft} tokens x {m.layers} layers x {kv_element} B")
+    if draft:  # in host memory: the round's n-gram indexes, and the history kept across rounds (its bound)
+        b.add("speculative draft indexes", dict.fromkeys(during, rows * (s.sequence_length + draft)
+                                                             * s.rollout.draft_index_bytes_per_token),
+              "the round's tokens' n-gram indexes (rollout.speculative.drafts)", host=True)
+        b.everywhere("speculative history", s.rollout.draft_history_bytes,
+                     "earlier rounds' completions, at most history_tokens, and the cached indexes", host=True)
     distinct = rows // s.num_generations if fast else rows
     positions = max(rows, s.rollout.verify_positions) if fast else rows
     layer = max(_no_grad_layer_bytes(s, m, distinct, S), _no_grad_layer_bytes(s, m, 1, positions) if draft else 0)

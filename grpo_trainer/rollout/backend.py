@@ -81,6 +81,9 @@ class MemoryProfile:
     # columns a row's last draft adds; 0 without drafts
     verify_positions: int = 0
     draft_columns: int = 0
+    # and in host memory: the round's n-gram indexes per completion token, the history kept across rounds
+    draft_index_bytes_per_token: int = 0
+    draft_history_bytes: int = 0
 
     def describe(self) -> str:
         """A few words for the plan's header."""

@@ -1,6 +1,6 @@
 """The planner's rollout items under speculative rollouts (`rollout.speculative`), by hand for the small shape of
 tests/planning/shapes.py: V 1000, E 64, I 128, H 4, K 2, D 16, 2 layers; 4 rows (2 prompts x G 2), S 6 + T 10 = L 16,
-float32; 8 draft tokens, 64 verified positions."""
+float32; 8 draft tokens, 64 verified positions, the default history bound."""
 
 import dataclasses
 
@@ -24,10 +24,18 @@ def test_the_cache_columns_and_the_verifying_forward_by_hand():
     # 3 x 128 = 39,936, and 4 [4, V] float32 tensors of logits and softmax, 64,000: 103,936.
     # with: one layer over 64 positions, 4 B x 64 x (448 + 3 x 128) = 212,992, and 4 [64, V]: 1,024,000.
     assert [i["generation working set"].bytes[ROLLOUT] for i in items] == [103_936, 1_236_992]
+    # host memory: the round's indexes, 4 rows x (16 + 8) tokens x 1,024 B = 98,304; the history's bound, 4 B x
+    # 2^24 tokens + the cached indexes' 1,024 B x 2^16 tokens = 134,217,728, at every instant
+    assert items[1]["speculative draft indexes"].bytes[ROLLOUT] == 98_304
+    assert set(items[1]["speculative history"].bytes) == {134_217_728}
+    assert items[1]["speculative history"].host and "speculative history" not in items[0]
     added = [a - b for a, b in zip(spec.totals(), plain.totals())]
-    overhead = [i["allocator overhead"].bytes[ROLLOUT] for i in items]
-    assert added[ROLLOUT] - (overhead[1] - overhead[0]) == 16_384 + 1_133_056  # and the allocator's share of it
-    assert all(a == 0 for k, a in enumerate(added) if k != ROLLOUT)
+    overhead = [[i["allocator overhead"].bytes[k] for i in items] for k in range(len(INSTANTS))]
+    for k, extra in enumerate(added):  # and the allocator's share of it, at the instants this run has
+        if not plain.occurs[k]:
+            continue
+        device = 16_384 + 1_133_056 + 98_304 if k == ROLLOUT else 0
+        assert extra - (overhead[k][1] - overhead[k][0]) == device + 134_217_728
 
 
 def test_a_family_outside_the_decoder_adds_nothing():

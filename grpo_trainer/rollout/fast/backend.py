@@ -57,7 +57,7 @@ from grpo_trainer.rollout.fast.guard import ARCHITECTURES, decoder_blocker, proc
 from grpo_trainer.rollout.generate import generate_rollout
 from grpo_trainer.rollout.settings import BackendChoice, max_new_tokens
 from grpo_trainer.rollout.speculative import loop as speculative_loop
-from grpo_trainer.rollout.speculative.drafts import Drafter, PromptHistory
+from grpo_trainer.rollout.speculative.drafts import INDEX_BYTES_PER_TOKEN, INDEX_CACHE_TOKENS, Drafter, PromptHistory
 from grpo_trainer.rollout.speculative.policy import ForwardCost
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from grpo_trainer.rollout.types import DecodeCounts, PromptBatch, Rollout, special_tokens
@@ -123,7 +123,10 @@ class FastBackend(RolloutBackend):
                                    decoder_architectures=frozenset(ARCHITECTURES),
                                    decode_mode=backend.decode_mode(device_type),
                                    verify_positions=0 if spec is None else spec.max_verify_tokens,
-                                   draft_columns=0 if spec is None else spec.max_draft_tokens)
+                                   draft_columns=0 if spec is None else spec.max_draft_tokens,
+                                   draft_index_bytes_per_token=0 if spec is None else INDEX_BYTES_PER_TOKEN,
+                                   draft_history_bytes=0 if spec is None else
+                                   4 * spec.history_tokens + INDEX_BYTES_PER_TOKEN * INDEX_CACHE_TOKENS)
 
     def uses_generate_on(self, device_type: str) -> bool:
         """Whether every rollout on this device type goes through `model.generate` (decision 5): the memory

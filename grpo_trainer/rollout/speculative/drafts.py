@@ -17,23 +17,34 @@ Decisions:
    first tokens of its siblings' and earlier completions.
 4. Drafts change how many tokens a forward commits, never which (`verify`): the history is not part of a
    checkpoint, and a resumed run samples what the straight run did.
+5. Memory. An n-gram index costs about 1 KB per indexed token (Python dictionaries), so it exists only where it is
+   used: the round's own tokens (its siblings' and prompts', for the round), and the history's indexes for the
+   prompts being drafted (rebuilt from the kept tokens, about 3 us per token, and cached for the most recent
+   ones). What outlives a round is the history's tokens, 4 bytes each, `history_tokens` in all (64 MiB by
+   default).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 
-__all__ = ["START", "Drafter", "NgramIndex", "PromptHistory"]
+__all__ = ["INDEX_BYTES_PER_TOKEN", "INDEX_CACHE_TOKENS", "START", "Drafter", "NgramIndex", "PromptHistory"]
 
 START = -1  # before a completion's first token (decision 3); never a token id
 
 # Occurrences of one n-gram looked at per lookup, the most recent first: a frequent n-gram (a space) would
 # otherwise make a lookup scan every place it occurred.
 _OCCURRENCES = 8
+# What an n-gram index holds per token (decision 5, `max_match` 4: measured 1.0 KB in tests/rollout/speculative/
+# test_drafts.py; the memory planner's figure), and the history tokens whose indexes are kept between rounds.
+INDEX_BYTES_PER_TOKEN = 1024
+INDEX_CACHE_TOKENS = 2**16
 
 
 class NgramIndex:
@@ -78,42 +89,59 @@ class NgramIndex:
 
 
 class PromptHistory:
-    """Each prompt's most recent completions, across rounds (source "history"), indexed per prompt; the least
-    recently used prompt is dropped once `history_prompts` are kept. A lock guards it: asynchronous rounds sample on
-    a producer thread while evaluation rounds sample on the main one."""
+    """Each prompt's most recent completions across rounds (source "history", decision 5): kept as int32 arrays
+    under a digest of the prompt, at most `history_per_prompt` per prompt and `history_tokens` tokens in all (the
+    least recently used prompt dropped first); indexed when a round drafts the prompt, the indexes of the most
+    recently drafted prompts kept up to `INDEX_CACHE_TOKENS`. A lock guards it: asynchronous rounds sample on a
+    producer thread while evaluation rounds sample on the main one."""
 
     def __init__(self, settings: SpeculativeSettings) -> None:
         self.settings = settings
-        self.prompts: OrderedDict[tuple[int, ...], tuple[NgramIndex, int]] = OrderedDict()  # -> (index, added)
+        self.completions: OrderedDict[bytes, list[array]] = OrderedDict()
+        self.tokens = 0  # kept in `completions`
+        self.indexes: OrderedDict[bytes, tuple[NgramIndex, int]] = OrderedDict()  # -> (index, its tokens)
+        self.indexed = 0
         self.lock = threading.Lock()
 
-    def index(self, prompt: tuple[int, ...]) -> NgramIndex | None:
+    @staticmethod
+    def key(prompt: Sequence[int]) -> bytes:
+        return hashlib.blake2b(array("i", prompt).tobytes(), digest_size=16).digest()
+
+    def index(self, prompt: Sequence[int]) -> NgramIndex | None:
+        """The n-gram index of `prompt`'s kept completions (each after `START`), or None if none is kept."""
+        key = self.key(prompt)
         with self.lock:
-            entry = self.prompts.get(prompt)
-            if entry is None:
+            kept = self.completions.get(key)
+            if kept is None:
                 return None
-            self.prompts.move_to_end(prompt)
-            return entry[0]
+            self.completions.move_to_end(key)
+            if key in self.indexes:
+                self.indexes.move_to_end(key)
+                return self.indexes[key][0]
+            index = NgramIndex(self.settings.max_match)
+            for completion in kept:
+                index.add([START, *completion])
+            size = sum(map(len, kept))
+            self.indexes[key] = (index, size)
+            self.indexed += size
+            while self.indexed > INDEX_CACHE_TOKENS and len(self.indexes) > 1:
+                self.indexed -= self.indexes.popitem(last=False)[1][1]
+            return index
 
-    def add(self, prompt: tuple[int, ...], completions: list[list[int]]) -> None:
-        """A round's completions of `prompt` (each up to and including its EOS). Past `history_per_prompt`, the
-        prompt's index is rebuilt from its most recent ones (a round that drafts from the old index keeps it)."""
+    def add(self, prompt: Sequence[int], completions: list[list[int]]) -> None:
+        """A round's completions of `prompt` (each up to and including its EOS): the most recent kept."""
+        key = self.key(prompt)
         with self.lock:
-            self._add(prompt, completions)
-
-    def _add(self, prompt: tuple[int, ...], completions: list[list[int]]) -> None:
-        index, added = self.prompts.pop(prompt, (None, 0))
-        keep = self.settings.history_per_prompt
-        if index is None or added + len(completions) > keep:
-            older = [] if index is None else [s[1:] for s in index.sequences]
-            recent = (older + completions)[-keep:]
-            index, added = NgramIndex(self.settings.max_match), 0
-            completions = recent
-        for completion in completions:
-            index.add([START, *completion])
-        self.prompts[prompt] = (index, added + len(completions))
-        while len(self.prompts) > self.settings.history_prompts:
-            self.prompts.popitem(last=False)
+            kept = self.completions.pop(key, [])
+            self.tokens -= sum(map(len, kept))
+            kept = (kept + [array("i", c) for c in completions])[-self.settings.history_per_prompt:]
+            self.completions[key] = kept
+            self.tokens += sum(map(len, kept))
+            if key in self.indexes:  # rebuilt at its next use (a round drafting from the old one keeps it)
+                self.indexed -= self.indexes.pop(key)[1]
+            while self.tokens > self.settings.history_tokens and len(self.completions) > 1:
+                _, dropped = self.completions.popitem(last=False)
+                self.tokens -= sum(map(len, dropped))
 
 
 class Drafter:

@@ -29,7 +29,7 @@ class SpeculativeSettings:
     max_match: int = 4  # the longest suffix (in tokens) matched against a source; 1 is the shortest
     sources: tuple[str, ...] = SOURCES
     history_per_prompt: int = 16  # completions kept per prompt for later rounds' drafts ("history")
-    history_prompts: int = 4096  # prompts kept, the least recently drafted dropped first
+    history_tokens: int = 2**24  # their tokens kept in all (int32: 64 MiB), the least recently drafted prompt dropped
     policy: str = "measured"
 
     def __post_init__(self) -> None:
@@ -38,6 +38,6 @@ class SpeculativeSettings:
             raise ValueError(f"speculative sources {list(self.sources)}: choose from {list(SOURCES)}.")
         if self.policy not in POLICIES:
             raise ValueError(f"speculative policy {self.policy!r}: choose from {list(POLICIES)}.")
-        for name in ("max_draft_tokens", "max_verify_tokens", "max_match", "history_per_prompt", "history_prompts"):
+        for name in ("max_draft_tokens", "max_verify_tokens", "max_match", "history_per_prompt", "history_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"speculative {name}={getattr(self, name)}: must be at least 1.")

@@ -41,16 +41,45 @@ def test_the_longest_match_wins_and_sources_break_ties_in_order():
     assert START not in later.draft(0, 50)
 
 
-def test_history_keeps_the_latest_completions_and_prompts():
-    settings = SpeculativeSettings(max_match=1, history_per_prompt=2, history_prompts=2)
+def test_history_keeps_the_latest_completions_within_its_token_budget():
+    settings = SpeculativeSettings(max_match=1, history_per_prompt=2, history_tokens=6)
     history = PromptHistory(settings)
     history.add((1,), [[5, 6]])
     history.add((1,), [[7, 8], [9, 10]])  # three completions: the oldest drops out
     assert [s[1:] for s in history.index((1,)).sequences] == [[7, 8], [9, 10]]
+    assert history.tokens == 4
     history.add((2,), [[3]])
-    history.index((1,))  # prompt 1 used: prompt 2 is the least recently used
-    history.add((3,), [[4]])
+    history.index((1,))  # prompt 1 drafted: prompt 2 is the least recently used
+    history.add((3,), [[4, 4]])  # 4 + 1 + 2 = 7 tokens > 6: prompt 2 goes
     assert history.index((2,)) is None and history.index((1,)) is not None and history.index((3,)) is not None
+    assert history.tokens == 6
+    history.add((1,), [[11]])  # a new completion: the cached index is rebuilt at its next use
+    assert [s[1:] for s in history.index((1,)).sequences] == [[9, 10], [11]]
+
+
+def test_an_index_costs_about_a_kilobyte_per_token_and_the_kept_tokens_four_bytes():
+    """Decision 5's figures, measured: what the history keeps between rounds is its tokens."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    completions = [[rng.randrange(30_000) for _ in range(500)] for _ in range(16)]
+    tracemalloc.start()
+    try:
+        index = NgramIndex(4)
+        for completion in completions:
+            index.add([START, *completion])
+        per_token = tracemalloc.get_traced_memory()[0] / 8_000
+        del index
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        history = PromptHistory(SpeculativeSettings(history_per_prompt=16))
+        history.add(tuple(range(10)), completions)
+        kept = (tracemalloc.get_traced_memory()[0] - base) / 8_000
+    finally:
+        tracemalloc.stop()
+    assert 300 < per_token < 2_000
+    assert kept < 8
 
 
 def test_draft_lengths_grow_back_off_and_pause():
