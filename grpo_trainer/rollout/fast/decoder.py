@@ -216,7 +216,7 @@ class Decoder:
             at = torch.ones_like(ids, dtype=torch.bool) if kept is None else kept
             written = (r.expand(N, Q)[at], columns[at], at.view(-1))
         # As in `step`, in 2-D tensors `[N * Q, E]` with the row norms and the residual adds inside the projections.
-        hidden = self.embed[ids.view(-1)]  # [M, E]
+        hidden = self.embed[ids.reshape(-1)]  # [M, E]
         for index, (layer, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             qkv = layer["qkv"](layer["row_norm1"](hidden)).view(N, Q, H + 2 * K, D)
             qk = qkv[:, :, :H + K]
