@@ -237,8 +237,9 @@ COMBINATIONS: tuple[Refusal[Any], ...] = (
 def _speculative_backend(args: Any) -> str | None:
     """Why the rollouts `args` chooses are not the fast decoder's (`speculative_backend`), or None."""
     if args.use_vllm:
-        return ("use_vllm=True samples in vLLM (its own speculative decoding is not passed through: its log-probs "
-                "under speculation and its sampling-mask replay are not yet shown exact here, docs/SPECULATIVE.md)")
+        return ("use_vllm=True samples in vLLM, whose own speculative decoding is not passed through: on its CPU "
+                "build it samples off the model's distribution at temperature > 0 and returns NaN processed "
+                "log-probs, and on a GPU it is unmeasured (docs/SPECULATIVE.md)")
     if args.use_transformers_continuous_batching:
         return "use_transformers_continuous_batching=True samples in transformers' engine"
     if args.generation_backend != "fast":
