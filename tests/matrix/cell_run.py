@@ -89,7 +89,8 @@ def settings_of(cell: dict, vllm: dict | None = None) -> dict:
                     max_resample_rounds=4, async_rollouts=int(cell["async_rollouts"]),
                     padding_free=cell["padding_free"] == "on", beta=float(cell["beta"]),
                     memory_check=cell["memory_check"], mlp_tile_tokens=int(cell["mlp_tile_tokens"]),
-                    recompute_attention=cell["recompute_attention"] == "on")
+                    recompute_attention=cell["recompute_attention"] == "on",
+                    speculative_rollouts=cell["speculative_rollouts"] == "on")
     if cell["routing_replay"] != "dense":  # the MoE model (`make_tiny_moe`), without the router's auxiliary loss,
         # which would refuse packing (modeling.forwards) and 'skip' (once the model loads); tests/trainer covers it
         settings.update(routing_replay=cell["routing_replay"], router_aux_loss_coef=0.0)

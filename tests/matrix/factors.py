@@ -50,6 +50,7 @@ FACTORS: dict[str, list[str]] = {
     "memory_check": ["error", "off"],
     "mlp_tile_tokens": ["0", "4"],  # 4: fewer tokens than any row holds (a prompt of 7+ tokens and up to 6 more)
     "recompute_attention": ["off", "on"],
+    "speculative_rollouts": ["off", "on"],  # drafts verified by the fast decoder (refused with vLLM and 'generate')
 }
 VLLM_BACKENDS = ("vllm_colocate", "vllm_server")
 SHARDED = ("zero3", "fsdp2")  # the weights sharded across processes
@@ -63,6 +64,7 @@ READS: dict[str, dict[str, tuple[str, ...]]] = {
         "zero_variance_groups": ("zero_variance_groups",), "beta": ("beta",), "entropy_coef": (),
         "use_adaptive_entropy": (), "top_entropy_quantile": (), "async_rollouts": ("async_rollouts",),
         "routing_replay": ("routing_replay",), "use_vllm": ("backend",), "use_transformers_continuous_batching": (),
+        "speculative_rollouts": ("speculative_rollouts",), "generation_backend": ("backend",),
     },
     "sequence": {  # ShardingSettings
         "size": ("sp_size",), "processes": ("processes",), "engine": ("processes",), "loss_type": (),
@@ -350,4 +352,4 @@ def name(row: Row) -> str:
 SHORT = {"backend": "gen", "processes": "proc", "zero_variance_groups": "zvg", "async_rollouts": "async",
          "padding_free": "packed", "adapter": "adapter", "beta": "beta", "resume": "resume", "prompts": "prompts",
          "memory_check": "memcheck", "mlp_tile_tokens": "tile", "recompute_attention": "recompute",
-         "routing_replay": "replay", "sp_size": "sp"}
+         "routing_replay": "replay", "sp_size": "sp", "speculative_rollouts": "spec"}
