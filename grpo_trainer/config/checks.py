@@ -45,6 +45,8 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
         (args.num_iterations < 1, f"num_iterations must be >= 1 (got {args.num_iterations})."),
         (args.speculative_draft_tokens < 1,
          f"speculative_draft_tokens must be >= 1 (got {args.speculative_draft_tokens}); 8 is the default."),
+        (args.speculative_policy not in ("fixed", "measured"),
+         f"speculative_policy must be 'fixed' or 'measured' (got {args.speculative_policy!r})."),
         (args.speculative_verify_tokens < 1,
          f"speculative_verify_tokens must be >= 1 (got {args.speculative_verify_tokens}); 256 is the default."),
         (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,

@@ -122,11 +122,14 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     speculative_draft_tokens: int = _opt(
         8, "speculative_rollouts: a row's most draft tokens per forward (each row's own count grows while its drafts "
         "are accepted and backs off when they miss).")
+    speculative_policy: str = _opt(
+        "fixed", "speculative_rollouts: how wide each verifying forward is. 'fixed': the rows' own draft lengths "
+        "(grown while accepted, backed off when missed) within speculative_verify_tokens; a seeded run reproduces bit "
+        "for bit. 'measured': forwards are timed and each is made as wide as pays on this device (the same tokens; "
+        "values at the float rounding of other widths, so not bit for bit).")
     speculative_verify_tokens: int = _opt(
         256, "speculative_rollouts: the most positions one forward verifies (rows x (1 + draft)), a bound on its "
-        "logits' memory; within it each forward is made as wide as its measured cost and the drafts' acceptance "
-        "make pay (a full batch on a compute-bound device drafts little, the batch's tail of a few long rows the "
-        "most).")
+        "cost and its logits' memory: a full batch drafts little, the batch's tail of a few long rows the most.")
     pad_to_multiple_of: int | str | None = _opt(
         "auto", "Pad prompt and completion ids to a multiple of this many columns (fixed shapes for compilers). "
         "'auto': 128 on Neuron (AWS Trainium), no padding elsewhere; None: no padding.")

@@ -125,7 +125,7 @@ def speculative_settings(args: GRPOConfig) -> SpeculativeSettings | None:
     if not args.speculative_rollouts:
         return None
     return SpeculativeSettings(max_draft_tokens=args.speculative_draft_tokens,
-                               max_verify_tokens=args.speculative_verify_tokens)
+                               max_verify_tokens=args.speculative_verify_tokens, policy=args.speculative_policy)
 
 
 def routing_replay(args: GRPOConfig, model: Any) -> bool:

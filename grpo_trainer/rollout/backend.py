@@ -142,6 +142,15 @@ class RolloutBackend(ABC):
             return None
         return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of this backend so that a resumed run continues as the straight one (speculative
+        rollouts' history of earlier completions); None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s value from a checkpoint."""
+        return None
+
     def sample_off_main_thread(self) -> None:
         """Called once before rounds are sampled in a producer thread (`trainer.producer`) while the training step
         runs: a backend turns off what must run beside the step."""

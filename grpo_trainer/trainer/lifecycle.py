@@ -1,7 +1,8 @@
 """What a checkpoint holds beyond the Trainer's own files, so that a resumed run continues exactly: the round
-source's state (the round buffer and its position, and an asynchronous source's rounds sampled ahead) and dynamic
-sampling's prompt stream (each process its own file), and the adaptive entropy controller (one file, TRL's name and
-keys). All live inside the checkpoint folder, so its manifest covers them (`runtime.checkpoints`)."""
+source's state (the round buffer and its position, and an asynchronous source's rounds sampled ahead), dynamic
+sampling's prompt stream and the rollout backend's state (speculative rollouts' history; each process its own
+file), and the adaptive entropy controller (one file, TRL's name and keys). All live inside the checkpoint folder, so
+its manifest covers them (`runtime.checkpoints`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from grpo_trainer.algorithms.entropy import EntropyControl
+from grpo_trainer.rollout.backend import RolloutBackend
 from grpo_trainer.trainer.resample import Resampler
 from grpo_trainer.trainer.source import RoundSource
 
@@ -53,17 +55,24 @@ def load_run_state(folder: str, process_index: int, device: torch.device, entrop
 @dataclass(frozen=True)
 class RunParts:
     """The trainer's parts whose state a checkpoint keeps per process: the round source's (the buffer, and any
-    rounds it sampled ahead, `trainer.source`) and dynamic sampling's prompt stream."""
+    rounds it sampled ahead, `trainer.source`), dynamic sampling's prompt stream, and the rollout backend's
+    (`RolloutBackend.state_dict`: speculative rollouts' history)."""
 
     source: RoundSource
     resampler: Resampler | None = None
+    backend: RolloutBackend | None = None
 
     def state_dict(self, stuck: bool = False) -> dict[str, Any]:
         """`stuck`: saved from the signal watchdog while a rollout may hang (`RoundSource.run_state`)."""
         state = self.source.run_state(stuck)
-        return state if self.resampler is None else {**state, "resample": self.resampler.state_dict()}
+        if self.resampler is not None:
+            state = {**state, "resample": self.resampler.state_dict()}
+        backend = None if self.backend is None else self.backend.state_dict()
+        return state if backend is None else {**state, "rollout_backend": backend}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source.load_run_state(state)
         if self.resampler is not None and "resample" in state:
             self.resampler.load_state_dict(state["resample"])
+        if self.backend is not None and "rollout_backend" in state:
+            self.backend.load_state_dict(state["rollout_backend"])

@@ -29,6 +29,7 @@ OURS_ONLY = {
     "speculative_rollouts": "rollouts drafted from the group, verified exactly (docs/SPECULATIVE.md)",
     "speculative_draft_tokens": "speculative rollouts: a row's most draft tokens per forward",
     "speculative_verify_tokens": "speculative rollouts: the most positions one forward verifies",
+    "speculative_policy": "speculative rollouts: how wide each verifying forward is",
     "memory_check": "what a run whose memory plan exceeds the device does (docs/MEMORY.md)",
     "vllm_sync_check_interval": "how often the vLLM weight-sync self-check runs (docs/VLLM.md)",
     "async_rollouts": "asynchronous rollouts in the trainer itself: rounds sampled ahead (docs/ASYNC.md)",

@@ -271,7 +271,7 @@ def speculative_greedy_equals_plain(tokenizer, kind: str, device: torch.device) 
 
 
 def speculative_logps_equal_a_forward(tokenizer, dtype: torch.dtype, device: torch.device) -> None:
-    """Sampled with drafts (the measured policy, as the trainer runs it): each committed token's log-prob equals the
+    """Sampled with drafts (the "measured" policy, the one whose widths vary most): each committed token's log-prob equals the
     model's own forward over prompt + completion, within `dtype`'s rounding."""
     from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 
@@ -280,7 +280,7 @@ def speculative_logps_equal_a_forward(tokenizer, dtype: torch.dtype, device: tor
     config = greedy_config(tokenizer, max_new_tokens=30, do_sample=True, temperature=0.7)
     torch.manual_seed(0)
     with torch.no_grad():
-        spec = FastBackend(speculative=SpeculativeSettings()).generate(model, prompts, config)
+        spec = FastBackend(speculative=SpeculativeSettings(policy="measured")).generate(model, prompts, config)
         ids = torch.cat([spec.prompt_ids, spec.completion_ids], 1)
         mask = torch.cat([spec.prompt_mask, spec.completion_mask], 1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)

@@ -125,6 +125,8 @@ def run_to(tmp_path, tokenizer, dataset, stop_at, resume=None, max_steps=4, **ov
 @pytest.mark.parametrize("overrides", [
     {"num_iterations": 2, "steps_per_generation": 2},  # the checkpoint falls in the middle of a round
     {"gradient_accumulation_steps": 2, "beta": 0.1},
+    # drafts read earlier rounds' completions, which a checkpoint does not keep: the tokens do not depend on them
+    {"speculative_rollouts": True, "temperature": 0.3},
 ])
 def test_resume_equals_an_uninterrupted_run(tmp_path, tokenizer, toy_dataset, overrides):
     straight = run_to(tmp_path / "straight", tokenizer, toy_dataset, 4, **overrides)

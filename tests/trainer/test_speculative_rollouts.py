@@ -86,6 +86,7 @@ def test_it_trains_with_tool_calls(tmp_path):
     (dict(generation_backend="generate"), "but generation_backend='generate'"),
     (dict(speculative_draft_tokens=0), "speculative_draft_tokens must be >= 1"),
     (dict(speculative_verify_tokens=0), "speculative_verify_tokens must be >= 1"),
+    (dict(speculative_policy="fastest"), "speculative_policy must be 'fixed' or 'measured'"),
 ])
 def test_what_it_cannot_serve_is_refused_by_name(tmp_path, settings, message):
     with pytest.raises(ValueError, match=message):

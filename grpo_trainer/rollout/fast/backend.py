@@ -105,6 +105,15 @@ class FastBackend(RolloutBackend):
     def from_settings(cls, choice: BackendChoice) -> FastBackend:
         return cls(speculative=choice.speculative)
 
+    def state_dict(self) -> dict | None:
+        """Decision 7: the history drafts read (a resumed run then drafts, so computes at the widths, as the
+        straight run)."""
+        return None if self.speculation is None else {"speculative_history": self.speculation[1].state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.speculation is not None and "speculative_history" in state:
+            self.speculation[1].load_state_dict(state["speculative_history"])
+
     def decode_mode(self, device_type: str) -> str:
         """How the decoder steps on this device type (`static.MODES`), where it runs at all."""
         if device_type != "cuda":

@@ -15,8 +15,9 @@ Decisions:
    the one with the longest continuation.
 3. A completion's context starts with a marker (`START`), so the first tokens of a completion are drafted from the
    first tokens of its siblings' and earlier completions.
-4. Drafts change how many tokens a forward commits, never which (`verify`): the history is not part of a
-   checkpoint, and a resumed run samples what the straight run did.
+4. Drafts change how many tokens a forward commits, never which (`verify`). They do change the widths the decoder
+   computes at, and so the float rounding of the values kept: the history is part of a checkpoint
+   (`PromptHistory.state_dict`), so that a resumed run drafts, and computes, as the straight run.
 5. Memory. An n-gram index costs about 1 KB per indexed token (Python dictionaries), so it exists only where it is
    used: the round's own tokens (its siblings' and prompts', for the round), and the history's indexes for the
    prompts being drafted (rebuilt from the kept tokens, about 3 us per token, and cached for the most recent
@@ -102,6 +103,19 @@ class PromptHistory:
         self.indexes: OrderedDict[bytes, tuple[NgramIndex, int]] = OrderedDict()  # -> (index, its tokens)
         self.indexed = 0
         self.lock = threading.Lock()
+
+    def state_dict(self) -> dict:
+        """The kept completions, in use order, for a checkpoint (the indexes are rebuilt from them)."""
+        with self.lock:
+            return {"completions": [(key, [c.tobytes() for c in kept]) for key, kept in self.completions.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.lock:
+            self.completions = OrderedDict(
+                (key, [array("i", bytes(c)) for c in kept]) for key, kept in state["completions"])
+            self.tokens = sum(len(c) for kept in self.completions.values() for c in kept)
+            self.indexes.clear()
+            self.indexed = 0
 
     @staticmethod
     def key(prompt: Sequence[int]) -> bytes:

@@ -6,19 +6,21 @@ Decisions:
    decoding's heuristic schedule does): all accepted doubles it, a partial acceptance keeps what was accepted plus
    one, none accepted halves it; at zero the row stops drafting for a pause that doubles with every further
    miss (up to `_MAX_PAUSE` forwards), then tries one token again (`DraftPolicy`).
-2. Verifying k draft tokens costs one forward over k + 1 positions. While a forward is memory-bound (a GPU's decode
-   step, a small model's dispatch-bound CPU step) extra positions are nearly free; once it is compute-bound (a
+2. Verifying k draft tokens costs one forward over k + 1 positions. While a forward is memory-bound (a GPU's
+   decode step, a small model's dispatch-bound CPU step) extra positions are nearly free; once it is compute-bound (a
    0.5B model on one CPU thread: benchmarks/RESULTS.md, "Speculative rollouts") they cost what they compute. So the
-   forward's width is chosen by measurement (`ForwardCost`, policy "measured"): the seconds of each forward are
-   fitted as `a + b x positions`, each row's drafts are expected to commit `1 + p + ... + p^k` tokens (p its
-   acceptance rate, estimated per row with the round's as prior), and the width with the most expected tokens per
+   forward's width can be chosen by measurement (`ForwardCost`, policy "measured", opt-in): the seconds of each
+   forward are fitted as `a + b x positions`, each row's drafts are expected to commit `1 + p + ... + p^k` tokens (p
+   its acceptance rate, estimated per row with the round's as prior), and the width with the most expected tokens per
    second wins, the plain width (one position) included. Until two widths have been timed the rows draft what
-   decision 1 allows; a run that keeps choosing the plain width times a two-position forward every
-   `_EXPLORE_EVERY` forwards, so a cost model fitted on few widths is corrected. Timings decide only how many
-   forwards a round takes, never what it samples (`verify`): runs still reproduce exactly.
+   decision 1 allows; a run that keeps choosing the plain width times a two-position forward every `_EXPLORE_EVERY`
+   forwards, so a cost model fitted on few widths is corrected. Timings decide only how many forwards a round takes,
+   never what it samples (`verify`); but the widths a run computes at then vary with the machine's load, and with
+   them the float rounding of the values kept (log-probs to about 1e-7): the same tokens, not the same bits, which is
+   why it is not the default.
 3. Whatever the choice, a forward feeds at most `max_verify_tokens` positions (N rows x Q): a full batch drafts
    little, a batch's tail (a few long rows left) up to `max_draft_tokens` per row. Policy "fixed" uses only this
-   and decision 1 (no timings: the forward counts of a seeded run reproduce too; tests use it).
+   and decision 1 (the default: no timings, so a seeded run computes at the same widths and reproduces bit for bit).
 """
 
 from __future__ import annotations

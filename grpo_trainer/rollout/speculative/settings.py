@@ -13,8 +13,9 @@ __all__ = ["POLICIES", "SOURCES", "SpeculativeSettings"]
 # Where drafts come from, tried in this order for every draft (`drafts.Drafter`): the other completions of the same
 # prompt in the round, the same prompt's completions in earlier rounds, the prompt itself.
 SOURCES = ("group", "history", "prompt")
-# How wide a forward is made (`policy`): "measured" times the forwards and drafts where that pays; "fixed" drafts
-# what the per-row lengths and `max_verify_tokens` allow.
+# How wide a forward is made (`policy`): "fixed" drafts what the per-row lengths and `max_verify_tokens` allow (the
+# default: a seeded run computes at the same widths every time, so it reproduces bit for bit); "measured" times the
+# forwards and drafts where that pays on this device (the same tokens, values at other widths' float rounding).
 POLICIES = ("measured", "fixed")
 
 
@@ -30,7 +31,7 @@ class SpeculativeSettings:
     sources: tuple[str, ...] = SOURCES
     history_per_prompt: int = 16  # completions kept per prompt for later rounds' drafts ("history")
     history_tokens: int = 2**24  # their tokens kept in all (int32: 64 MiB), the least recently drafted prompt dropped
-    policy: str = "measured"
+    policy: str = "fixed"
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.sources if s not in SOURCES]

@@ -14,7 +14,7 @@ from grpo_trainer.rollout.fast.loop import NonFiniteLogitsError
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from tests.helpers import assert_same_rollout, greedy_config, grouped_prompts, model_of_kind
 
-ON = SpeculativeSettings(policy="fixed")  # forward counts reproduce (no timings)
+ON = SpeculativeSettings()  # policy "fixed": forward counts reproduce (no timings)
 NO_DRAFTS = SpeculativeSettings(max_verify_tokens=1, policy="fixed")  # one position per row per forward: never a draft
 
 
@@ -230,3 +230,25 @@ def test_the_gpu_bodies_on_cpu(tokenizer, dtype):
     if dtype == torch.float32:
         speculative_greedy_equals_plain(tokenizer, "qwen2.5-0.5b", cpu)
     speculative_logps_equal_a_forward(tokenizer, dtype, cpu)
+
+
+def test_the_history_survives_a_checkpoint(tokenizer):
+    """A backend restored from another's `state_dict` drafts its next round as that one would: the same forwards,
+    bit for bit the same values (`RunParts` saves it in every checkpoint)."""
+    model = model_of_kind("qwen2", tokenizer)
+    prompts = grouped_prompts(tokenizer, repeats=2)
+    config = greedy_config(tokenizer, max_new_tokens=40, do_sample=True, temperature=0.5)
+    first = FastBackend(cuda="decoder", speculative=ON)
+    torch.manual_seed(0)
+    first.generate(model, prompts, config)
+    restored, fresh = FastBackend(cuda="decoder", speculative=ON), FastBackend(cuda="decoder", speculative=ON)
+    restored.load_state_dict(first.state_dict())
+    assert restored.speculation[1].tokens == first.speculation[1].tokens > 0
+    outs = []
+    for backend in (first, restored, fresh):
+        torch.manual_seed(0)  # the first round's completions again: the history predicts them
+        outs.append(backend.generate(model, prompts, config))
+    assert outs[0].decode == outs[1].decode and torch.equal(outs[0].sampler.logps, outs[1].sampler.logps)
+    assert outs[2].decode.forwards > 2 * outs[0].decode.forwards  # without the history: many more forwards
+    assert torch.equal(outs[2].completion_ids, outs[0].completion_ids)  # and the same tokens
+    assert FastBackend().state_dict() is None
