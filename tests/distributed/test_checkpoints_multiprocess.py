@@ -86,7 +86,8 @@ def test_fsdp2_with_a_stateless_optimizer_resumes_equal_to_the_straight_run(tmp_
 
     cell = {"backend": "fast", "routing_replay": "dense", "processes": "fsdp2", "sp_size": "1", "prompts": "text",
             "zero_variance_groups": "train", "async_rollouts": "0", "padding_free": "off", "adapter": "full",
-            "beta": "0", "resume": "save", "memory_check": "off", "mlp_tile_tokens": "0", "recompute_attention": "off"}
+            "beta": "0", "resume": "save", "memory_check": "off", "mlp_tile_tokens": "0", "recompute_attention": "off",
+            "speculative_rollouts": "off"}
     records = launch("fsdp2", [cell], tmp_path)
     assert not isinstance(records, str), records
     check_trained(cell, records[0])  # among its checks: resume_diff == 0.0 and equal digests on both processes
