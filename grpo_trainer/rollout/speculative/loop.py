@@ -107,14 +107,45 @@ class _ByLength:
         return iter(self.processor_list)
 
     def __call__(self, _: Tensor, scores: Tensor) -> Tensor:
-        if not self.row_wise:
-            return self.processor_list(self.sequences[:, :1], scores)
+        if not self.row_wise:  # processors of the scores alone (`ROW_INDEPENDENT`) read no sequence
+            return self.processor_list(self.sequences[:1, :1].expand(scores.shape[0], 1), scores)
         out = torch.empty_like(scores)
         for t in self.steps.unique().tolist():
             at = (self.steps == t).nonzero().squeeze(1)
             group = LogitsProcessorList(_of_rows(p, self.rows[at]) for p in self.processor_list)
             out[at] = group(self.sequences[at, :self.S + t], scores[at])
         return out
+
+
+class _Sequences:
+    """Every row's prompt columns, committed tokens and, for one forward, its draft (decision 4), `[B, S + T +
+    draft]`: kept only where a processor reads them (`ROW_WISE`)."""
+
+    def __init__(self, processor_list: LogitsProcessorList, prompts: PromptBatch, width: int, pad: int) -> None:
+        self.processor_list, self.S = processor_list, prompts.ids.shape[1]
+        self.row_wise = any(type(p) in ROW_WISE for p in processor_list)
+        B = prompts.ids.shape[0]
+        self.tokens = torch.cat([prompts.ids, prompts.ids.new_full((B, width), pad)], 1) if self.row_wise \
+            else prompts.ids[:, :1]
+
+    def commit(self, row: int, start: int, tokens: list[int]) -> None:
+        """Row `row`'s tokens `start`, `start + 1`, ... committed."""
+        if self.row_wise:
+            self.tokens[row, self.S + start:self.S + start + len(tokens)] = torch.tensor(tokens,
+                                                                                       device=self.tokens.device)
+
+    def processors(self, rows: Tensor, steps: Tensor, columns: Tensor | None = None,
+                   drafts: Tensor | None = None) -> _ByLength:
+        """The processors of positions drawing token indices `steps` `[N, Q]` of `rows` `[N]`, whose drafts
+        `drafts` `[N, Q - 1]` sit at cache columns `columns[:, 1:]`."""
+        N, Q = steps.shape
+        if not self.row_wise:  # the processors read the scores alone
+            return _ByLength(self.processor_list, self.tokens, steps.reshape(-1), rows, self.S)
+        drafted = self.tokens[rows]  # [N, S + T + draft]: each row's committed tokens, then its draft
+        if Q > 1:
+            drafted.scatter_(1, columns[:, 1:], drafts)
+        return _ByLength(self.processor_list, drafted.repeat_interleave(Q, 0), steps.reshape(-1),
+                         rows.repeat_interleave(Q), self.S)
 
 
 def _of_rows(processor, rows: Tensor):
@@ -173,8 +204,7 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
     temperature = config.temperature if config.do_sample and config.temperature is not None else 1.0
     u = torch.rand((B, max_new, 2), dtype=torch.float64, device=device) if config.do_sample else None  # decision 1
     kept = _Kept(B, max_new, pad, device, probs, masks)
-    # every row's prompt columns, committed tokens and this forward's draft (decision 4), `[B, S + T + draft]`
-    sequences = torch.cat([prompts.ids, prompts.ids.new_full((B, max_new + settings.max_draft_tokens), pad)], 1)
+    sequences = _Sequences(processor_list, prompts, max_new + settings.max_draft_tokens, pad)
     real = prompts.mask.long().sum(1)  # [B] each row's first completion position
     allowed_prompt = prompts.mask.bool()  # [B, S]
     limit = getattr(lm.config, "max_position_embeddings", None)
@@ -185,16 +215,16 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
     # Token 0 of every row, from the prefill's logits.
     everyone = torch.arange(B, device=device)
     zeros = torch.zeros(B, dtype=torch.long, device=device)
-    draw = _draw(scores, _ByLength(processor_list, sequences, zeros, everyone, S), config, temperature, renormalise,
-                 probs, None if u is None else u[:, 0])
+    draw = _draw(scores, sequences.processors(everyone, zeros[:, None]), config, temperature, renormalise, probs,
+                 None if u is None else u[:, 0])
     _check_finite(draw.logps, everyone, zeros, B)
     kept.write(everyone, zeros, torch.ones(B, dtype=torch.bool, device=device), draw, draw.probs)
-    sequences[:, S] = draw.tokens
     first = draw.tokens.tolist()
     committed = [1] * B  # tokens committed per row
     finished = [token in eos or max_new == 1 for token in first]
     for row, token in enumerate(first):
         drafter.commit(row, [token])
+        sequences.commit(row, 0, [token])
     _warn_past_limit(warn_step, 0, max_new, limit)
 
     while not all(finished):
@@ -209,33 +239,20 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
         started = time.perf_counter()
         rows = torch.tensor(live, device=device)
         n = torch.tensor([committed[r] for r in live], device=device)  # [N]
-        ids = torch.full((N, Q), pad, dtype=torch.long, device=device)
-        ids[:, 0] = kept.tokens[rows, n - 1]  # each row's last committed token
-        lengths = torch.tensor([len(d) for d in drafts], device=device)
-        if Q > 1:
-            ids[:, 1:] = torch.tensor([d + [pad] * (Q - 1 - len(d)) for d in drafts], device=device)
+        ids, lengths = _fed(kept.tokens[rows, n - 1], drafts, Q, pad)
         offsets = torch.arange(Q, device=device)
         steps = n[:, None] - 1 + offsets  # [N, Q] the token index each position feeds
         columns = S + steps
         cos, sin = decoder.rotation_tables(real[rows, None] + steps)
-        W = S + int(steps[:, -1].max()) + 1
-        reach = torch.arange(W, device=device)
-        may_read = (reach[None, None, :] <= columns[:, :, None]) & (reach >= S)[None, None, :]
-        may_read[:, :, :S] = allowed_prompt[rows, None, :]
-        mask = torch.zeros(N, 1, Q, W, dtype=decoder.embed.dtype, device=device)
-        mask[:, 0].masked_fill_(~may_read, float("-inf"))
+        mask = _mask(columns, allowed_prompt[rows], decoder.embed.dtype)
         fed = offsets[None, :] <= lengths[:, None]  # [N, Q] real positions (the rest pad a shorter draft)
         hidden = decoder.verify(rows, ids, columns, cos, sin, mask, kept=fed)  # [N, Q, E]
         logits = decoder.logits(hidden.view(N * Q, -1))  # [N * Q, V]
 
         drawn_steps = (steps + 1).clamp_(max=max_new - 1)  # [N, Q] the token index each position draws
         uniforms = None if u is None else u[rows[:, None], drawn_steps].view(N * Q, 2)
-        drafted_rows = sequences[rows]  # [N, S + T + draft]: each row's committed tokens, then its draft
-        if Q > 1:
-            drafted_rows.scatter_(1, columns[:, 1:], ids[:, 1:])
-        by_length = _ByLength(processor_list, drafted_rows.repeat_interleave(Q, 0), drawn_steps.reshape(-1),
-                              rows.repeat_interleave(Q), S)
-        draw = _draw(logits, by_length, config, temperature, renormalise, probs, uniforms)
+        draw = _draw(logits, sequences.processors(rows, drawn_steps, columns, ids[:, 1:]), config, temperature,
+                     renormalise, probs, uniforms)
         m = committed_counts(draw.tokens.view(N, Q), ids[:, 1:], lengths, eos_ids)  # [N]
         at = (offsets[None, :] < m[:, None]).view(-1)
         flat_rows, flat_steps = rows[:, None].expand(N, Q).reshape(-1), drawn_steps.reshape(-1)
@@ -248,7 +265,7 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
         accepted = [c - 1 for c in m.tolist()]
         for i, row in enumerate(live):
             new = tokens[i][:accepted[i] + 1]
-            sequences[row, S + committed[row]:S + committed[row] + len(new)] = torch.tensor(new, device=device)
+            sequences.commit(row, committed[row], new)
             drafter.commit(row, new)
             committed[row] += len(new)
             finished[row] = new[-1] in eos or committed[row] >= max_new
@@ -266,6 +283,30 @@ def run(lm: nn.Module, decoder: Decoder, config: GenerationConfig, prompts: Prom
     completions = kept.tokens[:, :T].tolist()
     drafter.remember([c[:n] for c, n in zip(completions, committed)])
     return kept.decoded(T), DecodeCounts(**counts)
+
+
+def _fed(last: Tensor, drafts: list[list[int]], Q: int, pad: int) -> tuple[Tensor, Tensor]:
+    """A forward's input ids `[N, Q]`, each row's last committed token `last` `[N]` then its draft (padded), and the
+    draft lengths `[N]`."""
+    N = last.shape[0]
+    ids = torch.full((N, Q), pad, dtype=torch.long, device=last.device)
+    ids[:, 0] = last
+    if Q > 1:
+        ids[:, 1:] = torch.tensor([d + [pad] * (Q - 1 - len(d)) for d in drafts], device=last.device)
+    return ids, torch.tensor([len(d) for d in drafts], device=last.device)
+
+
+def _mask(columns: Tensor, prompt: Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive attention mask `[N, 1, Q, W]` of queries at cache `columns` `[N, Q]` (decision 2): the row's
+    real prompt columns (`prompt` `[N, S]`) and its completion columns up to the query's own."""
+    N, Q = columns.shape
+    S = prompt.shape[1]
+    reach = torch.arange(int(columns[:, -1].max()) + 1, device=columns.device)  # [W]: up to the last query
+    may_read = (reach[None, None, :] <= columns[:, :, None]) & (reach >= S)[None, None, :]
+    may_read[:, :, :S] = prompt[:, None, :]
+    mask = torch.zeros(N, 1, Q, reach.shape[0], dtype=dtype, device=columns.device)
+    mask[:, 0].masked_fill_(~may_read, float("-inf"))
+    return mask
 
 
 class _Draw:
