@@ -97,6 +97,17 @@ def _row_rms_norm(weight: Tensor, eps: float, dtype: torch.dtype) -> Callable[[T
     return lambda x: (x * torch.addmv(eps_, x * x, inverse_width).rsqrt_().unsqueeze(1)).mul_(weight)
 
 
+def _mlp_block(layer: dict, hidden: Tensor) -> Tensor:
+    """A layer's second half on 2-D hidden states `[N, E]` (`step`, `verify`): `hidden + MLP(norm2(hidden))`, the
+    residual add inside the down projection."""
+    x = layer["row_norm2"](hidden)
+    if layer["gate_up"] is None:
+        return hidden + layer["mlp"](x)
+    gate_up = layer["gate_up"](x)  # [N, 2 I]
+    inner = gate_up.shape[1] // 2
+    return layer["down_add"](hidden, layer["act"](gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner)))
+
+
 class Decoder:
     """A Llama-family decoder over a preallocated KV cache `[B, K, L, D]` per layer; hidden states `[N, S, E]`."""
 
@@ -231,15 +242,7 @@ class Decoder:
             q = qk[:, :, :H].permute(0, 2, 1, 3).reshape(N, K, G * Q, D)  # head h = kv * G + g
             attn = F.scaled_dot_product_attention(q, read_keys, read_values, attn_mask=grouped_mask,
                                                   scale=layer["scaling"])  # [N, K, G * Q, D]
-            hidden = layer["o_add"](hidden, attn.view(N, H, Q, D).transpose(1, 2).reshape(M, H * D))
-            x = layer["row_norm2"](hidden)
-            if layer["gate_up"] is None:
-                hidden = hidden + layer["mlp"](x)
-            else:
-                gate_up = layer["gate_up"](x)  # [M, 2 I]
-                inner = gate_up.shape[1] // 2
-                hidden = layer["down_add"](hidden, layer["act"](gate_up.narrow(1, 0, inner))
-                                           .mul_(gate_up.narrow(1, inner, inner)))
+            hidden = _mlp_block(layer, layer["o_add"](hidden, attn.view(N, H, Q, D).transpose(1, 2).reshape(M, H * D)))
             if written is not None:
                 self.outputs[written[0], index, written[1]] = hidden[written[2]]
         return hidden.view(N, Q, -1)
@@ -283,15 +286,7 @@ class Decoder:
             # grouped-query attention without copying keys and values.
             attn = F.scaled_dot_product_attention(qk[:, :H].view(B, K, H // K, D), read_keys, read_values,
                                                   attn_mask=mask, scale=layer["scaling"])
-            hidden = layer["o_add"](hidden, attn.view(B, H * D))
-            x = layer["row_norm2"](hidden)
-            if layer["gate_up"] is None:
-                hidden = hidden + layer["mlp"](x)
-            else:
-                gate_up = layer["gate_up"](x)  # [B, 2 I]
-                inner = gate_up.shape[1] // 2
-                hidden = layer["down_add"](hidden, layer["act"](gate_up.narrow(1, 0, inner))
-                                           .mul_(gate_up.narrow(1, inner, inner)))
+            hidden = _mlp_block(layer, layer["o_add"](hidden, attn.view(B, H * D)))
             if outputs is not None:
                 if rows is None:
                     outputs.select(1, index).copy_(hidden)

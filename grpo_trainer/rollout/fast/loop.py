@@ -45,7 +45,8 @@ from grpo_trainer.rollout.types import (
     special_tokens,
 )
 
-__all__ = ["Decoded", "Draw", "NonFiniteLogitsError", "choose", "run", "to_rollout"]
+__all__ = ["Decoded", "Draw", "NonFiniteLogitsError", "choose", "non_finite_error", "run", "to_rollout",
+           "warn_past_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +140,7 @@ def run(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, scores: T
         sequences[:, S + t] = tokens
         finished |= torch.isin(tokens, eos_ids)
         if t == warn_step and t < max_new - 1:
-            logger.warning_once(
-                "This is a friendly reminder - the current text generation call has exceeded the model's predefined "
-                f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance "
-                "degradation, or nothing at all.")
+            warn_past_limit(limit)
         if t == max_new - 1 or bool(finished.all()):
             break
         scores = next_scores(tokens, t)
@@ -169,8 +167,21 @@ def to_rollout(prompts: PromptBatch, config: GenerationConfig, decoded: Decoded,
 
 def _raise_non_finite(logps: Tensor, finished: Tensor, step: int) -> None:
     rows = (~torch.isfinite(logps) & ~finished).nonzero().squeeze(1).tolist()
-    raise NonFiniteLogitsError(
-        f"the model produced NaN/inf logits at completion token {step} in {len(rows)} of {logps.shape[0]} rows "
+    raise non_finite_error(step, rows, logps.shape[0])
+
+
+def non_finite_error(step: int, rows: list[int], B: int) -> NonFiniteLogitsError:
+    """Decision 3's error: NaN/inf logits at completion token `step` in `rows` of `B`."""
+    return NonFiniteLogitsError(
+        f"the model produced NaN/inf logits at completion token {step} in {len(rows)} of {B} rows "
         f"(rows {rows[:8]}{', ...' if len(rows) > 8 else ''}); the rollout stopped there. The weights or the "
         "activations are not finite: check the last optimizer steps (learning_rate, max_grad_norm) and the dtype "
         "(float16 overflows where bfloat16 and float32 do not).")
+
+
+def warn_past_limit(limit: int | None) -> None:
+    """Decision 4: `generate`'s warning past `max_position_embeddings`, in its words, once."""
+    logger.warning_once(
+        "This is a friendly reminder - the current text generation call has exceeded the model's predefined "
+        f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance "
+        "degradation, or nothing at all.")

@@ -65,7 +65,7 @@ from transformers.generation import (
 
 from grpo_trainer.algorithms.truncation import pack
 from grpo_trainer.rollout.fast.decoder import Decoder
-from grpo_trainer.rollout.fast.loop import Decoded, NonFiniteLogitsError, choose
+from grpo_trainer.rollout.fast.loop import Decoded, choose, non_finite_error, warn_past_limit
 from grpo_trainer.rollout.speculative.drafts import Drafter
 from grpo_trainer.rollout.speculative.policy import DraftPolicy, ForwardCost, width
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
@@ -331,17 +331,9 @@ def _check_finite(logps: Tensor, rows: Tensor, steps: Tensor, B: int) -> None:
     bad = ~torch.isfinite(logps)
     if bool(bad.any()):
         step = int(steps[bad].min())
-        at = rows[bad & (steps == step)].tolist()
-        raise NonFiniteLogitsError(
-            f"the model produced NaN/inf logits at completion token {step} in {len(at)} of {B} rows (rows {at[:8]}"
-            f"{', ...' if len(at) > 8 else ''}); the rollout stopped there. The weights or the activations are not "
-            "finite: check the last optimizer steps (learning_rate, max_grad_norm) and the dtype (float16 overflows "
-            "where bfloat16 and float32 do not).")
+        raise non_finite_error(step, rows[bad & (steps == step)].tolist(), B)
 
 
 def _warn_past_limit(warn_step: int | None, step: int, max_new: int, limit: int | None) -> None:
     if warn_step is not None and step >= warn_step and warn_step < max_new - 1:
-        logger.warning_once(
-            "This is a friendly reminder - the current text generation call has exceeded the model's predefined "
-            f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance "
-            "degradation, or nothing at all.")
+        warn_past_limit(limit)
