@@ -55,6 +55,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,6 +210,9 @@ def default_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "grpo_trainer" / "fixtures"
 
 
+_LOADING = threading.Lock()
+
+
 def trained_policy(recipe: Recipe = Recipe(), root: str | os.PathLike | None = None) -> TrainedPolicy:
     """The trained policy of `recipe`: loaded from the cache, else trained (and cached) first. Safe to call from
     several processes at once (one trains, the others wait and load)."""
@@ -229,8 +233,11 @@ def trained_policy(recipe: Recipe = Recipe(), root: str | os.PathLike | None = N
             (partial / "recipe.json").write_text(json.dumps({"recipe": asdict(recipe), "build_seconds": seconds}))
             shutil.rmtree(path, ignore_errors=True)
             os.replace(partial, path)
-    saved = json.loads((path / "recipe.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        saved = json.loads((path / "recipe.json").read_text())
+        # loaded under the lock too: two threads loading at once can leave one with meta-device weights
+        # (transformers' loading context is not thread-safe; filelock's lock is per thread only for re-entry)
+        with _LOADING:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return TrainedPolicy(model, tokenizer, recipe, path, saved["build_seconds"])
 
