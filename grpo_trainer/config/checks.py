@@ -49,6 +49,13 @@ def _rules(args: Any) -> list[tuple[bool, str]]:
          f"speculative_policy must be 'fixed' or 'measured' (got {args.speculative_policy!r})."),
         (args.speculative_verify_tokens < 1,
          f"speculative_verify_tokens must be >= 1 (got {args.speculative_verify_tokens}); 256 is the default."),
+        (not (isinstance(args.partial_rollouts, (int, float)) and 0 <= args.partial_rollouts <= 4),
+         f"partial_rollouts must be a number in [0, 4] (got {args.partial_rollouts!r}): the share of extra groups a "
+         "round starts (0: off; APRIL uses 0.2-1)."),
+        (args.partial_rollout_max_parks < 1,
+         f"partial_rollout_max_parks must be >= 1 (got {args.partial_rollout_max_parks}); 2 is the default."),
+        (args.partial_rollout_stale_tokens not in ("weight", "mask"),
+         f"partial_rollout_stale_tokens must be 'weight' or 'mask' (got {args.partial_rollout_stale_tokens!r})."),
         (args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0,
          f"max_tool_calling_iterations must be >= 0 or None (got {args.max_tool_calling_iterations}); None lets the "
          "model call tools until it stops or its completion budget runs out."),
@@ -228,6 +235,38 @@ COMBINATIONS: tuple[Refusal[Any], ...] = (
                       f"{_speculative_backend(a)}; use generation_backend='fast' without use_vllm and continuous "
                       "batching, or "
                       "speculative_rollouts=False."),
+    Refusal("partial_backend", ("partial_rollouts", "use_vllm", "use_transformers_continuous_batching",
+                                "generation_backend", "speculative_rollouts"),
+            lambda a: bool(a.partial_rollouts) and _partial_backend(a) is not None,
+            lambda a: f"partial_rollouts={a.partial_rollouts} ends a round inside the fast decoder's plain loop, but "
+                      f"{_partial_backend(a)}; use generation_backend='fast' without use_vllm, continuous batching "
+                      "and speculative_rollouts, or partial_rollouts=0."),
+    Refusal("partial_ahead", ("partial_rollouts", "async_rollouts"),
+            lambda a: bool(a.partial_rollouts) and isinstance(a.async_rollouts, int) and a.async_rollouts > 0,
+            lambda a: f"partial_rollouts={a.partial_rollouts} parks rows between synchronous rounds; with "
+                      f"async_rollouts={a.async_rollouts} rounds are sampled ahead by a producer, which does not park "
+                      "them yet; use async_rollouts=0, or partial_rollouts=0."),
+    Refusal("partial_resample", ("partial_rollouts", "zero_variance_groups"),
+            lambda a: bool(a.partial_rollouts) and a.zero_variance_groups == "resample",
+            lambda a: f"partial_rollouts={a.partial_rollouts} and zero_variance_groups='resample' both decide which "
+                      "groups a round trains, and their combination is not built; use zero_variance_groups='train' "
+                      "or 'skip', or partial_rollouts=0."),
+    Refusal("partial_uncorrected", ("partial_rollouts", "partial_rollout_stale_tokens",
+                                    "vllm_importance_sampling_correction"),
+            lambda a: bool(a.partial_rollouts) and a.partial_rollout_stale_tokens == "weight"
+            and not a.vllm_importance_sampling_correction,
+            lambda a: "partial_rollout_stale_tokens='weight' bounds the stale tokens' importance weights as the "
+                      "engine correction says, which vllm_importance_sampling_correction=False turns off; set it "
+                      "True, or partial_rollout_stale_tokens='mask'."),
+    Refusal("partial_truncated", ("partial_rollouts", "top_k", "top_p", "min_p"),
+            lambda a: bool(a.partial_rollouts) and (a.top_k > 0 or a.top_p < 1 or bool(a.min_p)),
+            lambda a: "partial_rollouts parks each token's sampling log-prob, not the kept support a truncated "
+                      f"sampler drew it from (top_k={a.top_k}, top_p={a.top_p}, min_p={a.min_p}), which the loss "
+                      "needs; sample without truncation, or set partial_rollouts=0."),
+    Refusal("partial_mismatch_report", ("partial_rollouts", "sampling_mismatch_report"),
+            lambda a: bool(a.partial_rollouts) and bool(a.sampling_mismatch_report),
+            lambda a: "sampling_mismatch_report compares a round's sampler with the trainer at the weights that "
+                      "sampled it, and a partial round's tokens were sampled by several; set one of them off."),
     Refusal("routing_replay_engine", ("routing_replay", "use_vllm", "use_transformers_continuous_batching"),
             lambda a: a.routing_replay == "on" and bool(a.use_vllm or a.use_transformers_continuous_batching),
             lambda a: "routing_replay='on' needs the rollout's routing, which is recorded only for rollouts in the "
@@ -246,6 +285,20 @@ def _speculative_backend(args: Any) -> str | None:
         return "use_transformers_continuous_batching=True samples in transformers' engine"
     if args.generation_backend != "fast":
         return f"generation_backend={args.generation_backend!r}"
+    return None
+
+
+def _partial_backend(args: Any) -> str | None:
+    """Why the rollouts `args` chooses cannot end a round early (`partial_backend`), or None."""
+    if args.use_vllm:
+        return ("use_vllm=True samples in vLLM, where aborting and resubmitting a round's open rows is not built "
+                "yet (docs/PARTIAL.md)")
+    if args.use_transformers_continuous_batching:
+        return "use_transformers_continuous_batching=True samples in transformers' engine"
+    if args.generation_backend != "fast":
+        return f"generation_backend={args.generation_backend!r}"
+    if args.speculative_rollouts:
+        return "speculative_rollouts=True verifies drafts in a loop with no early end"
     return None
 
 

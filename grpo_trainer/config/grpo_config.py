@@ -130,6 +130,20 @@ class GRPOConfig(LegacyFields, compat.CheckpointingFields, TrainingArguments):
     speculative_verify_tokens: int = _opt(
         256, "speculative_rollouts: the most positions one forward verifies (rows x (1 + draft)), a bound on its "
         "cost and its logits' memory: a full batch drafts little, the batch's tail of a few long rows the most.")
+    partial_rollouts: float = _opt(
+        0.0, "Partial rollouts (alpha; generation_backend='fast', the decoder's plain loop): a training round starts "
+        "the groups of (1 + alpha) x its prompts (the groups parked by earlier rounds first, then its own prompts, "
+        "then extra prompts from a seeded stream of the training set), ends once enough groups have every completion "
+        "finished, trains those, and parks the others with their tokens so far; the next round resumes them under the "
+        "new weights (re-prefilled), and the tokens an earlier policy sampled are importance-weighted or masked "
+        "(partial_rollout_stale_tokens). Groups train only when complete, so no length is dropped. 0: off, every "
+        "round waits for its longest completion, unchanged. docs/PARTIAL.md." + levers.help_note("partial_rollouts"))
+    partial_rollout_max_parks: int = _opt(
+        2, "partial_rollouts: a group parked this many times is required to complete before its next round ends.")
+    partial_rollout_stale_tokens: str = _opt(
+        "weight", "partial_rollouts: the tokens an earlier policy sampled. 'weight': per-token importance "
+        "weights pi_old / pi_behaviour against their recorded log-probs, truncated to vllm_importance_sampling_clip_"
+        "min/max (the engine correction's bounds); 'mask': kept in the context, out of the loss.")
     pad_to_multiple_of: int | str | None = _opt(
         "auto", "Pad prompt and completion ids to a multiple of this many columns (fixed shapes for compilers). "
         "'auto': 128 on Neuron (AWS Trainium), no padding elsewhere; None: no padding.")

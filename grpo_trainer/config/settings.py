@@ -26,16 +26,16 @@ from grpo_trainer.planning import levers
 from grpo_trainer.rewards.sources import RewardSettings
 from grpo_trainer.rollout.backend import CONTINUOUS_BATCHING, VLLM
 from grpo_trainer.rollout.multiturn import TurnSettings
+from grpo_trainer.rollout.partial.settings import PartialSettings
 from grpo_trainer.rollout.settings import BackendChoice, PromptSettings, SamplingSettings, VLLMSettings
 from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 from grpo_trainer.rollout.vllm.checks import routed_experts_unavailable
 from grpo_trainer.runtime.distributed import Launch
 
 __all__ = ["backend_choice", "device_of", "engine_correction", "entropy_control", "forward_settings", "launch",
-           "loss_settings", "memory_verdict", "prompt_settings",
+           "loss_settings", "memory_verdict", "partial_correction", "partial_settings", "prompt_settings",
            "reward_settings", "routing_replay", "sampling_settings", "speculative_settings", "surrogate_params",
-           "truncation",
-           "turn_settings", "vllm_settings"]
+           "truncation", "turn_settings", "vllm_settings"]
 
 
 def sampling_settings(args: GRPOConfig) -> SamplingSettings:
@@ -118,6 +118,24 @@ def backend_choice(args: GRPOConfig) -> BackendChoice:
     name = VLLM if args.use_vllm else CONTINUOUS_BATCHING if continuous else args.generation_backend
     return BackendChoice(name, vllm_settings(args) if name == VLLM else None,
                          args.transformers_continuous_batching_config, speculative_settings(args))
+
+
+def partial_settings(args: GRPOConfig) -> PartialSettings | None:
+    """Partial rollouts' options (`partial_rollouts`; None: off, every round waits for its longest row)."""
+    if not args.partial_rollouts:
+        return None
+    return PartialSettings(float(args.partial_rollouts), args.partial_rollout_max_parks,
+                           args.partial_rollout_stale_tokens)
+
+
+def partial_correction(args: GRPOConfig) -> EngineCorrection | None:
+    """Partial rollouts' stale-token weights (`partial_rollout_stale_tokens='weight'`): per token, truncated by the
+    engine correction's bounds (a sequence mode's product over a row's tokens would discard a whole row for drift
+    that a few tokens carry); None otherwise."""
+    if not args.partial_rollouts or args.partial_rollout_stale_tokens != "weight":
+        return None
+    return EngineCorrection("token_truncate", args.vllm_importance_sampling_clip_min,
+                            args.vllm_importance_sampling_clip_max)
 
 
 def speculative_settings(args: GRPOConfig) -> SpeculativeSettings | None:

@@ -528,7 +528,8 @@ def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
         return
     fast = m.model_type in s.rollout.decoder_architectures
     kv_element = s.weight_bytes if fast else s.compute_bytes
-    kv = _kv_bytes(s, m, rows, kv_element)
+    decoded = s.decoded_rows  # partial rollouts: the parked and extra groups decode beside the round's
+    kv = _kv_bytes(s, m, decoded, kv_element) * s.decode_columns // s.sequence_length
     if not fast:  # transformers' cache grows by concatenation: one layer's old and new cache side by side
         kv += kv // m.layers
     # speculative rollouts: a row's last draft writes past its completion, and one forward verifies up to
@@ -536,7 +537,8 @@ def _rollout(b: _Builder, s: PlanSettings, m: ModelShape) -> None:
     draft = s.rollout.draft_columns if fast else 0
     kv = kv * (s.sequence_length + draft) // s.sequence_length
     b.add("KV cache", dict.fromkeys(during, kv),
-          f"{rows} rows x {s.sequence_length + draft} tokens x {m.layers} layers x {kv_element} B")
+          f"{decoded} rows x {s.decode_columns + draft} tokens x {m.layers} layers x {kv_element} B"
+          + ("" if decoded == rows else " (partial rollouts: parked and extra groups, resumed rows' tokens so far)"))
     if draft:  # in host memory: the round's n-gram indexes, and the history kept across rounds (its bound)
         b.add("speculative draft indexes", dict.fromkeys(during, rows * (s.sequence_length + draft)
                                                              * s.rollout.draft_index_bytes_per_token),

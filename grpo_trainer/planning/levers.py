@@ -102,6 +102,9 @@ OPTIONS: dict[str, Option] = {option.field: option for option in (
     Option("speculative_rollouts", "rollout drafts verified by the fast decoder",
            ("rollout/speculative/loop.py", "rollout/speculative/drafts.py", "rollout/speculative/policy.py",
             "rollout/speculative/verify.py", "rollout/fast/decoder.py"), on=True, off=False, default_on=False),
+    Option("partial_rollouts", "rounds that end once enough groups complete, the rest parked",
+           ("rollout/partial/parking.py", "rollout/fast/loop.py", "trainer/off_policy.py"), on=0.5, off=0.0,
+           default_on=False),
     Option("activation_offloading", "the step's saved tensors in host memory (TRL's manager)",
            ("modeling/recompute.py", "trainer/parts.py"), on=True, off=False, default_on=False),
 )}

@@ -9,6 +9,7 @@ sees a config or a model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from grpo_trainer.modeling.forwards import ForwardSettings
@@ -132,6 +133,9 @@ class PlanSettings:
     rounds: RoundsHeld = RoundsHeld()  # the round source's (`async_rollouts`)
     varlen_attention: bool = False  # flash-attention: attention per sequence, no [W, W] mask (`modeling.forwards`)
     resample_rounds: int = 0  # `zero_variance_groups='resample'`: `max_resample_rounds` extra rounds at most
+    # `partial_rollouts` (alpha): a round decodes the groups of (1 + alpha) x its prompts, and a resumed row is
+    # re-prefilled with its tokens so far, so its decode cache spans up to S + 2T columns (`rollout.partial`)
+    partial_alpha: float = 0.0
     # parallelism_config's sp_size: the loss, old and reference forwards hold 1/sp of each row's positions, one
     # process's micro-batch at a time (ALST's loop, `trainer.sequence_group`), unmasked (Ulysses attention)
     sequence_parallel: int = 1
@@ -150,6 +154,18 @@ class PlanSettings:
         """Tokens per row in this process's log-prob forwards: N, or its slice `ceil(N / sp)` under sequence
         parallelism (rows padded to a multiple of sp: `modeling.sequence_parallel.padded_width`)."""
         return -(-self.sequence_length // self.sequence_parallel)
+
+    @property
+    def decoded_rows(self) -> int:
+        """Rows one rollout of this process decodes: `round_rows`, and with partial rollouts the extra groups'."""
+        groups = -(-self.round_rows // self.num_generations)
+        return self.round_rows + math.ceil(self.partial_alpha * groups) * self.num_generations
+
+    @property
+    def decode_columns(self) -> int:
+        """Columns of the rollout's cache: S + T, and S + 2T with partial rollouts (a resumed row's tokens so far
+        join its prompt, and the round's fresh rows still have T to go)."""
+        return self.sequence_length + (self.completion_length if self.partial_alpha else 0)
 
     @property
     def round_rows(self) -> int:

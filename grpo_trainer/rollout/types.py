@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
-__all__ = ["DecodeCounts", "ImageInputs", "KeptSupports", "PromptBatch", "ReplayCapture", "Rollout", "SamplerKind",
-           "SamplerRecord", "completion_mask", "end_at_first_eos", "special_tokens"]
+__all__ = ["DecodeCounts", "ImageInputs", "KeptSupports", "PromptBatch", "ReplayCapture", "Rollout", "RoundEnd",
+           "SamplerKind", "SamplerRecord", "completion_mask", "end_at_first_eos", "special_tokens"]
 
 
 def _index(index: slice | Tensor, rows: int, device: torch.device) -> Tensor:
@@ -184,6 +184,9 @@ class SamplerRecord(_Columns):
     # every prompt and completion token in every MoE layer, coded expert + 1 (0, as padding: not recorded, routes
     # freely). Replayed by every forward of the round, so it outlives the stand-ins (`without_stand_ins`).
     routes: Tensor | None = _columns(_SEQUENCE)  # [B, S + T, L, k] uint8 / int16
+    # Partial rollouts (`rollout.partial`): the optimizer step of the weights that sampled each token, where a
+    # round's rows were sampled over several rounds; None: every token was sampled at `version`.
+    versions: Tensor | None = _columns(_COMPLETION)  # [B, T] long
 
     @property
     def stand_ins(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -203,6 +206,31 @@ class SamplerRecord(_Columns):
                                    exact=all(r.exact for r in records), **_joined(records))
 
 
+@dataclass(frozen=True)
+class RoundEnd:
+    """Partial rollouts (`rollout.partial`): when a rollout may end before every row has. Rows belong to groups;
+    a group is complete once every one of its rows in the batch has ended (a group with no row here already is),
+    and the rollout may end once `needed` groups are complete, the `required` ones among them. Each row also ends
+    after its own budget of new tokens (a resumed row's share of `max_completion_length`)."""
+
+    groups: Tensor  # [B] long: each row's group, in [0, Q)
+    needed: int  # complete groups that end the rollout
+    required: Tensor  # [Q] bool: groups that must be complete before it ends
+    budgets: Tensor  # [B] long: each row's most new tokens
+
+    def complete(self, finished: Tensor) -> Tensor:
+        """`[Q]` bool: the groups whose rows have all ended, given each row's `finished` `[B]`."""
+        open_rows = torch.zeros(self.required.shape[0], dtype=torch.long, device=finished.device)
+        return open_rows.scatter_add_(0, self.groups.to(finished.device), (~finished).long()) == 0
+
+    def reached(self, finished: Tensor) -> bool:
+        complete = self.complete(finished)
+        return int(complete.sum()) >= self.needed and bool((complete | ~self.required.to(complete.device)).all())
+
+    def to(self, device: torch.device | str) -> RoundEnd:
+        return RoundEnd(self.groups.to(device), self.needed, self.required.to(device), self.budgets.to(device))
+
+
 @dataclass
 class PromptBatch:
     """Tokenised prompts, one row per completion to sample."""
@@ -215,10 +243,14 @@ class PromptBatch:
     # The same prompts' images as given (PIL images, each row's in the order of its image parts), for an inference
     # engine that processes them itself (vLLM); None for a tokenizer's prompts.
     image_lists: list[list] | None = None
+    # Partial rollouts: the rule by which the rollout may end before every row has (`RoundEnd`); None: it ends once
+    # every row has. Only the fast decoder's plain loop honours one; every other sampler refuses it.
+    end: RoundEnd | None = None
 
     def to(self, device: torch.device | str) -> PromptBatch:
         images = None if self.images is None else self.images.to(device)
-        return PromptBatch(self.ids.to(device), self.mask.to(device), images, self.image_lists)
+        end = None if self.end is None else self.end.to(device)
+        return PromptBatch(self.ids.to(device), self.mask.to(device), images, self.image_lists, end)
 
     def distinct_rows(self) -> tuple[Tensor, Tensor]:
         """Indices of the first row of each run of identical consecutive rows `[P]` (a prompt's G copies), and

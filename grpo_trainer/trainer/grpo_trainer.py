@@ -196,7 +196,7 @@ class GRPOTrainer(Trainer):
                                          self.metrics, lambda: self.state.global_step, self._signal_stop)
         for callback in self.source.callbacks():
             self.add_callback(callback)
-        self.run_parts = lifecycle.RunParts(self.source, self.rounds.resampler, backend)
+        self.run_parts = lifecycle.RunParts(self.source, self.rounds.resampler, backend, self.rounds.partial)
         self.guard = NonFiniteGuard(args.max_nonfinite_steps)
         self.offloading = parts.activation_offloading(args, self.model)  # docs/MEMORY.md, "How long can I go?"
         self.step_time, self._saving_stuck = StepTime(self.metrics), False

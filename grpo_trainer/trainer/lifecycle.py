@@ -1,8 +1,8 @@
 """What a checkpoint holds beyond the Trainer's own files, so that a resumed run continues exactly: the round
 source's state (the round buffer and its position, and an asynchronous source's rounds sampled ahead), dynamic
-sampling's prompt stream and the rollout backend's state (speculative rollouts' history; each process its own
-file), and the adaptive entropy controller (one file, TRL's name and keys). All live inside the checkpoint folder, so
-its manifest covers them (`runtime.checkpoints`)."""
+sampling's prompt stream, partial rollouts' parked groups and the rollout backend's state (speculative rollouts'
+history; each process its own file), and the adaptive entropy controller (one file, TRL's name and keys). All live
+inside the checkpoint folder, so its manifest covers them (`runtime.checkpoints`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from grpo_trainer.algorithms.entropy import EntropyControl
 from grpo_trainer.rollout.backend import RolloutBackend
+from grpo_trainer.rollout.partial.parking import PartialRollouts
 from grpo_trainer.trainer.resample import Resampler
 from grpo_trainer.trainer.source import RoundSource
 
@@ -61,12 +62,16 @@ class RunParts:
     source: RoundSource
     resampler: Resampler | None = None
     backend: RolloutBackend | None = None
+    partial: PartialRollouts | None = None  # partial rollouts' parked groups and prompt stream
+
 
     def state_dict(self, stuck: bool = False) -> dict[str, Any]:
         """`stuck`: saved from the signal watchdog while a rollout may hang (`RoundSource.run_state`)."""
         state = self.source.run_state(stuck)
         if self.resampler is not None:
             state = {**state, "resample": self.resampler.state_dict()}
+        if self.partial is not None:
+            state = {**state, "partial_rollouts": self.partial.state_dict()}
         backend = None if self.backend is None else self.backend.state_dict()
         return state if backend is None else {**state, "rollout_backend": backend}
 
@@ -74,5 +79,7 @@ class RunParts:
         self.source.load_run_state(state)
         if self.resampler is not None and "resample" in state:
             self.resampler.load_state_dict(state["resample"])
+        if self.partial is not None and "partial_rollouts" in state:
+            self.partial.load_state_dict(state["partial_rollouts"])
         if self.backend is not None and "rollout_backend" in state:
             self.backend.load_state_dict(state["rollout_backend"])

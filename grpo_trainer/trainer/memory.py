@@ -118,6 +118,7 @@ def plan_settings(args: GRPOConfig, *, prompt_length: int, weight_dtype: str = "
         rounds=source_type(args).held(source_settings(args, launch)),
         varlen_attention=is_varlen(attention),
         resample_rounds=args.max_resample_rounds if args.zero_variance_groups == "resample" else 0,
+        partial_alpha=float(args.partial_rollouts or 0.0),
         **_distribution(launch))
 
 

@@ -28,6 +28,12 @@ Decisions (docs/ASYNC.md and docs/VLLM.md explain them to users):
    computed at the sampling weights (`trainer.producer`); one sampled ahead by an engine cannot be (its sampling
    weights are gone when the round is trained), so `trainer.producer.AsyncRounds.check` refuses the report there
    by name.
+4. A partial round (`rollout.partial`) holds tokens sampled over several rounds, each stamped with the optimizer
+   step of its weights (`SamplerRecord.versions`). The tokens an earlier policy sampled (stale) are either weighted
+   (`'weight'`): rho = pi_old / pi_behaviour per token against their recorded log-probs, pi_old from one no-grad
+   forward at the round's start weights, truncated per token to the engine correction's bounds, the tokens the
+   current weights sampled given exactly 1; or masked (`'mask'`): kept in the context, out of the loss and its
+   normaliser. The staleness is logged per token (`partial/*`), in optimizer steps behind.
 
 Shapes: `B` completions (local), `T` completion tokens.
 """
@@ -57,7 +63,7 @@ from grpo_trainer.modeling.logprobs import LogProbs
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.trainer.mismatch import MismatchReport, sampler_logps
 from grpo_trainer.trainer.round import Round
-from grpo_trainer.trainer.schedule import Schedule
+from grpo_trainer.trainer.schedule import Schedule, window_tokens
 
 __all__ = ["OffPolicy", "OffPolicySettings", "engine_weighted"]
 
@@ -68,6 +74,10 @@ class OffPolicySettings:
     # Training rounds are sampled ahead of the weights they start from (`async_rollouts`), corrected by
     # `async_correction`; None: every round is sampled with the weights it starts from.
     ahead: Literal["behaviour", "recompute"] | None = None
+    # Partial rollouts' stale tokens (decision 4): "weight" (bounded as `partial_correction` says) or "mask"; None:
+    # partial rollouts are off.
+    partial: Literal["weight", "mask"] | None = None
+    partial_correction: EngineCorrection | None = None
 
 
 def engine_weighted(round_: Round, old_logps: Tensor, correction: EngineCorrection, on_policy: bool
@@ -104,6 +114,8 @@ class OffPolicy:
         report (decision 3). `sampled_scores`: the trainer's log-probs at the sampling weights, computed where the
         round was sampled ahead (in-process)."""
         ahead = self.settings.ahead if mode == "train" else None
+        if round_.sampler.versions is not None and mode == "train":
+            return self._partial(round_, model, version), {}
         if ahead is not None:
             return self._ahead(round_, ahead, model, sampled_scores)
         record, scores = round_.sampler, None
@@ -135,6 +147,40 @@ class OffPolicy:
         if self.settings.engine_correction is None:
             return dataclasses.replace(round_, old_logps=old), columns
         return self._weighted(round_, old, "train", on_policy=False), columns
+
+    def _partial(self, round_: Round, model: nn.Module, version: int) -> Round:
+        """Decision 4 for a partial round trained from the weights of optimizer step `version`."""
+        record, mask = round_.sampler, round_.loss_mask.bool()
+        behind = (version - record.versions).clamp(min=0)  # [B, T] optimizer steps behind
+        stale = (behind > 0) & mask
+        self._staleness(behind, stale, mask)
+        round_ = dataclasses.replace(round_, sampler=dataclasses.replace(record, versions=None))
+        if not bool(gather(stale.any().reshape(1).int()).any()):  # every process takes the same branch
+            return round_
+        if self.settings.partial == "mask":
+            fresh = (~stale).int()
+            env = fresh if round_.env_mask is None else round_.env_mask * fresh
+            round_ = dataclasses.replace(round_, env_mask=env)
+            return dataclasses.replace(round_, window_tokens=window_tokens(round_.loss_mask, "train", self.schedule,
+                                                                           self.accelerator))
+        round_, scores = self._scored(round_, model)
+        old = self._old(round_, scores)
+        behaviour = torch.where(stale, record.logps, old)  # the current weights' own tokens: rho = 1 exactly
+        corrected, values = engine_weighted(dataclasses.replace(round_, sampler=dataclasses.replace(
+            round_.sampler, logps=behaviour)), old, self.settings.partial_correction, self.schedule.on_policy("train"))
+        for key, value in values.items():
+            self.metrics.add("train", key.replace("sampling/", "partial/"), CROSS_PROCESS[key](gather(
+                value.reshape(1).float())))
+        self._effective_sample_size(corrected.token_weights, corrected.loss_mask, "train", "partial/importance")
+        return dataclasses.replace(corrected, sampler=round_.sampler)
+
+    def _staleness(self, behind: Tensor, stale: Tensor, mask: Tensor) -> None:
+        """Decision 4's `partial/*` staleness metrics over every process's trained tokens."""
+        totals = gather(torch.stack([stale.sum(), mask.sum(), (behind * stale).sum()]).float()[None]).sum(0)
+        most = gather((behind * stale).max().reshape(1).float()).max()
+        self.metrics.add("train", "partial/stale_token_share", float(totals[0] / totals[1].clamp(min=1)))
+        self.metrics.add("train", "partial/staleness_mean", float(totals[2] / totals[0].clamp(min=1)))
+        self.metrics.add_max("train", "partial/staleness_max", float(most))
 
     def _scored(self, round_: Round, model: nn.Module) -> tuple[Round, LogProbs]:
         """The trainer's log-probs of `round_` under `model` (no grad), and the round with the kept supports that

@@ -28,6 +28,7 @@ from grpo_trainer.reporting.completions import CompletionLog
 from grpo_trainer.reporting.metrics import MetricsWindow
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import multimodal, multiturn
+from grpo_trainer.rollout.partial.parking import PartialRollouts
 from grpo_trainer.runtime.distributed import Launch
 from grpo_trainer.trainer.health import TrainingHealth
 from grpo_trainer.trainer.loss import GRPOLoss, LossPartSettings
@@ -41,7 +42,7 @@ from grpo_trainer.trainer.scoring import PolicyScorer, ScoringSettings
 from grpo_trainer.trainer.sequence_group import ShardingSettings
 from grpo_trainer.trainer.source import RoundSource, SourceSettings, SyncRounds
 
-__all__ = ["corrections", "mismatch_report", "objective", "prepare_auxiliary", "resampler",
+__all__ = ["corrections", "mismatch_report", "objective", "partial_rollouts", "prepare_auxiliary", "resampler",
            "round_builder", "round_source", "schedule", "scoring_settings", "sharding_settings", "source_settings",
            "source_type", "training_health"]
 
@@ -88,6 +89,28 @@ def resampler(args: GRPOConfig, dataset: Any, accelerator: Accelerator, reward_w
                      lambda rewards: zero_variance_groups(rewards.cpu(), G, reward_weights, aggregation))
 
 
+def partial_rollouts(args: GRPOConfig, dataset: Any, accelerator: Accelerator, processing_class: Any,
+                     multi_turn: bool, routing_replay: bool) -> PartialRollouts | None:
+    """Partial rollouts' part (`rollout.partial`): the parked groups and the extra prompts' stream; refuses what the
+    config's own check cannot see (the model's processor, multi-turn rollouts, the rows per process)."""
+    settings = typed.partial_settings(args)
+    if settings is None:
+        return None
+    why = ("multi-turn rollouts (tools, an environment or a rollout_func) are sampled turn by turn, and a turn is "
+           "not parked" if multi_turn else "a vision-language model's image prompts are not parked"
+           if multimodal.is_processor(processing_class) else "routing replay records a rollout's routing in one pass, "
+           "and a parked row's prefix was routed by an earlier rollout" if routing_replay else None)
+    rows = args.generation_batch_size // accelerator.num_processes
+    if why is None and rows % args.num_generations:
+        why = (f"each process's {rows} rows of a round are not whole groups of num_generations="
+               f"{args.num_generations}, and only whole groups are parked")
+    if why is not None:
+        raise ValueError(f"partial_rollouts={args.partial_rollouts}: {why}; set partial_rollouts=0 "
+                         "(docs/PARTIAL.md).")
+    return PartialRollouts(settings, dataset, args.num_generations, args.max_completion_length, args.seed,
+                           accelerator.process_index)
+
+
 def mismatch_report(args: GRPOConfig, model: nn.Module, tokenizer: Any, accelerator: Accelerator,
                     metrics: MetricsWindow) -> MismatchReport:
     """The sampler/trainer mismatch report (`trainer.mismatch`), at the dtype the trainer computes in."""
@@ -108,10 +131,13 @@ def round_builder(args: GRPOConfig, schedule: Schedule, processing_class: Any, b
                              args.num_generations_eval or args.num_generations, args.mask_truncated_completions,
                              args.log_completions, args.log_multimodal, args.keep_sampling_mask,
                              routing_replay=typed.routing_replay(args, accelerator.unwrap_model(model)))
+    partial = partial_rollouts(args, dataset, accelerator, processing_class,
+                               multi_turn is not None or first_turn is not None, settings.routing_replay)
     return RoundBuilder(settings=settings, schedule=schedule, processing_class=processing_class, backend=backend,
                         rewards=reward_sources, estimator=estimator, accelerator=accelerator,
                         metrics_window=metrics, completions=completions, multi_turn=multi_turn,
-                        first_turn=first_turn, resampler=resampler(args, dataset, accelerator, reward_sources.weights))
+                        first_turn=first_turn, resampler=resampler(args, dataset, accelerator, reward_sources.weights),
+                        partial=partial)
 
 
 def corrections(args: GRPOConfig, launch: Launch, schedule: Schedule, rounds: RoundBuilder,
@@ -120,7 +146,9 @@ def corrections(args: GRPOConfig, launch: Launch, schedule: Schedule, rounds: Ro
     """Old log-probs, importance weights and the mismatch report (`trainer.off_policy`); the sampler's dtype is read
     from the builder's backend when asked (a test or the trainer may swap it)."""
     settings = OffPolicySettings(typed.engine_correction(args),
-                                 source_type(args).sampled_ahead(source_settings(args, launch))[1])
+                                 source_type(args).sampled_ahead(source_settings(args, launch))[1],
+                                 args.partial_rollout_stale_tokens if args.partial_rollouts else None,
+                                 typed.partial_correction(args))
     report = mismatch_report(args, model, multimodal.text_tokenizer(rounds.processing_class), accelerator, metrics)
     return OffPolicy(settings, schedule, policy_scorer.sampling_scores, accelerator, metrics, report,
                      lambda lm: rounds.backend.sampler_dtype(causal_lm(lm)))

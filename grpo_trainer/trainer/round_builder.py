@@ -18,7 +18,10 @@ Decisions:
    sampled (`sample`) and gathered there. The round's metrics cover every completion generated for it; its
    advantages, normaliser and completions table cover the kept round only.
 6. Every rollout's sampler record is stamped with the optimizer step of the weights that sampled it
-   (`SamplerRecord.version`).
+   (`SamplerRecord.version`); a partial round's (`rollout.partial`) with the oldest of its tokens' own stamps.
+7. With partial rollouts (`partial_rollouts`), a training round's rollout is `rollout.partial`'s: the parked groups
+   and the round's prompts decoded until enough groups are complete; the round's rows are then the trained groups'
+   (dataset rows included), which its rewards, advantages and completions table cover.
 
 Shapes: `B` completions (local), `S` prompt tokens, `T` completion tokens, `F` reward sources.
 """
@@ -52,13 +55,14 @@ from grpo_trainer.reporting.reward_logs import RewardLogs
 from grpo_trainer.rewards.sources import RewardSources
 from grpo_trainer.rollout import capture, multimodal, multiturn
 from grpo_trainer.rollout.multiturn.loop import ToolCounts
+from grpo_trainer.rollout.partial.parking import PartialRollouts
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from grpo_trainer.rollout.settings import PromptSettings, SamplingSettings, make_generation_config
-from grpo_trainer.rollout.types import ImageInputs
+from grpo_trainer.rollout.types import ImageInputs, special_tokens
 from grpo_trainer.runtime import compat
 from grpo_trainer.trainer.resample import Resampler, Selection
 from grpo_trainer.trainer.round import Round
-from grpo_trainer.trainer.schedule import Schedule
+from grpo_trainer.trainer.schedule import Schedule, window_tokens
 
 __all__ = ["PolicyView", "RoundBuilder", "RoundLog", "RoundSettings", "Sampled"]
 
@@ -148,13 +152,14 @@ class RoundBuilder:
                  accelerator: Accelerator, metrics_window: MetricsWindow, completions: CompletionLog,
                  multi_turn: multiturn.MultiTurn | None = None,
                  first_turn: Callable[[list], multiturn.RolloutFuncOutput] | None = None,
-                 resampler: Resampler | None = None) -> None:
+                 resampler: Resampler | None = None, partial: PartialRollouts | None = None) -> None:
         self.settings, self.schedule = settings, schedule
         self.processing_class, self.tokenizer = processing_class, multimodal.text_tokenizer(processing_class)
         self.backend, self.rewards, self.estimator = backend, rewards, estimator
         self.accelerator, self.metrics, self.completions = accelerator, metrics_window, completions
         self.multi_turn, self.first_turn = multi_turn, first_turn
         self.resampler = resampler  # decision 5
+        self.partial = partial  # decision 7
 
     def num_generations(self, mode: str) -> int:
         return self.settings.num_generations_eval if mode == "eval" else self.settings.num_generations
@@ -170,7 +175,11 @@ class RoundBuilder:
     def sample(self, batch: list[dict], mode: str, policy: PolicyView, state: TrainerState) -> Sampled:
         """The round's local half (decision 4): rollout and this process's rewards, no collective."""
         device = self.accelerator.device
-        if self.multi_turn is None:
+        if self.multi_turn is None and self.partial is not None and mode == "train":  # decision 7
+            batch, out = self._partial_rollout(batch, policy)
+            prompts, images, prompt_images = row_prompts(batch), None, None  # text prompts only (checked)
+            completions, episode_columns, tool_counts = self._completion_texts(out, prompts), {}, None
+        elif self.multi_turn is None:
             prompts = row_prompts(batch)  # with their images: rewards and the log see them as TRL passes them
             images = row_images(batch)  # [B] the rows' images for the completions table, or None for text only
             prompt_settings = self.settings.prompts
@@ -185,7 +194,8 @@ class RoundBuilder:
             prompts, out, completions = episode.prompts, episode.rollout, episode.completions
             episode_columns, tool_counts = episode.reward_kwargs, episode.tool_counts
             images = prompt_images = None  # multi-turn rounds are text-only (`rollout.prompts` rejects images)
-        out = dataclasses.replace(out, sampler=dataclasses.replace(out.sampler, version=policy.version))  # decision 6
+        if out.sampler.versions is None:  # decision 6
+            out = dataclasses.replace(out, sampler=dataclasses.replace(out.sampler, version=policy.version))
         columns = {k: [row[k] for row in batch] for k in batch[0] if k not in ("prompt", "completion",
                                                                             "completion_ids")}
         columns.update(episode_columns)
@@ -322,6 +332,32 @@ class RoundBuilder:
                 self.metrics.add(mode, key, value)
         return capture.drop_unusable(out, config, sampling.temperature, plan)
 
+    def _partial_rollout(self, batch: list[dict], policy: PolicyView) -> tuple[list[dict], rollout.Rollout]:
+        """Decision 7: the trained rows of a partial training round and their rollout (on this process's device)."""
+        device, prompt_settings = self.accelerator.device, self.settings.prompts
+
+        def tokenize(rows: list[dict]) -> list[list[int]]:
+            encoded = tokenize_prompts(self.processing_class, row_prompts(rows), prompt_settings.max_prompt_length,
+                                       prompt_settings.chat_template_kwargs)
+            return [ids[mask.bool()].tolist() for ids, mask in zip(encoded.ids, encoded.mask)]
+
+        def generate(prompts: rollout.PromptBatch) -> rollout.Rollout:  # the cache as wide as the longest budget
+            return self.rollout(prompts.to(device), "train", policy, int(prompts.end.budgets.max()),
+                                continuation=True)
+
+        config = make_generation_config(self.settings.sampling, causal_lm(policy.model).generation_config,
+                                        self.tokenizer)
+        eos, pad = special_tokens(config)
+        part = self.partial.round(batch, policy.version, tokenize, generate, pad, eos)
+        for key, value in part.metrics.items():
+            self.metrics.add("train", key, value)
+        out = part.rollout
+        moved = {f.name: getattr(out, f.name).to(device) for f in dataclasses.fields(out)
+                 if isinstance(getattr(out, f.name), Tensor)}
+        sampler = out.sampler
+        sampler = dataclasses.replace(sampler, logps=sampler.logps.to(device), versions=sampler.versions.to(device))
+        return part.rows, dataclasses.replace(out, **moved, sampler=sampler)
+
     def _turns(self, mode: str, policy: PolicyView) -> Callable:
         """A multi-turn round's turn on the rollout backend (`rollout.multiturn`'s `generate`)."""
         device = self.accelerator.device
@@ -344,12 +380,7 @@ class RoundBuilder:
     # ------------------------------------------------------------------------------------------------ metrics
 
     def _window_tokens(self, loss_mask: Tensor, mode: str) -> Tensor:
-        """The `dapo` normaliser: active tokens per process per gradient-accumulation window."""
-        if mode == "eval":  # evaluation: each batch on its own
-            return loss_mask.sum().float()
-        global_tokens = gather(loss_mask.sum().reshape(1).float()).sum()
-        return global_tokens / self.accelerator.num_processes * self.schedule.gradient_accumulation_steps \
-            / self.schedule.steps_per_generation
+        return window_tokens(loss_mask, mode, self.schedule, self.accelerator)
 
     def _record_round_metrics(self, mode: str, generated: list[Generated], state: TrainerState) -> None:
         """TRL's round metrics over every completion generated for the round (with dynamic sampling, the extra

@@ -22,9 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from accelerate import Accelerator
+from accelerate.utils import gather
+from torch import Tensor
+
 from grpo_trainer.trainer.round import Round
 
-__all__ = ["RoundBuffer", "Schedule"]
+__all__ = ["RoundBuffer", "Schedule", "window_tokens"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,16 @@ class Schedule:
     def position(self, micro_step: int) -> tuple[int, int]:
         """(iteration, micro-batch index) that `micro_step` trains on (decision 1)."""
         return divmod(micro_step % self.micro_steps_per_round, self.steps_per_generation)
+
+
+def window_tokens(loss_mask: Tensor, mode: str, schedule: Schedule, accelerator: Accelerator) -> Tensor:
+    """The `dapo` normaliser of a round whose loss mask is `loss_mask` `[B, T]`: active tokens per process per
+    gradient-accumulation window (evaluation: each batch on its own). A collective in training."""
+    if mode == "eval":
+        return loss_mask.sum().float()
+    global_tokens = gather(loss_mask.sum().reshape(1).float()).sum()
+    return global_tokens / accelerator.num_processes * schedule.gradient_accumulation_steps \
+        / schedule.steps_per_generation
 
 
 class RoundBuffer:

@@ -271,8 +271,8 @@ def speculative_greedy_equals_plain(tokenizer, kind: str, device: torch.device) 
 
 
 def speculative_logps_equal_a_forward(tokenizer, dtype: torch.dtype, device: torch.device) -> None:
-    """Sampled with drafts (the "measured" policy, the one whose widths vary most): each committed token's log-prob equals the
-    model's own forward over prompt + completion, within `dtype`'s rounding."""
+    """Sampled with drafts (the "measured" policy, the one whose widths vary most): each committed token's log-prob
+    equals the model's own forward over prompt + completion, within `dtype`'s rounding."""
     from grpo_trainer.rollout.speculative.settings import SpeculativeSettings
 
     model = model_of_kind("qwen2.5-0.5b", tokenizer).to(device=device, dtype=dtype).eval()

@@ -149,6 +149,7 @@ class FastBackend(RolloutBackend):
         if reason is None and self.uses_generate_on(prompts.ids.device.type):
             reason = "on CUDA model.generate was measured faster than the decoder (decision 5)"
         if reason is not None:
+            _refuse_partial(prompts, reason)
             logger.info("generation_backend='fast' falls back to model.generate: %s.", reason)
             return generate_rollout(model, prompts, config)
         lm = causal_lm(model)
@@ -156,8 +157,11 @@ class FastBackend(RolloutBackend):
         reason = decoder_blocker(lm, S + max_new_tokens(settings, S)) or selfcheck.decoder_mismatch(
             lm, prompts, _decode)
         if reason is None:
-            return _fast_rollout(lm, prompts, settings, capture, self.decode_mode(prompts.ids.device.type),
-                                 self.speculation)
+            mode = self.decode_mode(prompts.ids.device.type)
+            if prompts.end is not None and mode != "eager":
+                _refuse_partial(prompts, f"the decoder's {mode!r} steps have no early end")
+            return _fast_rollout(lm, prompts, settings, capture, mode, self.speculation)
+        _refuse_partial(prompts, reason)
         unserved = forward.forward_blocker(lm)
         if unserved is None:
             logger.info("generation_backend='fast' runs the model's own forward: the decoder does not reproduce "
@@ -171,6 +175,8 @@ def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
                   mode: str = "eager",
                   speculation: tuple[SpeculativeSettings, PromptHistory, ForwardCost | None] | None = None) -> Rollout:
     B, S = prompts.ids.shape
+    if speculation is not None:
+        _refuse_partial(prompts, "speculative rollouts' verifying loop has no early end")
     decoder_stack = lm.get_decoder()
     embed = decoder_stack.embed_tokens.weight
     vocab = lm.get_output_embeddings().weight.shape[0]
@@ -196,6 +202,15 @@ def _fast_rollout(lm: nn.Module, prompts: PromptBatch, config: GenerationConfig,
     finally:
         torch.set_num_threads(threads)
     return dataclasses.replace(loop.to_rollout(prompts, config, decoded, probs, masks, outputs), decode=counts)
+
+
+def _refuse_partial(prompts: PromptBatch, reason: str) -> None:
+    """Partial rollouts' early end (`PromptBatch.end`) is the plain decoder loop's: a round the decoder cannot serve
+    is refused with the reason, never decoded to its longest row unannounced."""
+    if prompts.end is not None:
+        raise ValueError(f"partial_rollouts ends a round inside the fast decoder's plain loop, which cannot decode "
+                         f"this one: {reason}. Set partial_rollouts=0, or use a model and sampling settings the "
+                         "decoder serves (docs/PARTIAL.md).")
 
 
 def _decode_threads(lm: nn.Module, rows: int) -> int:

@@ -12,7 +12,9 @@ Decisions:
    was drawn from (`KeptSupports.drawn_logps`), and on request the kept supports, packed. With `renormalise` (the
    loss's `keep_sampling_mask`) the kept log-probs, entropies and softmax are those of the tempered softmax over
    the kept support, as the loss computes them.
-2. Rows stop at their first EOS and are padded after it; the loop stops once every row has.
+2. Rows stop at their first EOS and are padded after it; the loop stops once every row has. With partial rollouts'
+   rule (`PromptBatch.end`, `rollout.types.RoundEnd`) a row also stops after its own budget of new tokens, and the
+   loop stops as soon as the rule is met (enough complete groups): the rows still open come back cut there.
 3. Logits that are not finite stop the rollout at the step they appear, naming the step and the rows, so that a
    broken model is reported as one, not as a non-finite loss later. The check reads the log-probs already
    computed (a NaN or +inf logit makes its whole row's log-softmax NaN), one reduction per token.
@@ -124,6 +126,7 @@ def run(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, scores: T
     temperature = config.temperature if config.do_sample and config.temperature is not None else 1.0
     limit = getattr(lm.config, "max_position_embeddings", None)
     warn_step = None if limit is None else max(0, limit - S)  # generate warns once S + t + 1 columns > limit
+    end = prompts.end
     for t in range(max_new):
         draw = choose(scores, sequences[:, :S + t], processor_list, config, temperature,
                       None if probs is None else probs[:, t], renormalise)
@@ -139,9 +142,11 @@ def run(lm: nn.Module, config: GenerationConfig, prompts: PromptBatch, scores: T
         tokens.masked_fill_(finished, pad)  # [B]
         sequences[:, S + t] = tokens
         finished |= torch.isin(tokens, eos_ids)
+        if end is not None:
+            finished |= end.budgets <= t + 1
         if t == warn_step and t < max_new - 1:
             warn_past_limit(limit)
-        if t == max_new - 1 or bool(finished.all()):
+        if t == max_new - 1 or bool(finished.all()) or (end is not None and end.reached(finished)):
             break
         scores = next_scores(tokens, t)
     T = t + 1
