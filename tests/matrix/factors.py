@@ -65,6 +65,9 @@ READS: dict[str, dict[str, tuple[str, ...]]] = {
         "use_adaptive_entropy": (), "top_entropy_quantile": (), "async_rollouts": ("async_rollouts",),
         "routing_replay": ("routing_replay",), "use_vllm": ("backend",), "use_transformers_continuous_batching": (),
         "speculative_rollouts": ("speculative_rollouts",), "generation_backend": ("backend",),
+        # partial rollouts: no factor (its refusals apply to none of the matrix's rows; test_partial_rollouts.py)
+        "partial_rollouts": (), "partial_rollout_stale_tokens": (), "vllm_importance_sampling_correction": (),
+        "top_k": (), "top_p": (), "min_p": (), "sampling_mismatch_report": (),
     },
     "sequence": {  # ShardingSettings
         "size": ("sp_size",), "processes": ("processes",), "engine": ("processes",), "loss_type": (),
