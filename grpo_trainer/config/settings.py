@@ -117,7 +117,8 @@ def backend_choice(args: GRPOConfig) -> BackendChoice:
     continuous = args.use_transformers_continuous_batching or getattr(args, "use_transformers_paged", False)
     name = VLLM if args.use_vllm else CONTINUOUS_BATCHING if continuous else args.generation_backend
     return BackendChoice(name, vllm_settings(args) if name == VLLM else None,
-                         args.transformers_continuous_batching_config, speculative_settings(args))
+                         args.transformers_continuous_batching_config, speculative_settings(args),
+                         partial=bool(args.partial_rollouts))
 
 
 def partial_settings(args: GRPOConfig) -> PartialSettings | None:

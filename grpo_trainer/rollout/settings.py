@@ -115,3 +115,4 @@ class BackendChoice:
     vllm: VLLMSettings | None = None  # with name "vllm"
     continuous_batching: dict | None = None  # `transformers_continuous_batching_config`
     speculative: SpeculativeSettings | None = None  # with name "fast": drafts verified by the decoder
+    partial: bool = False  # with name "fast": partial rollouts end rounds in the decoder's plain loop

@@ -32,6 +32,9 @@ Decisions:
    earlier completions (`PromptHistory`) across rounds, for the "history" drafts. Off (None), the decoder runs the
    plain loop as before. On CUDA, asking for drafts asks for the eager decoder (decision 5's `generate` cannot
    verify them): opt-in there, with no GPU measurement yet (`planning.levers`).
+8. `FastBackend(partial=True)` (`GRPOConfig.partial_rollouts`): a round may end early (`PromptBatch.end`), which only
+   the eager decoder's plain loop honours; on CUDA asking for it asks for the eager decoder, as decision 7 does, and
+   a round another tier would serve is refused with its reason (`_refuse_partial`).
 
 Shapes: `B` rows, `P` distinct prompts, `S` prompt tokens, `T` new tokens, `L = S + T` cache columns, `E` hidden
 size, `V` vocabulary.
@@ -81,16 +84,21 @@ class FastBackend(RolloutBackend):
     capabilities = Capabilities(sampling_logps=True, layer_outputs=True, sampling_probs=True)
 
     def __init__(self, cuda: str | None = None, cpu: str = "eager",
-                 speculative: SpeculativeSettings | None = None) -> None:
+                 speculative: SpeculativeSettings | None = None, partial: bool = False) -> None:
         source = f"FastBackend(cuda={cuda!r})"
         if cuda is None:  # decision 6: the static path is opt-in until a GPU measures it
-            # decision 7: drafts are verified by the decoder, so asking for them asks for it on CUDA too
-            cuda = os.environ.get(CUDA_DECODE_ENV, "generate" if speculative is None else "decoder")
+            # decisions 7 and 8: drafts and partial rounds are the decoder's, so asking for them asks for it on CUDA
+            cuda = os.environ.get(CUDA_DECODE_ENV, "generate" if speculative is None and not partial else "decoder")
             source = f"{CUDA_DECODE_ENV}={cuda!r}"
         if speculative is not None and cuda == "generate":
             raise ValueError(f"speculative_rollouts=True drafts and verifies inside the fast decoder, but {source} "
                              "samples with model.generate on CUDA; unset it (the eager decoder then serves the "
                              "drafts on CUDA), or set speculative_rollouts=False.")
+        if partial and cuda in ("generate", "compact", "graphs"):
+            how = "samples with model.generate" if cuda == "generate" else "runs the decoder's static steps"
+            raise ValueError(f"partial_rollouts ends a round inside the fast decoder's plain loop, but {source} {how} "
+                             "on CUDA; unset it (the eager decoder then serves partial rounds on CUDA), or set "
+                             "partial_rollouts=0.")
         if cuda not in CUDA_CHOICES:
             raise ValueError(f"{source}: choose 'generate' or 'decoder', or the decoder's static steps 'compact' "
                              "or 'graphs' (fast.static; opt-in, not yet measured on a GPU).")
@@ -103,7 +111,7 @@ class FastBackend(RolloutBackend):
 
     @classmethod
     def from_settings(cls, choice: BackendChoice) -> FastBackend:
-        return cls(speculative=choice.speculative)
+        return cls(speculative=choice.speculative, partial=choice.partial)
 
     def state_dict(self) -> dict | None:
         """Decision 7: the history drafts read (a resumed run then drafts, so computes at the widths, as the
