@@ -17,6 +17,15 @@ the round's rollout: a GPU decode step's time; alpha 0: its longest completion),
 
     PYTHONPATH=. python benchmarks/partial_rollouts.py --out benchmarks/results/partial_rollouts.json \
         --plot benchmarks/results/partial_rollouts.png
+
+Part "shape" (`--part shape`): the Qwen2.5-0.5B shape (random weights, `benchmarks/shapes.py`, the padded char-level
+tokenizer of the real vocabulary size) with fed log-normal lengths (`tests/toy_lengths.KeyedLengths`, keyed on the
+prompt and a row's first token, so a resumed row keeps its drawn length), `--shape-steps` SGD steps per alpha (the
+first a warm-up), alphas alternating: CPU seconds and decode steps per step at the real checkpoint's width, where a
+decode step reads every weight whatever its rows.
+
+    PYTHONPATH=. python benchmarks/partial_rollouts.py --part shape --alphas 0,0.5,1 \
+        --out benchmarks/results/partial_rollouts_shape.json
 """
 
 from __future__ import annotations
@@ -104,6 +113,76 @@ def _child(impl: str, alpha: float, seed: int, steps: int, prompts: int, max_new
     }
 
 
+def _shape_child(alpha: float, steps: int, prompts: int, max_new: int, median: float, sigma: float) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from benchmarks.shapes import build_real_model, load_tokenizer
+    from grpo_trainer import GRPOConfig, GRPOTrainer
+    from tests.toy_lengths import LogNormalLengths, install_lengths
+
+    tokenizer, described = load_tokenizer("char")
+    model = build_real_model("qwen2.5-0.5b", tokenizer)
+    texts = [f"prompt {i:05d}:" for i in range(256)]  # one length: the lengths are keyed on it
+    prompt_tokens = len(tokenizer(texts[0])["input_ids"])
+    schedule = LogNormalLengths(maximum=max_new, median=median, sigma=sigma, minimum=4)
+    install_lengths(model, schedule, tokenizer.pad_token_id, prompt_tokens=prompt_tokens)
+    extra = {"partial_rollouts": alpha} if alpha else {}
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=prompts * 8, num_generations=8,
+                          max_completion_length=max_new, learning_rate=1e-6, optim="sgd", max_steps=steps,
+                          logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0, bf16=False,
+                          beta=0.0, temperature=1.0, **extra)
+        times: list[float] = []
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.start = time.process_time()
+
+            def on_step_end(self, *a, **k):
+                times.append(time.process_time() - self.start)
+
+        trainer = GRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                              train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tokenizer,
+                              callbacks=[Clock()])
+        trainer.train()
+        history = [e for e in trainer.state.log_history if "reward" in e]
+    rows = prompts * 8
+    return {"alpha": alpha, "tokenizer": described, "step_cpu_s": times,
+            "decode_steps": [e.get("partial/decode_steps", e["completions/max_length"]) for e in history],
+            "decoded_tokens": [e.get("partial/decoded_tokens", e["completions/mean_length"] * rows) for e in history],
+            "trained_tokens": [e.get("partial/trained_tokens", e["completions/mean_length"] * rows) for e in history],
+            "mean_length": [e["completions/mean_length"] for e in history]}
+
+
+def shape(args) -> list[dict]:
+    results = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for alpha in [float(a) for a in args.alphas.split(",")]:
+        code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.partial_rollouts "
+                f"import _shape_child; print('RESULT ' + json.dumps(_shape_child({alpha}, {args.shape_steps}, "
+                f"{args.shape_prompts}, {args.shape_max_new}, {args.shape_median}, {args.shape_sigma})))")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"shape alpha={alpha} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(line[7:])
+        after = result["step_cpu_s"][1:]  # after the warm-up step
+        result["summary"] = {"alpha": alpha, "mean_step_cpu_s": statistics.mean(after),
+                             "decode_steps_per_round": statistics.mean(result["decode_steps"][1:]),
+                             "decoded_per_trained_token": sum(result["decoded_tokens"]) / sum(result["trained_tokens"])}
+        print(json.dumps(result["summary"]), flush=True)
+        results.append(result)
+    base = results[0]["summary"]
+    for r in results:
+        r["summary"]["step_vs_alpha0"] = r["summary"]["mean_step_cpu_s"] / base["mean_step_cpu_s"]
+        r["summary"]["decode_steps_vs_alpha0"] = r["summary"]["decode_steps_per_round"] / base["decode_steps_per_round"]
+    return results
+
+
 def run(args) -> list[dict]:
     results = []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -182,6 +261,12 @@ def plot(results: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", default="fixture", choices=("fixture", "shape"))
+    parser.add_argument("--shape-steps", type=int, default=4)
+    parser.add_argument("--shape-prompts", type=int, default=2)
+    parser.add_argument("--shape-max-new", type=int, default=192)
+    parser.add_argument("--shape-median", type=float, default=40.0)
+    parser.add_argument("--shape-sigma", type=float, default=0.8)
     parser.add_argument("--alphas", default="0,0.25,0.5,1")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=30)
@@ -194,13 +279,16 @@ def main() -> None:
     args = parser.parse_args()
     record = {"benchmark": "partial_rollouts", "cpu": _cpu(), "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
               "threads": 1, "command": "PYTHONPATH=. python benchmarks/partial_rollouts.py " + " ".join(sys.argv[1:])}
-    record["runs"] = run(args)
-    record["summary"] = summary(record["runs"])
-    for entry in record["summary"]:
-        print(json.dumps(entry))
+    if args.part == "shape":
+        record["shape"] = shape(args)
+    else:
+        record["runs"] = run(args)
+        record["summary"] = summary(record["runs"])
+        for entry in record["summary"]:
+            print(json.dumps(entry))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    if args.plot:
+    if args.plot and "runs" in record:
         plot(record["runs"], args.plot)
 
 

@@ -8,7 +8,7 @@ import torch
 from grpo_trainer.cli.toy import make_tiny_model
 from grpo_trainer.rollout.prompts import tokenize_prompts
 from tests.helpers import fast_rollout, greedy_config
-from tests.toy_lengths import ForcedLengths, LogNormalLengths, install_lengths
+from tests.toy_lengths import ForcedLengths, KeyedLengths, LogNormalLengths, install_lengths
 
 
 def test_forced_lengths_by_hand():
@@ -47,3 +47,20 @@ def test_generate_and_the_fast_rollout_end_at_the_same_drawn_lengths(tokenizer):
     assert fast_rollout(model, prompts, config).completion_mask.sum(1).tolist() == expected
     out = model.generate(prompts.ids, attention_mask=prompts.mask, generation_config=config)
     assert (out[:, prompts.ids.shape[1]:] != tokenizer.pad_token_id).sum(1).tolist() == expected
+
+
+def test_keyed_lengths_keep_a_resumed_rows_length():
+    """Prompts of 3 tokens; a row's length is keyed on them and its first completion token, so a row re-fed with its
+    first 2 completion tokens inside its "prompt" ends at the same step as the row decoded in one go."""
+    schedule = LogNormalLengths(maximum=40, median=12, sigma=1.0, minimum=4, seed=1)
+    processor = KeyedLengths(schedule, prompt_tokens=3, pad_token_id=0, eos_ids=[2])
+    length = schedule.length((5, 6, 7), 9)  # prompt (5, 6, 7), first completion token 9
+    inf = math.inf
+    scores = torch.zeros(1, 4)
+    first = processor(torch.tensor([[5, 6, 7]]), scores)  # choosing the first token: EOS forbidden
+    assert first.tolist() == [[0, 0, -inf, 0]]
+    for done in range(1, length):
+        ids = torch.tensor([[0, 0, 5, 6, 7, 9] + [3] * (done - 1)])  # left padding, then done tokens so far
+        expected = [[-inf, -inf, 0, -inf]] if done == length - 1 else [[0, 0, -inf, 0]]
+        assert processor(ids, scores).tolist() == expected, done
+    assert processor(torch.tensor([[5, 6, 7, 9] + [3] * length]), scores).tolist() == [[0, 0, 0, 0]]  # past it

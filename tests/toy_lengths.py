@@ -6,7 +6,8 @@ drawn length: a logits processor appended to the ones transformers builds (`mode
 both `model.generate` (TRL's rollout) and this package's fast and forward rollouts call, forbids EOS before the
 drawn step and forces it there. The length of a row depends only on its prompt's tokens, which copy of that prompt
 it is within the call, and the seed, so two trainers given the same prompts get the same lengths, whatever their
-batching. A drawn length of `max_completion_length` means no EOS: the completion is cut there, as a truncated one.
+batching (`KeyedLengths` keys it otherwise, so that a resumed partial row keeps its length). A drawn length of
+`max_completion_length` means no EOS: the completion is cut there, as a truncated one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers import LogitsProcessor
 
 from grpo_trainer.modeling.unwrap import causal_lm
 
-__all__ = ["ForcedLengths", "LogNormalLengths", "install_lengths"]
+__all__ = ["ForcedLengths", "KeyedLengths", "LogNormalLengths", "install_lengths"]
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,40 @@ class ForcedLengths(LogitsProcessor):
         return scores
 
 
-def install_lengths(model: nn.Module, schedule: LogNormalLengths, pad_token_id: int | None = None) -> None:
+class KeyedLengths(LogitsProcessor):
+    """For partial rollouts, whose resumed rows come back with their tokens so far inside the "prompt": a row's
+    length is keyed on its first `prompt_tokens` real tokens (the dataset prompt: every prompt of such a run has that
+    many) and its first completion token (which copy it is, as far as the draw goes), and the tokens it already has
+    are counted from its sequence, so the row ends at the same drawn length however many rounds decode it. Before its
+    first token, EOS is forbidden (the draw's `minimum` is at least 1)."""
+
+    def __init__(self, schedule: LogNormalLengths, prompt_tokens: int, pad_token_id: int | None,
+                 eos_ids: list[int]) -> None:
+        self.schedule, self.prompt_tokens, self.pad, self.eos_ids = schedule, prompt_tokens, pad_token_id, eos_ids
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids.tolist()):
+            first = next((i for i, t in enumerate(ids) if t != self.pad), len(ids))
+            real = ids[first:]
+            done = len(real) - self.prompt_tokens  # completion tokens so far
+            length = self.schedule.length(tuple(real[:self.prompt_tokens]), real[self.prompt_tokens]) if done > 0 \
+                else self.schedule.maximum + 1
+            if done < length - 1:
+                scores[row, self.eos_ids] = -math.inf
+            elif done == length - 1:
+                scores[row] = -math.inf
+                scores[row, self.eos_ids[0]] = 0.0
+        return scores
+
+
+def install_lengths(model: nn.Module, schedule: LogNormalLengths, pad_token_id: int | None = None,
+                    prompt_tokens: int | None = None) -> None:
     """Every generation of `model` (the causal LM behind any wrapper) from now on ends its completions at
     `schedule`'s lengths, with the EOS of the generation's own config (the model's where it has none). The pad id
-    (prompts' left padding) is the model's generation config's unless given."""
+    (prompts' left padding) is the model's generation config's unless given. `prompt_tokens`: key each row's length
+    on its first that many tokens and its first completion token (`KeyedLengths`, for partial rollouts) instead of
+    its whole prompt and copy."""
     lm = causal_lm(model)
     original = lm._get_logits_processor
     pad = lm.generation_config.pad_token_id if pad_token_id is None else pad_token_id
@@ -91,7 +122,10 @@ def install_lengths(model: nn.Module, schedule: LogNormalLengths, pad_token_id: 
         eos = getattr(config, "eos_token_id", None)
         eos = lm.generation_config.eos_token_id if eos is None else eos
         eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        processors.append(ForcedLengths(schedule.lengths(prompt_ids, pad), prompt_ids.shape[1], eos_ids))
+        if prompt_tokens is not None:
+            processors.append(KeyedLengths(schedule, prompt_tokens, pad, eos_ids))
+        else:
+            processors.append(ForcedLengths(schedule.lengths(prompt_ids, pad), prompt_ids.shape[1], eos_ids))
         return processors
 
     lm._get_logits_processor = with_lengths

@@ -74,7 +74,8 @@ class Scripted:
             n = next((k + 1 for k, tok in enumerate(out[i]) if tok == EOS), T)
             mask[i, :n] = 1
             logps[i, :n] = torch.tensor([-(done[i] + k + 1) / 10 for k in range(n)])
-        return Rollout(prompts.ids, prompts.mask, ids, mask, ~(ids == EOS).any(1), SamplerRecord("decoder", logps=logps))
+        truncated = ~(ids == EOS).any(1)
+        return Rollout(prompts.ids, prompts.mask, ids, mask, truncated, SamplerRecord("decoder", logps=logps))
 
 
 def _script(length: int, key: int) -> list[int]:
