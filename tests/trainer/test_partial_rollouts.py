@@ -133,6 +133,23 @@ def test_resume_with_parked_rows_equals_an_uninterrupted_run(tmp_path, policy):
     assert straight.rounds.partial.state_dict() == resumed.rounds.partial.state_dict()
 
 
+def test_a_save_killed_half_way_resumes_from_the_last_whole_checkpoint_with_its_parked_rows(tmp_path, policy):
+    """kill -9 during the save of checkpoint 4 leaves it half written (its parked-rows file cut short, its model
+    truncated): the resumed run takes checkpoint 2 and its parked groups, and ends where the straight run does."""
+    from grpo_trainer.runtime.checkpoints import latest_complete
+
+    _, weights = _run_to(tmp_path / "straight", policy, 4)
+    _run_to(tmp_path / "split", policy, 2)
+    broken = tmp_path / "split" / "checkpoint-4"
+    broken.mkdir()
+    whole = (tmp_path / "split" / "checkpoint-2" / "grpo_state_0.pt").read_bytes()
+    (broken / "grpo_state_0.pt").write_bytes(whole[:len(whole) // 2])
+    (broken / "model.safetensors").write_bytes(b"truncated")
+    assert latest_complete(str(tmp_path / "split")) == str(tmp_path / "split" / "checkpoint-2")
+    _, resumed = _run_to(tmp_path / "split", policy, 4, resume=True)
+    assert all(torch.equal(weights[n], resumed[n]) for n in weights)
+
+
 @pytest.mark.parametrize("fields, refusal", [
     (dict(use_vllm=True), "partial_rollouts=0.5 ends a round inside the fast decoder's plain loop, but use_vllm"),
     (dict(generation_backend="generate"), "but generation_backend='generate'"),
