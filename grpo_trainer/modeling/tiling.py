@@ -263,11 +263,21 @@ def _checkpointed(checkpoint: Callable[..., object], replaced: list[tuple[nn.Mod
     return run
 
 
+def _draws_random(module: nn.Module) -> bool:
+    """Whether `module`'s forward draws random numbers now: a dropout in training mode, as a submodule or as an
+    attention's own rate (`attention_dropout`, Llama family)."""
+    if not module.training:
+        return False
+    rate = getattr(module, "attention_dropout", 0.0)
+    return bool(rate and float(rate) > 0) or any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
 def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Callable[[Tensor], Tensor]]],
-                by_row: bool = True) -> Callable[..., object]:
+                by_row: bool = True, *, attention: nn.Module) -> Callable[..., object]:
     """An attention block's forward under its own (non-reentrant) checkpoint (decision 6), one row at a time where
     the call is plainly a batch (decision 7): it keeps its inputs and recomputes the rest in its backward, with its
-    tiled children (`inner`) installed there as in the forward, so the recomputation saves what the forward did."""
+    tiled children (`inner`) installed there as in the forward, so the recomputation saves what the forward did.
+    `attention`: the module, whose dropout decides whether the checkpoint keeps torch's RNG state."""
 
     def one(*args: object, **kwargs: object) -> object:
         if not torch.is_grad_enabled():
@@ -284,7 +294,11 @@ def _recomputed(forward: Callable[..., object], inner: list[tuple[nn.Module, Cal
             with _all_installed(inner):
                 return forward(*call_args, **call_kwargs)
 
-        return torch.utils.checkpoint.checkpoint(checkpointed_attention, *tensors, use_reentrant=False)
+        # torch's default preserve_rng_state stashes the CPU generator in the forward and sets it back around the
+        # backward's recomputation: the process-wide generator, which an asynchronous producer thread may be drawing
+        # from right then (`trainer.producer`, decision 3). Only an attention that draws (dropout) needs it.
+        return torch.utils.checkpoint.checkpoint(checkpointed_attention, *tensors, use_reentrant=False,
+                                                 preserve_rng_state=_draws_random(attention))
 
     def run(*args: object, **kwargs: object) -> object:
         rows = _rows_of(args, kwargs) if by_row else 1
@@ -371,7 +385,8 @@ def _replacements(layer: nn.Module, tokens: int, recompute_attention: bool
     if recompute_attention and attention is not None and not patched(attention):
         children = set(attention.children())
         inner = [(m, f) for m, f in replaced if m in children]
-        replaced.append((attention, _recomputed(base_forward(attention), inner, by_row=not _partitioned(attention))))
+        replaced.append((attention, _recomputed(base_forward(attention), inner, by_row=not _partitioned(attention),
+                                                attention=attention)))
     return replaced
 
 
