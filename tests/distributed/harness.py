@@ -246,8 +246,8 @@ def _counting_recomputed_attention(counts: dict):
                    for what in ("calls", "rows", "max_rows")})
     recomputed = tiling._recomputed
 
-    def counted(forward, inner, by_row=True):
-        def attention(*args, **kwargs):
+    def counted(forward, inner, by_row=True, *, attention):
+        def counting(*args, **kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             phase = ("backward" if torch._C._current_graph_task_id() >= 0 else
                      "forward" if torch.is_grad_enabled() else "no_grad")
@@ -256,7 +256,7 @@ def _counting_recomputed_attention(counts: dict):
             counts[f"{phase}_max_rows"] = max(counts[f"{phase}_max_rows"], hidden.shape[0])
             return forward(*args, **kwargs)
 
-        return recomputed(attention, inner, by_row)
+        return recomputed(counting, inner, by_row, attention=attention)
 
     tiling._recomputed = counted
     try:
