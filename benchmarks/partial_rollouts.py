@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,18 +41,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.speculative_rollouts import _commit, _cpu  # noqa: E402 - the same records as its sibling benchmark
 
 
-def _cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
+def _step_clock(times: list[float]):
+    """A callback appending each optimizer step's CPU seconds (process time) to `times`."""
+    from transformers import TrainerCallback
 
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.process_time()
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return done.stdout.strip()
+        def on_step_end(self, *a, **k):
+            times.append(time.process_time() - self.start)
+
+    return Clock()
 
 
 def equations_reward(prompts: list, completions: list, start: list[int] | None = None, **kwargs) -> list[float]:
@@ -70,8 +74,6 @@ def _child(impl: str, alpha: float, seed: int, steps: int, prompts: int, max_new
     import torch
 
     torch.set_num_threads(1)
-    from transformers import TrainerCallback
-
     from tests.trained_policy import countdown_dataset, trained_policy
 
     policy = trained_policy()
@@ -87,16 +89,9 @@ def _child(impl: str, alpha: float, seed: int, steps: int, prompts: int, max_new
                           temperature=1.0, **extra)
         times: list[float] = []
 
-        class Clock(TrainerCallback):
-            def on_step_begin(self, *a, **k):
-                self.start = time.process_time()
-
-            def on_step_end(self, *a, **k):
-                times.append(time.process_time() - self.start)
-
         trainer = GRPOTrainer(policy.model, equations_reward, args=args,
                               train_dataset=countdown_dataset(num_prompts=512, seed=3),
-                              processing_class=policy.tokenizer, callbacks=[Clock()])
+                              processing_class=policy.tokenizer, callbacks=[_step_clock(times)])
         trainer.train()
         history = [e for e in trainer.state.log_history if "reward" in e]
     rows = prompts * 8
@@ -118,7 +113,6 @@ def _shape_child(alpha: float, steps: int, prompts: int, max_new: int, median: f
 
     torch.set_num_threads(1)
     from datasets import Dataset
-    from transformers import TrainerCallback
 
     from benchmarks.shapes import build_real_model, load_tokenizer
     from grpo_trainer import GRPOConfig, GRPOTrainer
@@ -138,16 +132,9 @@ def _shape_child(alpha: float, steps: int, prompts: int, max_new: int, median: f
                           beta=0.0, temperature=1.0, **extra)
         times: list[float] = []
 
-        class Clock(TrainerCallback):
-            def on_step_begin(self, *a, **k):
-                self.start = time.process_time()
-
-            def on_step_end(self, *a, **k):
-                times.append(time.process_time() - self.start)
-
         trainer = GRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
                               train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tokenizer,
-                              callbacks=[Clock()])
+                              callbacks=[_step_clock(times)])
         trainer.train()
         history = [e for e in trainer.state.log_history if "reward" in e]
     rows = prompts * 8
